@@ -1,0 +1,280 @@
+"""The RolloutEngine protocol: turn prompt token ids into `Sample`s, take new weights, free and
+take back accelerator memory.
+
+Every engine is async inside (so many requests can be in flight against remote servers) and
+offers synchronous wrappers (`generate`, `update_weights`, ...) for the plain training loop. The
+wrappers run the coroutines on one private event loop owned by the engine (a daemon thread), so
+long-lived HTTP sessions stay bound to a single loop.
+
+Log-probability convention (all engines): `Sample.rollout_logprobs[t]` is
+log softmax(logits_t / temperature)[token_t] over the FULL vocabulary, i.e. before top-k / top-p
+truncation. That is the distribution the learner evaluates when it recomputes pi_old, so the two
+are comparable. With temperature 0 (greedy) the log-prob is taken at temperature 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Coroutine, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import torch
+
+from megatron_gspo.data.sample import Sample
+
+T = TypeVar("T")
+
+#: A bucket of weights: Hugging Face parameter names and full (unsharded) tensors.
+Bucket = Iterable[tuple[str, torch.Tensor]]
+
+
+class RolloutError(RuntimeError):
+    """A rollout engine could not produce what was asked (server down, bad answer, ...)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request.
+
+    Attributes:
+        max_new_tokens: most tokens to generate per sample.
+        temperature: softmax temperature; 0 means greedy.
+        top_p: nucleus sampling mass (1.0 = off).
+        top_k: keep the k most likely tokens (-1 or 0 = off).
+        n: samples per prompt (a group).
+        stop_token_ids: extra token ids that end a sample (the stop token is kept in the output).
+        ignore_eos: do not stop at the model's end-of-sequence token(s).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"sampling.top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"sampling.n must be >= 1, got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the temperature is (numerically) zero."""
+        return self.temperature < 1e-6
+
+    def with_n(self, n: int) -> SamplingParams:
+        """Copy with another n."""
+        return replace(self, n=n)
+
+    def to_sglang(self) -> dict[str, Any]:
+        """The `sampling_params` JSON of one SGLang /generate call for ONE sample (n=1)."""
+        out: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k > 0 else -1,
+            "ignore_eos": self.ignore_eos,
+            "no_stop_trim": True,
+        }
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+
+@dataclass
+class GenerateRequest:
+    """One prompt to sample `sampling.n` responses for.
+
+    Attributes:
+        prompt_ids: prompt token ids.
+        sampling: sampling parameters; None means the engine's defaults.
+        group_index: group id copied to every sample; None means the request's position.
+        prompt, label, metadata: copied to every sample (for rewards and logging).
+    """
+
+    prompt_ids: list[int]
+    sampling: SamplingParams | None = None
+    group_index: int | None = None
+    prompt: Any = None
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Slot:
+    """Where one sample of a batch goes (internal bookkeeping shared by engines)."""
+
+    request_idx: int
+    sample_idx: int  # j in 0..n-1
+    out_idx: int  # position in the flat output list
+
+
+def plan_slots(
+    requests: Sequence[GenerateRequest], default: SamplingParams
+) -> tuple[list[_Slot], list[SamplingParams]]:
+    """Expand requests into one slot per sample, in output order.
+
+    Args:
+        requests: the batch.
+        default: sampling parameters for requests that carry none.
+    Returns:
+        (slots, params): slots in output order and the resolved params of each request.
+    """
+    slots: list[_Slot] = []
+    params: list[SamplingParams] = []
+    for r, req in enumerate(requests):
+        if len(req.prompt_ids) == 0:
+            raise ValueError(f"request {r}: empty prompt_ids")
+        p = req.sampling or default
+        params.append(p)
+        for j in range(p.n):
+            slots.append(_Slot(r, j, len(slots)))
+    return slots, params
+
+
+def make_sample(
+    req: GenerateRequest,
+    req_idx: int,
+    out_idx: int,
+    response_ids: list[int],
+    logprobs: list[float],
+    finish_reason: str,
+    weight_version: int,
+    extra: dict[str, Any] | None = None,
+) -> Sample:
+    """Build the Sample of one generated response (validates lengths)."""
+    meta = dict(req.metadata)
+    if extra:
+        meta.update(extra)
+    return Sample(
+        prompt_ids=list(req.prompt_ids),
+        response_ids=list(response_ids),
+        rollout_logprobs=list(logprobs),
+        group_index=req_idx if req.group_index is None else req.group_index,
+        index=out_idx,
+        finish_reason=finish_reason,
+        weight_version=weight_version,
+        prompt=req.prompt,
+        label=req.label,
+        metadata=meta,
+    )
+
+
+class _LoopThread:
+    """A private asyncio loop in a daemon thread; `run` blocks until a coroutine finishes."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("synchronous engine call from inside the engine's own loop")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class RolloutEngine(ABC):
+    """Generates Samples and receives weights. Subclasses implement the `a*` coroutines."""
+
+    def __init__(self, default_sampling: SamplingParams | None = None) -> None:
+        self.default_sampling = default_sampling or SamplingParams()
+        self._loop_thread: _LoopThread | None = None
+        self._loop_lock = threading.Lock()
+
+    # ------------------------------------------------------------- async API
+    @property
+    @abstractmethod
+    def weight_version(self) -> int:
+        """Version of the weights the engine currently generates with."""
+
+    @abstractmethod
+    async def agenerate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        """Sample every request; returns request-ordered samples, each request's n together."""
+
+    @abstractmethod
+    async def aupdate_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Load HF-named weights from buckets, then switch to `version`."""
+
+    async def arelease_memory(self) -> None:
+        """Free accelerator memory (weights, KV cache) while the learner trains (colocated)."""
+
+    async def aresume_memory(self) -> None:
+        """Take the memory back before the next update / generation."""
+
+    @abstractmethod
+    async def ahealth(self) -> bool:
+        """True when the engine can generate."""
+
+    async def ashutdown(self) -> None:
+        """Stop everything the engine started."""
+
+    # -------------------------------------------------------- sync wrappers
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        with self._loop_lock:
+            if self._loop_thread is None:
+                self._loop_thread = _LoopThread(f"{type(self).__name__}-loop")
+        return self._loop_thread.run(coro)
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        """Synchronous `agenerate`."""
+        return self._run(self.agenerate(requests))
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Synchronous `aupdate_weights`."""
+        self._run(self.aupdate_weights(buckets, version))
+
+    def release_memory(self) -> None:
+        """Synchronous `arelease_memory`."""
+        self._run(self.arelease_memory())
+
+    def resume_memory(self) -> None:
+        """Synchronous `aresume_memory`."""
+        self._run(self.aresume_memory())
+
+    def health(self) -> bool:
+        """Synchronous `ahealth`."""
+        return self._run(self.ahealth())
+
+    def shutdown(self) -> None:
+        """Synchronous `ashutdown`; also stops the private loop. Safe to call twice."""
+        try:
+            if self._loop_thread is not None:
+                self._loop_thread.run(self.ashutdown())
+            else:
+                asyncio.run(self.ashutdown())
+        finally:
+            if self._loop_thread is not None:
+                self._loop_thread.close()
+                self._loop_thread = None
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

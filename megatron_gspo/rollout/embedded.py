@@ -1,0 +1,337 @@
+"""The embedded rollout engine: in-process batched sampling with a Hugging Face causal LM.
+
+Used by default on one machine (CPU or one GPU) and behind the stand-in SGLang server in tests.
+Prompts are left-padded into one batch (attention mask + position ids = running count of real
+tokens), prefilled once, then decoded token by token with the model's KV cache. Sampling:
+temperature, top-k, top-p, per-request stop ids and the model's EOS, seeded by a private
+`torch.Generator`. Each sampled token's log-prob is log softmax(logits / T) over the full
+vocabulary (before top-k/top-p), see `megatron_gspo.rollout.base`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from megatron_gspo.data.sample import Sample
+from megatron_gspo.rollout.base import (
+    Bucket,
+    GenerateRequest,
+    RolloutEngine,
+    SamplingParams,
+    make_sample,
+    plan_slots,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_hf_model(
+    model: str | os.PathLike | dict[str, Any] | torch.nn.Module,
+    dtype: str = "float32",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+) -> torch.nn.Module:
+    """A causal LM from a directory (config + weights), an HF config dict (random init) or as is.
+
+    Args:
+        model: directory path, config dict (with `model_type`), or a ready module.
+        dtype: "float32", "bfloat16" or "float16".
+        device: torch device string.
+        attn_implementation: transformers attention backend ("sdpa" or "eager").
+    Returns:
+        the model in eval mode.
+    """
+    import transformers
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"rollout dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    torch_dtype = _DTYPES[dtype]
+    if isinstance(model, torch.nn.Module):
+        net = model
+    elif isinstance(model, dict):
+        cfg = dict(model)
+        if "model_type" not in cfg:
+            raise ValueError("HF config dict for the embedded engine has no 'model_type'")
+        config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        config._attn_implementation = attn_implementation
+        net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    else:
+        path = os.fspath(model)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"embedded engine model directory not found: {path}")
+        net = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attn_implementation
+        )
+    return net.to(device=device, dtype=torch_dtype).eval()
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p set with -inf.
+
+    Args:
+        logits: [B, V] temperature-scaled logits.
+        top_k: [B] int, <= 0 means off.
+        top_p: [B] float in (0, 1].
+    Returns:
+        [B, V] masked logits (the most likely token always survives).
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [B, V]
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)  # [B, 1]
+    drop = ranks >= k
+    probs = torch.softmax(sorted_logits.float(), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # [B, V] mass of strictly better tokens
+    drop |= mass_before >= top_p.unsqueeze(-1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class EmbeddedEngine(RolloutEngine):
+    """In-process rollout engine around a transformers causal LM.
+
+    Args:
+        model: directory, HF config dict or module (see `build_hf_model`).
+        dtype: weights/compute dtype ("float32" for exact log-prob checks).
+        device: "cpu", "cuda", ...
+        seed: seed of the sampling generator.
+        eos_token_ids: ids that end a sample unless `ignore_eos`; None = from the model config.
+        max_batch_samples: most sequences decoded together (larger batches are split).
+        max_model_len: prompt + response limit; None = the config's max_position_embeddings.
+        default_sampling: used for requests without sampling params.
+        attn_implementation: transformers attention backend.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | dict[str, Any] | torch.nn.Module,
+        dtype: str = "float32",
+        device: str = "cpu",
+        seed: int = 0,
+        eos_token_ids: Sequence[int] | None = None,
+        max_batch_samples: int = 256,
+        max_model_len: int | None = None,
+        default_sampling: SamplingParams | None = None,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        super().__init__(default_sampling)
+        self.device = torch.device(device)
+        self.model = build_hf_model(model, dtype, device, attn_implementation)
+        cfg = self.model.config
+        if eos_token_ids is None:
+            eos = getattr(cfg, "eos_token_id", None)
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.max_model_len = max_model_len or int(getattr(cfg, "max_position_embeddings", 4096))
+        if max_batch_samples < 1:
+            raise ValueError(f"max_batch_samples must be >= 1, got {max_batch_samples}")
+        self.max_batch_samples = max_batch_samples
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._version = 0
+        self._released = False
+        self._lock = threading.Lock()  # one forward at a time (model and generator are shared)
+        self._params = dict(self.model.named_parameters())
+        self._params.update(dict(self.model.named_buffers()))
+        fwd = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
+
+    # ---------------------------------------------------------------- state
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    # --------------------------------------------------------------- weights
+    def load_buckets(self, buckets: Iterable[Bucket], version: int) -> int:
+        """Copy HF-named tensors into the model; then set the version.
+
+        Args:
+            buckets: iterables of (name, tensor) with full shapes.
+            version: the new weight version.
+        Returns:
+            number of tensors loaded.
+        """
+        n = 0
+        with self._lock, torch.no_grad():
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    param = self._params.get(name)
+                    if param is None:
+                        raise KeyError(f"weight update: unknown parameter name {name!r}")
+                    if tuple(param.shape) != tuple(tensor.shape):
+                        raise ValueError(
+                            f"weight update: {name} has shape {tuple(tensor.shape)}, "
+                            f"model expects {tuple(param.shape)}"
+                        )
+                    param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+                    n += 1
+            self._version = int(version)
+        return n
+
+    async def aupdate_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        await asyncio.to_thread(self.load_buckets, buckets, version)
+
+    def set_version(self, version: int) -> None:
+        """Set the weight version without touching weights."""
+        self._version = int(version)
+
+    # ---------------------------------------------------------------- memory
+    async def arelease_memory(self) -> None:
+        if self.device.type != "cpu":
+            with self._lock:
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+        self._released = True
+
+    async def aresume_memory(self) -> None:
+        if self.device.type != "cpu":
+            with self._lock:
+                self.model.to(self.device)
+        self._released = False
+
+    async def ahealth(self) -> bool:
+        return not self._released
+
+    # ------------------------------------------------------------ generation
+    async def agenerate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        return await asyncio.to_thread(self.generate_sync, requests)
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        """Synchronous generation straight on the caller's thread (no event loop needed)."""
+        return self.generate_sync(requests)
+
+    def generate_sync(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        """Sample all requests; each request's n samples are adjacent, in request order."""
+        if self._released:
+            raise RuntimeError("embedded engine memory is released; call resume_memory() first")
+        slots, params = plan_slots(requests, self.default_sampling)
+        results: list[Sample | None] = [None] * len(slots)
+        for start in range(0, len(slots), self.max_batch_samples):
+            chunk = slots[start : start + self.max_batch_samples]
+            rows = [
+                (requests[s.request_idx].prompt_ids, params[s.request_idx]) for s in chunk
+            ]
+            with self._lock:
+                outs = self.sample_rows(rows)
+            for s, (ids, lps, reason) in zip(chunk, outs):
+                results[s.out_idx] = make_sample(
+                    requests[s.request_idx], s.request_idx, s.out_idx, ids, lps, reason,
+                    self._version,
+                )
+        return [r for r in results if r is not None]
+
+    @torch.no_grad()
+    def sample_rows(
+        self, rows: Sequence[tuple[Sequence[int], SamplingParams]]
+    ) -> list[tuple[list[int], list[float], str]]:
+        """Decode one batch of independent rows.
+
+        Args:
+            rows: (prompt ids, sampling params) per sequence.
+        Returns:
+            (response ids, log-probs, finish reason) per row.
+        """
+        from transformers import DynamicCache
+
+        dev = self.device
+        bsz = len(rows)
+        lens = [len(p) for p, _ in rows]
+        for i, n in enumerate(lens):
+            if n >= self.max_model_len:
+                raise ValueError(
+                    f"prompt of {n} tokens (row {i}) leaves no room under max_model_len "
+                    f"{self.max_model_len}"
+                )
+        width = max(lens)
+        budget = [min(sp.max_new_tokens, self.max_model_len - n) for (_, sp), n in zip(rows, lens)]
+        steps = max(budget)
+
+        ids = torch.zeros(bsz, width, dtype=torch.long, device=dev)  # [B, P] left-padded
+        mask = torch.zeros(bsz, width, dtype=torch.long, device=dev)  # [B, P]
+        for i, (p, _) in enumerate(rows):
+            ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        temps = torch.tensor([1.0 if sp.greedy else sp.temperature for _, sp in rows], device=dev)
+        greedy = torch.tensor([sp.greedy for _, sp in rows], device=dev)
+        top_k = torch.tensor([sp.top_k for _, sp in rows], device=dev)
+        top_p = torch.tensor([sp.top_p for _, sp in rows], device=dev)
+        need_filter = any(sp.top_k > 0 or sp.top_p < 1.0 for _, sp in rows)
+        stops = [
+            set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
+            for _, sp in rows
+        ]
+
+        out_ids: list[list[int]] = [[] for _ in range(bsz)]
+        out_lps: list[list[float]] = [[] for _ in range(bsz)]
+        reasons = ["length"] * bsz
+        done = [False] * bsz
+
+        cache = DynamicCache()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        kw = {self._cache_kw: cache, "use_cache": True, "logits_to_keep": 1}
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **kw).logits[
+            :, -1, :
+        ]  # [B, V]
+        next_pos = pos[:, -1:] + 1  # [B, 1]
+        for step in range(steps):
+            scaled = logits.float() / temps.unsqueeze(-1)  # [B, V]
+            logp = torch.log_softmax(scaled, dim=-1)  # [B, V] full-vocab log-probs
+            cand = filter_logits(scaled, top_k, top_p) if need_filter else scaled
+            probs = torch.softmax(cand, dim=-1)
+            sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)  # [B]
+            tok = torch.where(greedy, scaled.argmax(-1), sampled)  # [B]
+            tok_lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)  # [B]
+            tok_l, lp_l = tok.tolist(), tok_lp.tolist()
+            for i in range(bsz):
+                if done[i]:
+                    continue
+                out_ids[i].append(tok_l[i])
+                out_lps[i].append(lp_l[i])
+                if tok_l[i] in stops[i]:
+                    done[i], reasons[i] = True, "stop"
+                elif len(out_ids[i]) >= budget[i]:
+                    done[i] = True
+            if all(done) or step == steps - 1:
+                break
+            mask = torch.cat([mask, torch.ones(bsz, 1, dtype=mask.dtype, device=dev)], dim=-1)
+            logits = self.model(
+                input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos, **kw
+            ).logits[:, -1, :]
+            next_pos = next_pos + 1
+        return [(out_ids[i], out_lps[i], reasons[i]) for i in range(bsz)]
+
+
+@torch.no_grad()
+def sequence_logprobs(
+    model: torch.nn.Module, prompt_ids: Sequence[int], response_ids: Sequence[int],
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probs of response tokens from one full forward pass (the learner's view, unpadded).
+
+    Args:
+        model: the causal LM.
+        prompt_ids: prompt ids.
+        response_ids: response ids.
+        temperature: logits are divided by it (0 means 1, as for greedy sampling).
+    Returns:
+        [R] float32 log-probs.
+    """
+    dev = next(model.parameters()).device
+    tokens = torch.tensor([list(prompt_ids) + list(response_ids)], device=dev)  # [1, T]
+    logits = model(input_ids=tokens).logits[0].float()  # [T, V]
+    t = temperature if temperature >= 1e-6 else 1.0
+    logp = torch.log_softmax(logits / t, dim=-1)
+    p = len(prompt_ids)
+    tgt = tokens[0, p:]  # [R]
+    return logp[p - 1 : -1].gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
