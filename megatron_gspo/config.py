@@ -1,0 +1,285 @@
+"""The run configuration: one typed dataclass per section, loaded from YAML.
+
+    cfg = load_config("examples/tiny/config.yaml", overrides=["train.max_steps=5"])
+
+Unknown keys, wrong types and out-of-range values fail with the dotted path of the field;
+cross-field rules live in `Config.validate()`. `save_config` writes the resolved config back out
+(loading that file again gives an equal config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_gspo.config_schema import (
+    ConfigError,
+    apply_overrides,
+    describe,
+    from_dict,
+    option,
+    to_dict,
+)
+
+__all__ = ["Config", "ConfigError", "load_config", "save_config", "config_from_dict", "describe"]
+
+LOSSES = ("gspo", "gspo_token", "grpo")
+# Default clip ranges per loss: GSPO's sequence ratios live very close to 1.
+DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = option(None, "Hugging Face model directory (config.json, weights, tokenizer)")
+    tokenizer: str | None = option(None, "tokenizer directory; default: model.path")
+    dtype: str = option("bfloat16", "learner parameter dtype",
+                        choices=("float32", "bfloat16", "float16"))
+    transformer_impl: str = option("auto", "layer spec: TE when importable (auto), or forced",
+                                   choices=("auto", "local", "transformer_engine"))
+    make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this x TP",
+                                               ge=1)
+    recompute_activations: bool = option(False, "full activation recomputation in the learner")
+    load_checkpoint: str | None = option(
+        None, "Megatron dist checkpoint to initialise from instead of the HF weights")
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = option(1, "tensor-parallel size", ge=1)
+    pipeline: int = option(1, "pipeline-parallel size", ge=1)
+    virtual_pipeline: int | None = option(None, "virtual pipeline stages per rank (interleaved)",
+                                          ge=1)
+    expert: int = option(1, "expert-parallel size (MoE)", ge=1)
+    expert_tensor: int | None = option(None, "tensor-parallel size inside experts; default: tensor",
+                                       ge=1)
+    context: int = option(1, "context-parallel size (needs Transformer Engine attention)", ge=1)
+    sequence_parallel: bool = option(False, "sequence parallelism (needs tensor > 1)")
+    backend: str = option("auto", "torch.distributed backend: nccl on GPU, gloo on CPU (auto)",
+                          choices=("auto", "nccl", "gloo"))
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = option(1e-6, "peak learning rate", gt=0)
+    min_lr: float = option(0.0, "final learning rate of the decay", ge=0)
+    lr_warmup_steps: int = option(0, "linear warmup, in optimizer steps", ge=0)
+    lr_decay_style: str = option("constant", "learning-rate schedule after warmup",
+                                 choices=("constant", "cosine", "linear"))
+    weight_decay: float = option(0.0, "decoupled weight decay (AdamW)", ge=0)
+    adam_beta1: float = option(0.9, "Adam beta1", ge=0, lt=1)
+    adam_beta2: float = option(0.999, "Adam beta2", ge=0, lt=1)
+    adam_eps: float = option(1e-8, "Adam epsilon", gt=0)
+    clip_grad: float = option(1.0, "global gradient-norm clip (0 disables)", ge=0)
+    distributed_optimizer: bool = option(False, "shard optimizer state over data-parallel ranks")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = option("embedded", "rollout engine", choices=("embedded", "sglang"))
+    group_size: int = option(8, "responses sampled per prompt (G)", ge=1)
+    temperature: float = option(1.0, "sampling temperature (the learner uses the same)", gt=0)
+    top_p: float = option(1.0, "nucleus sampling threshold", gt=0, le=1)
+    top_k: int = option(-1, "top-k sampling (-1 disables)", ge=-1)
+    max_new_tokens: int = option(512, "maximum generated tokens per response", ge=1)
+    stop_token_ids: list[int] = option([], "extra token ids that end a response")
+    dtype: str = option("bfloat16", "embedded engine dtype", choices=("float32", "bfloat16",
+                                                                      "float16"))
+    over_sample: float = option(1.0, "sample this many times more prompts, keep the needed ones",
+                                ge=1)
+    drop_zero_variance_groups: bool = option(False, "drop groups whose rewards are all equal")
+    colocate: bool = option(True, "rollout engine shares the learner's GPUs (memory released)")
+    server_urls: list[str] = option([], "attach to running SGLang servers instead of launching")
+    num_servers: int = option(1, "SGLang servers to launch", ge=1)
+    tp_size: int = option(1, "tensor-parallel size of each SGLang server", ge=1)
+    mem_fraction: float = option(0.7, "SGLang --mem-fraction-static", gt=0, le=1)
+    host: str = option("127.0.0.1", "host SGLang servers bind to")
+    base_port: int = option(30000, "first port for launched servers", ge=1, le=65535)
+    use_router: bool = option(False, "route requests through sglang-router")
+    extra_server_args: list[str] = option([], "extra command-line arguments for SGLang servers")
+    max_concurrency: int = option(256, "in-flight HTTP requests per server", ge=1)
+    request_timeout: float = option(600.0, "seconds before a generate request is retried", gt=0)
+    max_retries: int = option(5, "retries per request on connection errors and 5xx", ge=0)
+    startup_timeout: float = option(900.0, "seconds to wait for a launched server to be healthy",
+                                    gt=0)
+    weight_sync: str = option("auto", "how weights reach the engine",
+                              choices=("auto", "tensor", "distributed", "disk"))
+    bucket_bytes: int = option(512 * 2**20, "size bound of one weight-sync bucket", ge=1)
+
+
+@dataclass
+class AlgorithmConfig:
+    loss: str = option("gspo", "policy loss", choices=LOSSES)
+    eps_low: float | None = option(None, "lower clip range; default 3e-4 (GSPO) / 0.2 (GRPO)", gt=0)
+    eps_high: float | None = option(None, "upper clip range; default 4e-4 (GSPO) / 0.28 (GRPO)",
+                                    gt=0)
+    advantage_scale: str = option("std", "divide group-centred rewards by the group std, or not",
+                                  choices=("std", "none"))
+    advantage_eps: float = option(1e-6, "added to the group std", ge=0)
+    grpo_aggregation: str = option("seq-mean-token-mean", "GRPO loss aggregation",
+                                   choices=("seq-mean-token-mean", "token-mean"))
+    logratio_bound: float = option(20.0, "bound on log-ratios before exp", gt=0)
+    mini_batches: int = option(4, "optimizer steps per rollout batch (global mini-batches)", ge=1)
+    micro_batch_tokens: int = option(4096, "token budget of one packed micro-batch", ge=1)
+
+    def clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high) with per-loss defaults filled in."""
+        lo, hi = DEFAULT_CLIP[self.loss]
+        return (self.eps_low if self.eps_low is not None else lo,
+                self.eps_high if self.eps_high is not None else hi)
+
+
+@dataclass
+class PrecisionConfig:
+    old_logprobs: str = option("auto", "source of pi_old: learner recompute, engine, or audited",
+                               choices=("recompute", "rollout", "auto"))
+    audit_fraction: float = option(0.25, "share of steps audited when reusing engine log-probs",
+                                   ge=0, le=1)
+    tolerance: float = option(0.05, "max share of audited sequences whose mismatch exceeds the "
+                              "clip range before `auto` recomputes", ge=0, le=1)
+    mismatch_scale: float = option(1.0, "a sequence is out of range when |d_i| > scale x clip eps",
+                                   gt=0)
+    recheck_interval: int = option(5, "in fallback, audit every N steps to decide on returning",
+                                   ge=1)
+    correction: str = option("none", "sequence-level correction of engine mismatch",
+                             choices=("none", "mask", "tis"))
+    mask_bound: float = option(1e-3, "`mask`: drop sequences with |d_i| above this", gt=0)
+    tis_cap: float = option(2.0, "`tis`: cap C of the weight min(exp(-d_i), C)", gt=0)
+
+
+@dataclass
+class DataConfig:
+    train_path: str | None = option(None, "prompt dataset (.jsonl or .parquet)")
+    eval_path: str | None = option(None, "evaluation prompts (.jsonl or .parquet)")
+    prompt_key: str = option("prompt", "field holding the prompt text or chat messages")
+    label_key: str = option("answer", "field holding the reference answer for the reward")
+    system_prompt: str | None = option(None, "system message prepended to every chat")
+    apply_chat_template: bool = option(True, "render prompts with the tokenizer's chat template")
+    max_prompt_length: int = option(1024, "prompts longer than this (tokens) are bad rows", ge=1)
+    skip_bad_rows: bool = option(False, "skip and count bad rows instead of failing")
+    shuffle: bool = option(True, "shuffle prompts each epoch (seeded by train.seed)")
+
+
+@dataclass
+class RewardConfig:
+    name: str = option("math", "registered reward name or `module:function`")
+    kwargs: dict[str, Any] = option({}, "keyword arguments passed to the reward function")
+
+
+@dataclass
+class AgentConfig:
+    enabled: bool = option(False, "multi-turn episodes with an environment")
+    environment: str = option("calculator", "registered environment name or `module:Class`")
+    max_turns: int = option(4, "maximum model turns per episode", ge=1)
+    max_total_tokens: int = option(2048, "maximum episode length in tokens", ge=1)
+    turn_timeout: float = option(60.0, "seconds per model turn", gt=0)
+    episode_timeout: float = option(600.0, "seconds per episode", gt=0)
+    advantage: str = option("episode", "episode-level (GSPO) or turn-level (GSPO-token)",
+                            choices=("episode", "turn"))
+    turn_discount: float = option(1.0, "discount of later-turn rewards", ge=0, le=1)
+    python_tool: bool = option(False, "enable the sandboxed Python tool")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = option(100, "RL steps (rollout + updates) to run", ge=1)
+    seed: int = option(1234, "seed of data order, sampling and initialisation")
+    resume: str = option("auto", "continue from the latest complete checkpoint, or not",
+                         choices=("auto", "never"))
+    prompts_per_step: int = option(32, "prompts per rollout batch", ge=1)
+    eval_interval: int = option(0, "evaluate every N steps (0 disables)", ge=0)
+    eval_prompts: int = option(64, "prompts per evaluation", ge=1)
+    deterministic: bool = option(False, "deterministic algorithms (slower; for reproducibility)")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = option(True, "write tensorboard event files to RUN_DIR/tensorboard")
+    wandb_project: str | None = option(None, "log to this Weights & Biases project")
+    wandb_name: str | None = option(None, "Weights & Biases run name")
+    progress_bar: bool = option(True, "progress bar with ETA on rank 0")
+    log_samples: int = option(2, "responses printed to the log per step", ge=0)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = option(0, "save every N steps (0: only at the end)", ge=0)
+    dir: str | None = option(None, "checkpoint directory; default RUN_DIR/checkpoints")
+    keep_last: int = option(2, "complete checkpoints kept (older ones deleted)", ge=1)
+    save_optimizer: bool = option(True, "include optimizer and scheduler state")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> "Config":
+        """Cross-field checks; raises ConfigError naming the fields involved."""
+        p, a = self.parallel, self.algorithm
+        if p.sequence_parallel and p.tensor == 1:
+            raise ConfigError("parallel.sequence_parallel: needs parallel.tensor > 1")
+        if p.virtual_pipeline is not None and p.pipeline == 1:
+            raise ConfigError("parallel.virtual_pipeline: needs parallel.pipeline > 1")
+        lo, hi = a.clip_range()
+        if a.loss != "grpo" and (lo >= 0.1 or hi >= 0.1):
+            raise ConfigError(f"algorithm.eps_low/eps_high: {lo}/{hi} are GRPO-sized; GSPO "
+                              "sequence ratios need clip ranges around 3e-4/4e-4")
+        if lo >= 1:
+            raise ConfigError(f"algorithm.eps_low: expected float < 1, got {lo}")
+        if self.train.prompts_per_step * self.rollout.group_size < a.mini_batches:
+            raise ConfigError("algorithm.mini_batches: more mini-batches than sequences per step "
+                              f"({self.train.prompts_per_step} x {self.rollout.group_size})")
+        if self.optimizer.min_lr > self.optimizer.lr:
+            raise ConfigError("optimizer.min_lr: must not exceed optimizer.lr")
+        if self.rollout.engine == "sglang" and not self.rollout.server_urls and not self.model.path:
+            raise ConfigError("model.path: required to launch SGLang servers")
+        if self.agent.advantage == "turn" and a.loss != "gspo_token":
+            raise ConfigError("agent.advantage: 'turn' needs algorithm.loss 'gspo_token'")
+        return self
+
+
+def config_from_dict(data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build and validate a Config from a raw mapping plus `a.b=c` overrides."""
+    data = apply_overrides(Config, data or {}, list(overrides))
+    return from_dict(Config, data).validate()
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML file (None = defaults), apply overrides, validate.
+
+    Args:
+        path: YAML file path.
+        overrides: `section.key=value` strings (value parsed as YAML).
+    Returns:
+        the validated Config.
+    """
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections")
+    return config_from_dict(data, overrides)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (round-trips through `load_config`)."""
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
