@@ -29,7 +29,7 @@ def _chunk_forward(logits_2d, targets_1d, temperature, chunk_size, want_entropy)
     ent = torch.empty(n, dtype=cd, device=logits_2d.device) if want_entropy else None
     for s in range(0, n, chunk_size):
         e = min(s + chunk_size, n)
-        z = logits_2d[s:e].to(cd)  # [C, V]
+        z = logits_2d[s:e].to(cd, copy=True)  # [C, V], own copy: edited in place
         if temperature != 1.0:
             z.div_(temperature)
         c_lse = torch.logsumexp(z, dim=-1)  # [C]
@@ -61,7 +61,7 @@ class _TokenLogProbs(torch.autograd.Function):
         g = grad_out.to(cd)
         for s in range(0, logits_2d.shape[0], cs):
             e = min(s + cs, logits_2d.shape[0])
-            z = logits_2d[s:e].to(cd)  # [C, V]
+            z = logits_2d[s:e].to(cd, copy=True)  # [C, V], own copy: edited in place
             if t != 1.0:
                 z.div_(t)
             p = z.sub_(lse[s:e, None]).exp_()  # softmax, in place

@@ -160,7 +160,7 @@ def gspo_loss(
     ratio = torch.exp(seq_lr)  # [B]
     per_seq = torch.where(valid, _surrogate(ratio, adv, eps_low, eps_high), 0.0)  # [B]
     n = valid.sum().clamp(min=1) if num_sequences is None else num_sequences
-    loss = per_seq.sum() / n
+    loss = (per_seq.sum() / n).to(torch.float32)
     low, high = _clip_masks(ratio.detach(), adv, eps_low, eps_high)  # [B]
     stats = _stats(
         low_tok=(low[:, None] & on),
@@ -215,7 +215,7 @@ def gspo_token_loss(
     per_tok = torch.where(on, _surrogate(ratio, adv, eps_low, eps_high), 0.0)  # [B, T]
     per_seq = per_tok.sum(-1) / count.clamp(min=1.0)  # [B]
     n = valid.sum().clamp(min=1) if num_sequences is None else num_sequences
-    loss = per_seq.sum() / n
+    loss = (per_seq.sum() / n).to(torch.float32)
     low, high = _clip_masks(ratio.detach(), adv, eps_low, eps_high)  # [B, T]
     stats = _stats(
         low_tok=low & on,
@@ -269,10 +269,10 @@ def grpo_loss(
     valid = count > 0
     if aggregation == "seq-mean-token-mean":
         n = valid.sum().clamp(min=1) if num_sequences is None else num_sequences
-        loss = (per_tok.sum(-1) / count.clamp(min=1.0)).sum() / n
+        loss = ((per_tok.sum(-1) / count.clamp(min=1.0)).sum() / n).to(torch.float32)
     elif aggregation == "token-mean":
         n = mask.sum().clamp(min=1.0) if num_tokens is None else num_tokens
-        loss = per_tok.sum() / n
+        loss = (per_tok.sum() / n).to(torch.float32)
     else:
         raise ValueError(
             f"aggregation: expected 'seq-mean-token-mean' or 'token-mean', got {aggregation!r}"
