@@ -1,0 +1,402 @@
+"""Name and layout mapping between Hugging Face and Megatron-Core GPTModel state dicts.
+
+The mapping is expressed once, as a list of `ParamMap` entries per model: each entry ties one
+Megatron-Core parameter (named as in the local layer spec, with global layer and expert indices)
+to the Hugging Face tensors it is made of, plus a layout `kind`:
+
+- ``copy``:  same tensor under another name (norms, output projections, router, ...).
+- ``qkv``:   q/k/v projections fused into ``linear_qkv`` with per-query-group interleaving:
+             for each of the ``num_query_groups`` groups, rows ``[q heads of the group, k, v]``.
+             The same layout holds for the bias (``qkv_bias``).
+- ``glu``:   gate and up projections fused into ``linear_fc1`` as ``[gate; up]``.
+- ``vocab``: embedding / output layer rows, zero-padded to the padded vocabulary size.
+
+The Transformer Engine spec fuses the pre-attention / pre-MLP norms into the following linear
+layer and stores grouped experts as ``experts.linear_fc1.weight{e}``; `to_te_name` and
+`from_te_name` translate between the two spellings, so one mapping serves both specs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("copy", "qkv", "qkv_bias", "glu", "vocab")
+
+
+class ConversionError(ValueError):
+    """A checkpoint or config cannot be converted; the message names the offending item."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shapes that decide tensor layouts, read from a Hugging Face config.json."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_embeddings: bool
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _req(cfg: Mapping, key: str):
+    if key not in cfg or cfg[key] is None:
+        raise ConversionError(f"config.json: missing required field '{key}'")
+    return cfg[key]
+
+
+def dims_from_hf_config(cfg: Mapping) -> ModelDims:
+    """Read layout-relevant sizes from a Hugging Face config dict.
+
+    Args:
+        cfg: parsed config.json.
+    Returns:
+        ModelDims; raises ConversionError naming a missing or inconsistent field.
+    """
+    hidden = int(_req(cfg, "hidden_size"))
+    heads = int(_req(cfg, "num_attention_heads"))
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if heads % kv:
+        raise ConversionError(
+            f"config.json: num_attention_heads={heads} not divisible by num_key_value_heads={kv}"
+        )
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    return ModelDims(
+        num_layers=int(_req(cfg, "num_hidden_layers")),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        ffn_hidden_size=int(_req(cfg, "intermediate_size")),
+        vocab_size=int(_req(cfg, "vocab_size")),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_experts=experts,
+        moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
+    )
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Vocabulary size rounded up to a multiple of ``divisible_by * tp_size``."""
+    mult = divisible_by * tp_size
+    return ((vocab_size + mult - 1) // mult) * mult
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """One Megatron-Core parameter and the Hugging Face tensors it is built from.
+
+    Attributes:
+        mcore: canonical name (local spec, global layer index, ``local_experts.{global e}``).
+        hf: Hugging Face tensor names, in the order the layout kind expects.
+        kind: one of KINDS.
+        tp_dim: tensor-parallel partition dim (None = replicated).
+        expert: True for routed-expert weights (sharded across EP / expert-TP).
+        shapes: expected shape of each HF tensor (empty = unchecked).
+    """
+
+    mcore: str
+    hf: tuple[str, ...]
+    kind: str = "copy"
+    tp_dim: int | None = None
+    expert: bool = False
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+
+# ---------------------------------------------------------------- layout transforms
+
+
+def _qkv_to_mcore(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: ModelDims):
+    # q [nh*hd, *rest], k/v [ng*hd, *rest] -> [ng*(hpg+2)*hd, *rest]
+    ng, hd, hpg = d.num_kv_heads, d.head_dim, d.heads_per_group
+    rest = q.shape[1:]
+    if q.shape[0] != d.num_heads * hd or k.shape[0] != ng * hd or v.shape[0] != ng * hd:
+        raise ConversionError(
+            f"q/k/v shapes {tuple(q.shape)}/{tuple(k.shape)}/{tuple(v.shape)} do not match "
+            f"heads={d.num_heads} kv_heads={ng} head_dim={hd}"
+        )
+    q = q.reshape(ng, hpg * hd, *rest)
+    k = k.reshape(ng, hd, *rest)
+    v = v.reshape(ng, hd, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(ng * (hpg + 2) * hd, *rest)
+
+
+def _qkv_to_hf(qkv: torch.Tensor, d: ModelDims):
+    ng, hd, hpg = d.num_kv_heads, d.head_dim, d.heads_per_group
+    rest = qkv.shape[1:]
+    if qkv.shape[0] != ng * (hpg + 2) * hd:
+        raise ConversionError(f"linear_qkv has {qkv.shape[0]} rows, expected {ng * (hpg + 2) * hd}")
+    g = qkv.reshape(ng, (hpg + 2) * hd, *rest)
+    q, k, v = torch.split(g, [hpg * hd, hd, hd], dim=1)
+    return [
+        q.reshape(ng * hpg * hd, *rest).contiguous(),
+        k.reshape(ng * hd, *rest).contiguous(),
+        v.reshape(ng * hd, *rest).contiguous(),
+    ]
+
+
+def to_mcore_tensor(
+    pm: ParamMap, tensors: list[torch.Tensor], dims: ModelDims, padded_vocab: int
+) -> torch.Tensor:
+    """Build the full (unsharded) Megatron-Core tensor of `pm` from its HF tensors."""
+    for name, t, shape in zip(pm.hf, tensors, pm.shapes):
+        if tuple(t.shape) != tuple(shape):
+            raise ConversionError(
+                f"tensor '{name}' has shape {tuple(t.shape)}, expected {tuple(shape)}"
+            )
+    if pm.kind in ("qkv", "qkv_bias"):
+        return _qkv_to_mcore(*tensors, dims)
+    if pm.kind == "glu":
+        gate, up = tensors
+        if gate.shape != up.shape:
+            raise ConversionError(
+                f"{pm.hf[0]} {tuple(gate.shape)} and {pm.hf[1]} {tuple(up.shape)} differ in shape"
+            )
+        return torch.cat([gate, up], dim=0)
+    (t,) = tensors
+    if pm.kind == "vocab":
+        if t.shape[0] > padded_vocab:
+            raise ConversionError(f"{pm.hf[0]} has {t.shape[0]} rows > padded vocab {padded_vocab}")
+        if t.shape[0] < padded_vocab:
+            pad = t.new_zeros((padded_vocab - t.shape[0], *t.shape[1:]))
+            t = torch.cat([t, pad], dim=0)
+    return t
+
+
+def to_hf_tensors(pm: ParamMap, full: torch.Tensor, dims: ModelDims) -> list[torch.Tensor]:
+    """Split a full Megatron-Core tensor back into its HF tensors (same order as ``pm.hf``)."""
+    if pm.kind in ("qkv", "qkv_bias"):
+        return _qkv_to_hf(full, dims)
+    if pm.kind == "glu":
+        if full.shape[0] % 2:
+            raise ConversionError(f"{pm.mcore} has an odd number of rows {full.shape[0]}")
+        return [t.contiguous() for t in torch.chunk(full, 2, dim=0)]
+    if pm.kind == "vocab":
+        return [full[: dims.vocab_size].contiguous()]
+    return [full]
+
+
+# ---------------------------------------------------------------- TE spec spelling
+
+_TE_RULES = [
+    (r"\.input_layernorm\.(weight|bias)$", r".self_attention.linear_qkv.layer_norm_\1"),
+    (r"(layers\.\d+)\.pre_mlp_layernorm\.(weight|bias)$", r"\1.mlp.linear_fc1.layer_norm_\2"),
+    (r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$", r".experts.\2.\3\1"),
+]
+_TE_BACK = [
+    (r"\.self_attention\.linear_qkv\.layer_norm_(weight|bias)$", r".input_layernorm.\1"),
+    (r"\.mlp\.linear_fc1\.layer_norm_(weight|bias)$", r".pre_mlp_layernorm.\1"),
+    (r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$", r".experts.local_experts.\3.\1.\2"),
+]
+
+
+def to_te_name(name: str, moe: bool) -> str:
+    """Canonical (local spec) name -> Transformer Engine spec name.
+
+    Args:
+        name: canonical name.
+        moe: True when the layer is an MoE layer (its pre-MLP norm stays a separate module).
+    """
+    for pat, rep in _TE_RULES:
+        if moe and "pre_mlp_layernorm" in pat:
+            continue
+        name = re.sub(pat, rep, name)
+    return name
+
+
+def from_te_name(name: str) -> str:
+    """Transformer Engine spec name -> canonical (local spec) name."""
+    for pat, rep in _TE_BACK:
+        name = re.sub(pat, rep, name)
+    return name
+
+
+# ---------------------------------------------------------------- adapter
+
+
+class StateDictAdapter:
+    """Base adapter: dense decoder with RMSNorm, SwiGLU MLP, rotary attention.
+
+    Subclasses set the class attributes that differ between architectures and may override
+    `mlp_maps` (MoE) or `check_config`.
+    """
+
+    architectures: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    def check_config(self, cfg: Mapping) -> None:
+        """Reject config features this adapter cannot map (one-line ConversionError)."""
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key) and not (key == "attention_bias" and self.qkv_bias):
+                raise ConversionError(
+                    f"config.json: {key}=true is not supported for {self.architectures[0]}"
+                )
+
+    def dims(self, cfg: Mapping) -> ModelDims:
+        """Check `cfg` and return its ModelDims."""
+        self.check_config(cfg)
+        return dims_from_hf_config(cfg)
+
+    # -- mapping lists
+    def attention_maps(self, i: int, d: ModelDims) -> list[ParamMap]:
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a = h + "self_attn."
+        H, q, kv = d.hidden_size, d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        maps = [
+            ParamMap(m + "input_layernorm.weight", (h + "input_layernorm.weight",), shapes=((H,),)),
+            ParamMap(
+                m + "self_attention.linear_qkv.weight",
+                (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                "qkv",
+                0,
+                shapes=((q, H), (kv, H), (kv, H)),
+            ),
+            ParamMap(
+                m + "self_attention.linear_proj.weight",
+                (a + "o_proj.weight",),
+                tp_dim=1,
+                shapes=((H, q),),
+            ),
+            ParamMap(
+                m + "pre_mlp_layernorm.weight",
+                (h + "post_attention_layernorm.weight",),
+                shapes=((H,),),
+            ),
+        ]
+        if self.qkv_bias:
+            maps.append(
+                ParamMap(
+                    m + "self_attention.linear_qkv.bias",
+                    (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+                    "qkv_bias",
+                    0,
+                    shapes=((q,), (kv,), (kv,)),
+                )
+            )
+        if self.qk_norm:
+            for x in ("q", "k"):
+                maps.append(
+                    ParamMap(
+                        m + f"self_attention.{x}_layernorm.weight",
+                        (a + f"{x}_norm.weight",),
+                        shapes=((d.head_dim,),),
+                    )
+                )
+        return maps
+
+    def mlp_maps(self, i: int, d: ModelDims) -> list[ParamMap]:
+        h, m = f"model.layers.{i}.mlp.", f"decoder.layers.{i}.mlp."
+        H, F = d.hidden_size, d.ffn_hidden_size
+        return [
+            ParamMap(
+                m + "linear_fc1.weight",
+                (h + "gate_proj.weight", h + "up_proj.weight"),
+                "glu",
+                0,
+                shapes=((F, H), (F, H)),
+            ),
+            ParamMap(
+                m + "linear_fc2.weight", (h + "down_proj.weight",), tp_dim=1, shapes=((H, F),)
+            ),
+        ]
+
+    def is_moe_layer(self, i: int, dims: ModelDims) -> bool:
+        return False
+
+    def param_maps(self, dims: ModelDims) -> list[ParamMap]:
+        """All ParamMaps of the model, embedding first, output layer last."""
+        emb = ((dims.vocab_size, dims.hidden_size),)
+        maps = [
+            ParamMap(
+                "embedding.word_embeddings.weight",
+                ("model.embed_tokens.weight",),
+                "vocab",
+                0,
+                shapes=emb,
+            )
+        ]
+        for i in range(dims.num_layers):
+            maps += self.attention_maps(i, dims) + self.mlp_maps(i, dims)
+        maps.append(
+            ParamMap(
+                "decoder.final_layernorm.weight",
+                ("model.norm.weight",),
+                shapes=((dims.hidden_size,),),
+            )
+        )
+        if not dims.tie_embeddings:
+            maps.append(
+                ParamMap("output_layer.weight", ("lm_head.weight",), "vocab", 0, shapes=emb)
+            )
+        return maps
+
+    # -- whole state dict conversion (names in canonical or TE spelling)
+    def hf_to_mcore(
+        self,
+        get_hf: Callable[[str], torch.Tensor],
+        dims: ModelDims,
+        padded_vocab: int,
+        spec: str = "local",
+    ) -> dict[str, torch.Tensor]:
+        """Convert a whole HF state dict to a full (unsharded) Megatron-Core state dict.
+
+        Args:
+            get_hf: returns the HF tensor of a name (raises ConversionError when missing).
+            dims: model sizes.
+            padded_vocab: rows of the Megatron embedding / output layer.
+            spec: "local" or "te" parameter spelling.
+        Returns:
+            dict of Megatron-Core name -> tensor.
+        """
+        out = {}
+        for pm in self.param_maps(dims):
+            name = self.spell(pm.mcore, dims, spec)
+            out[name] = to_mcore_tensor(pm, [get_hf(n) for n in pm.hf], dims, padded_vocab)
+        return out
+
+    def mcore_to_hf(
+        self, mcore_sd: Mapping[str, torch.Tensor], dims: ModelDims, spec: str = "local"
+    ) -> dict[str, torch.Tensor]:
+        """Convert a full Megatron-Core state dict back to HF names and layouts.
+
+        Raises ConversionError naming the first missing Megatron-Core tensor.
+        """
+        out = {}
+        for pm in self.param_maps(dims):
+            name = self.spell(pm.mcore, dims, spec)
+            if name not in mcore_sd:
+                raise ConversionError(f"Megatron state dict is missing tensor '{name}'")
+            out.update(zip(pm.hf, to_hf_tensors(pm, mcore_sd[name], dims)))
+        return out
+
+    def spell(self, canonical: str, dims: ModelDims, spec: str) -> str:
+        """Canonical name in the spelling of `spec` ("local" or "te")."""
+        if spec == "local":
+            return canonical
+        if spec != "te":
+            raise ConversionError(f"unknown layer spec '{spec}' (expected 'local' or 'te')")
+        mo = re.match(r"decoder\.layers\.(\d+)\.", canonical)
+        return to_te_name(canonical, moe=bool(mo) and self.is_moe_layer(int(mo.group(1)), dims))
+
+    def maps_by_mcore(self, dims: ModelDims) -> dict[str, ParamMap]:
+        """Canonical Megatron-Core name -> ParamMap."""
+        return {pm.mcore: pm for pm in self.param_maps(dims)}
+
+    def hf_names(self, dims: ModelDims) -> Iterable[str]:
+        """Every HF tensor name the model has (in mapping order)."""
+        for pm in self.param_maps(dims):
+            yield from pm.hf

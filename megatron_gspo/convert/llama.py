@@ -1,0 +1,10 @@
+"""State-dict adapter for Llama (LlamaForCausalLM): GQA attention, SwiGLU MLP, RMSNorm."""
+
+from megatron_gspo.convert.base import StateDictAdapter
+
+
+class LlamaAdapter(StateDictAdapter):
+    """Llama: no linear biases, no q/k norms."""
+
+    architectures = ("LlamaForCausalLM",)
+    model_types = ("llama",)
