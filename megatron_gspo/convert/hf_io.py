@@ -63,7 +63,7 @@ class HFCheckpointReader:
                 raise ConversionError(f"{self.dir}: no *.safetensors files and no {INDEX_NAME}")
             self.weight_map = {}
             for f in files:
-                for k in self._open(f).keys():
+                for k in self._open(f):
                     self.weight_map[k] = f
         self._handles: dict[Path, object] = {}
 
@@ -241,7 +241,9 @@ def save_hf_checkpoint(
             copy_side_files(side_files_from, tmp)
             if dtype is not None and (tmp / "config.json").is_file():
                 cfg = json.loads((tmp / "config.json").read_text())
-                cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(dtype).removeprefix("torch.")
+                cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(dtype).removeprefix(
+                    "torch."
+                )
                 (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         commit_output_dir(tmp, out_dir)
         return index
@@ -250,7 +252,9 @@ def save_hf_checkpoint(
         raise
 
 
-def iter_hf_tensors(reader: HFCheckpointReader, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(
+    reader: HFCheckpointReader, names: Iterable[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for the given names, loaded one at a time."""
     for n in names:
         yield n, reader.get(n)

@@ -121,9 +121,7 @@ def test_missing_and_mismatched_tensor_named(tiny_hf, tmp_path):
 
     src = HFCheckpointReader(tiny_hf["LlamaForCausalLM"])
     missing = "model.layers.2.mlp.up_proj.weight"
-    save_file(
-        {k: src.get(k) for k in src.keys() if k != missing}, str(tmp_path / "model.safetensors")
-    )
+    save_file({k: src.get(k) for k in src if k != missing}, str(tmp_path / "model.safetensors"))
     shutil.copy(tiny_hf["LlamaForCausalLM"] / "config.json", tmp_path)
     reader = HFCheckpointReader(tmp_path)
     adapter = get_adapter(reader.config)

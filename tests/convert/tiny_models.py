@@ -7,30 +7,30 @@ from pathlib import Path
 import torch
 import transformers
 
-COMMON = dict(
-    vocab_size=100,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-)
+COMMON = {
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+}
 
 ARCHS = {
-    "LlamaForCausalLM": (transformers.LlamaConfig, dict(head_dim=8)),
-    "Qwen2ForCausalLM": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
-    "Qwen3ForCausalLM": (transformers.Qwen3Config, dict(head_dim=16)),
+    "LlamaForCausalLM": (transformers.LlamaConfig, {"head_dim": 8}),
+    "Qwen2ForCausalLM": (transformers.Qwen2Config, {"tie_word_embeddings": True}),
+    "Qwen3ForCausalLM": (transformers.Qwen3Config, {"head_dim": 16}),
     "Qwen3MoeForCausalLM": (
         transformers.Qwen3MoeConfig,
-        dict(
-            head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            norm_topk_prob=True,
-        ),
+        {
+            "head_dim": 8,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "norm_topk_prob": True,
+        },
     ),
 }
 
