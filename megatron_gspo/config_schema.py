@@ -9,11 +9,14 @@ type or an out-of-range value raises `ConfigError` naming the dotted path, e.g.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import Any
 
 import yaml
+
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 __all__ = ["ConfigError", "option", "from_dict", "to_dict", "apply_overrides", "describe"]
 
@@ -102,6 +105,8 @@ def _coerce(value, tp, path: str, meta: dict):
         if isinstance(value, bool) or not isinstance(value, int):
             fail(expect)
     elif tp is float:
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+            value = float(value)  # YAML 1.1 reads `5e-4` (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(expect)
         value = float(value)
