@@ -1,0 +1,72 @@
+"""Command line: `megatron-gspo train|config|convert|fields` (also `python -m megatron_gspo.cli`).
+
+    megatron-gspo train CONFIG.yaml [--run-dir DIR] [section.key=value ...]
+    megatron-gspo config CONFIG.yaml [section.key=value ...]   # print the resolved config
+    megatron-gspo fields                                       # every config field with its doc
+    megatron-gspo convert hf-to-mcore|mcore-to-hf ...          # same as tools/convert_checkpoint.py
+
+Errors in the config or the data end the program with a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from megatron_gspo import __version__
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-gspo", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"megatron-gspo {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run GSPO training")
+    t.add_argument("config", help="YAML config file")
+    t.add_argument("--run-dir", default=None, help="output directory (default runs/<config>)")
+    t.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    c = sub.add_parser("config", help="print the resolved config")
+    c.add_argument("config")
+    c.add_argument("overrides", nargs="*")
+    sub.add_parser("fields", help="list every config field with its type, default and doc")
+    v = sub.add_parser("convert", help="checkpoint conversion (see tools/convert_checkpoint.py)",
+                       add_help=False)
+    v.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `megatron-gspo` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "convert":
+        from megatron_gspo.convert.cli import main as convert_main
+
+        return convert_main(argv[1:])
+    args = _parser().parse_args(argv)
+    from megatron_gspo.config import ConfigError, describe, load_config, to_dict
+    from megatron_gspo.config import Config
+
+    try:
+        if args.command == "fields":
+            for name, tp, default, doc in describe(Config):
+                print(f"{name:40s} {tp:18s} {default!r:>14}  {doc}")
+            return 0
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "config":
+            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+            return 0
+        from megatron_gspo.train import run
+
+        run(cfg, run_dir=args.run_dir, config_path=args.config)
+        return 0
+    except ConfigError as e:
+        print(f"megatron-gspo: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("megatron-gspo: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
