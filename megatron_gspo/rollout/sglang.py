@@ -1,0 +1,474 @@
+"""The SGLang rollout engine: launched or attached servers, an async HTTP client, weight sync.
+
+Generation: one `POST /generate` per sample (n=1 each, so a failed sample is retried alone and
+SGLang's radix cache shares the prompt prefix) with `input_ids`, `sampling_params`,
+`return_logprob: true` and a unique `rid`; the answer's `meta_info.output_token_logprobs`
+([logprob, token_id, text] per generated token) gives the response ids and log-probs,
+`meta_info.finish_reason.type` the finish reason. Requests go to the least-busy server (or to
+the router when one is configured), at most `max_concurrency` at once. Connection errors,
+timeouts and 5xx answers are retried with exponential backoff (a timed-out request is aborted on
+its server first); 4xx answers and exhausted retries fail the call with an error naming the
+sample and server. Each sample slot is filled exactly once.
+
+Weights (matches SGLang's endpoints): `/update_weights_from_tensor` with flattened buckets
+(colocated), `/init_weights_update_group` + `/update_weights_from_distributed` (NCCL broadcast
+from the learner), `/update_weights_from_disk`; generation is paused around an update and the
+prefix cache flushed after it. `/release_memory_occupation` / `/resume_memory_occupation` free
+and take back GPU memory in colocated mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import aiohttp
+
+from megatron_gspo.data.sample import Sample
+from megatron_gspo.rollout.base import (
+    Bucket,
+    GenerateRequest,
+    RolloutEngine,
+    RolloutError,
+    SamplingParams,
+    make_sample,
+    plan_slots,
+)
+from megatron_gspo.rollout.sglang_launch import (
+    LaunchSpec,
+    ServerProcess,
+    pick_ports,
+    router_argv,
+    server_argv,
+)
+from megatron_gspo.rollout.weight_sync import (
+    dtype_name,
+    init_learner_update_group,
+    tensor_update_payloads,
+)
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError)
+
+
+class _Retryable(Exception):
+    """A transient failure of one attempt (5xx, connection error, timeout)."""
+
+
+def parse_generate_output(out: Any, where: str) -> tuple[list[int], list[float], str, str | None]:
+    """(token ids, log-probs, finish reason, weight version) from one /generate answer.
+
+    Args:
+        out: the decoded JSON of one result.
+        where: names the server and sample in error messages.
+    """
+    if isinstance(out, list) and len(out) == 1:
+        out = out[0]
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    if not isinstance(meta, dict):
+        raise RolloutError(f"{where}: /generate answer has no meta_info: {str(out)[:200]}")
+    lps = meta.get("output_token_logprobs")
+    if not isinstance(lps, list):
+        raise RolloutError(f"{where}: /generate answer lacks meta_info.output_token_logprobs")
+    try:
+        logprobs = [float(e[0]) for e in lps]
+        ids = [int(e[1]) for e in lps]
+    except (TypeError, ValueError, IndexError) as e:
+        raise RolloutError(f"{where}: malformed output_token_logprobs entry ({e})") from e
+    fr = meta.get("finish_reason")
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    if kind not in ("stop", "length", "abort"):
+        raise RolloutError(f"{where}: unknown finish_reason {fr!r}")
+    version = meta.get("weight_version")
+    return ids, logprobs, kind, None if version is None else str(version)
+
+
+class SGLangEngine(RolloutEngine):
+    """Rollouts from SGLang servers.
+
+    Args:
+        server_urls: attach to these running servers (no launch).
+        launch: launch servers as described (ignored when server_urls is given).
+        router_url: send /generate through this sglang-router instead of the servers.
+        launch_router: start an sglang-router over the launched servers (port router_port).
+        router_port, router_policy: router settings.
+        tp_size: tp size of attached servers (launched ones use launch.tp_size).
+        max_concurrency: most /generate requests in flight.
+        request_timeout_s: timeout of one /generate request.
+        max_retries: attempts after the first for one sample.
+        backoff_s: first retry delay (doubles, capped at 10 s).
+        startup_timeout_s: how long launched servers may take to become healthy.
+        default_sampling: for requests without sampling params.
+    """
+
+    def __init__(
+        self,
+        server_urls: Sequence[str] | None = None,
+        launch: LaunchSpec | None = None,
+        router_url: str | None = None,
+        launch_router: bool = False,
+        router_port: int = 0,
+        router_policy: str = "cache_aware",
+        tp_size: int = 1,
+        max_concurrency: int = 256,
+        request_timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        startup_timeout_s: float = 900.0,
+        default_sampling: SamplingParams | None = None,
+    ) -> None:
+        super().__init__(default_sampling)
+        if not server_urls and launch is None:
+            raise ValueError("SGLangEngine needs server_urls (attach) or a LaunchSpec (launch)")
+        if max_concurrency < 1 or max_retries < 0:
+            raise ValueError("max_concurrency must be >= 1 and max_retries >= 0")
+        self.urls = [u.rstrip("/") for u in (server_urls or [])]
+        self.spec = None if server_urls else launch
+        self.tp_size = self.spec.tp_size if self.spec else tp_size
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.launch_router, self.router_port, self.router_policy = (
+            launch_router, router_port, router_policy)
+        self.max_concurrency, self.request_timeout_s = max_concurrency, request_timeout_s
+        self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.startup_timeout_s = startup_timeout_s
+        self.procs: list[ServerProcess] = []
+        self.router_proc: ServerProcess | None = None
+        self._version = 0
+        self._inflight: dict[str, int] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._started = False
+        self._closed = False
+        self._batches = itertools.count()
+        self._update_group: Any = None
+        self._group_name = "weight_update_group"
+        self.metrics = {"retries": 0, "requests": 0}
+
+    # ---------------------------------------------------------------- state
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def _sess(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_concurrency + 16)
+            )
+            self._session_loop = loop
+        return self._session
+
+    # --------------------------------------------------------------- startup
+    async def astart(self) -> None:
+        """Launch (if configured) and wait until every server answers /health_generate."""
+        if self._closed:
+            raise RolloutError("SGLang engine is shut down")
+        if self._started:
+            return
+        try:
+            if self.spec is not None:
+                await self._launch()
+            if self.launch_router and self.router_url is None:
+                await self._start_router()
+            self._started = True
+        except BaseException:
+            await self._stop_processes()
+            raise
+        for u in self.urls:
+            self._inflight.setdefault(u, 0)
+
+    async def _launch(self) -> None:
+        spec = self.spec
+        assert spec is not None
+        ports = pick_ports(spec.host, spec.base_port, spec.num_servers)
+        for i, port in enumerate(ports):
+            logp = os.path.join(spec.log_dir, f"sglang_server_{i}.log") if spec.log_dir else None
+            if spec.log_dir:
+                os.makedirs(spec.log_dir, exist_ok=True)
+            argv = server_argv(spec, i, port)
+            log.info("launching rollout server %d: %s", i, " ".join(argv))
+            self.procs.append(ServerProcess(argv, f"sglang server {i} (port {port})", spec.env, logp))
+            self.urls.append(f"http://{spec.host}:{port}")
+        await asyncio.gather(*(self._wait_healthy(u, p) for u, p in zip(self.urls, self.procs)))
+
+    async def _start_router(self) -> None:
+        host = self.spec.host if self.spec else "127.0.0.1"
+        port = self.router_port or pick_ports(host, 0, 1)[0]
+        argv = router_argv(self.urls, host, port, self.router_policy)
+        self.router_proc = ServerProcess(argv, f"sglang router (port {port})")
+        self.router_url = f"http://{host}:{port}"
+        await self._wait_healthy(self.router_url, self.router_proc, path="/health")
+
+    async def _wait_healthy(self, url: str, proc: ServerProcess | None, path: str = "/health_generate") -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if proc is not None and not proc.alive():
+                raise RolloutError(f"{proc.describe()} before becoming healthy")
+            try:
+                async with self._sess().get(url + path, timeout=aiohttp.ClientTimeout(total=30)) as r:
+                    if r.status == 200:
+                        return
+            except (*_RETRYABLE, aiohttp.ClientError):
+                pass
+            if time.monotonic() > deadline:
+                raise RolloutError(f"{url} not healthy after {self.startup_timeout_s:.0f} s")
+            await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------ generation
+    def _pick(self, avoid: str | None) -> str:
+        if self.router_url:
+            return self.router_url
+        cands = [u for u in self.urls if u != avoid] or self.urls
+        return min(cands, key=lambda u: self._inflight.get(u, 0))
+
+    def _dead_server(self) -> ServerProcess | None:
+        return next((p for p in [*self.procs, self.router_proc] if p and not p.alive()), None)
+
+    async def agenerate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        await self.astart()
+        slots, params = plan_slots(requests, self.default_sampling)
+        batch = next(self._batches)
+        sem = asyncio.Semaphore(self.max_concurrency)
+        results: list[Sample | None] = [None] * len(slots)
+
+        async def one(slot: Any) -> None:
+            req = requests[slot.request_idx]
+            body = {
+                "input_ids": list(req.prompt_ids),
+                "sampling_params": params[slot.request_idx].to_sglang(),
+                "return_logprob": True,
+            }
+            async with sem:
+                ids, lps, reason, url, ver = await self._generate_one(body, batch, slot)
+            version = self._parse_version(ver)
+            results[slot.out_idx] = make_sample(
+                req, slot.request_idx, slot.out_idx, ids, lps, reason, version,
+                {"server": url},
+            )
+
+        tasks = [asyncio.ensure_future(one(s)) for s in slots]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException as e:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if isinstance(e, RolloutError) and self.procs:
+                await self._stop_processes()
+                raise RolloutError(f"{e}; stopped the rollout servers this engine launched") from e
+            raise
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RolloutError(f"rollout lost samples {missing[:10]}")
+        return [r for r in results if r is not None]
+
+    async def _generate_one(self, body: dict[str, Any], batch: int, slot: Any) -> tuple:
+        where = f"sample {slot.out_idx} (request {slot.request_idx})"
+        last_err, avoid = "", None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.metrics["retries"] += 1
+                await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), 10.0))
+            dead = self._dead_server()
+            if dead is not None:
+                raise RolloutError(f"{where}: {dead.describe()}")
+            url = self._pick(avoid)
+            rid = f"mg-{os.getpid()}-{batch}-{slot.out_idx}-{attempt}"
+            self._inflight[url] = self._inflight.get(url, 0) + 1
+            try:
+                out = await self._post_generate(url, {**body, "rid": rid}, where)
+                ids, lps, reason, ver = parse_generate_output(out, f"{where} from {url}")
+                return ids, lps, reason, url, ver
+            except _Retryable as e:
+                last_err, avoid = f"{url}: {e}", url
+                if isinstance(e.__cause__, asyncio.TimeoutError):
+                    await self._abort(url, rid)
+            finally:
+                self._inflight[url] -= 1
+        raise RolloutError(
+            f"{where}: /generate failed {self.max_retries + 1} times; last error: {last_err}"
+        )
+
+    async def _post_generate(self, url: str, body: dict[str, Any], where: str) -> Any:
+        self.metrics["requests"] += 1
+        try:
+            async with self._sess().post(
+                url + "/generate", json=body,
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+            ) as r:
+                if r.status >= 500:
+                    raise _Retryable(f"HTTP {r.status}: {(await r.text())[:200]}")
+                if r.status != 200:
+                    raise RolloutError(
+                        f"{where}: {url}/generate answered HTTP {r.status}: {(await r.text())[:300]}"
+                    )
+                return await r.json(content_type=None)
+        except _RETRYABLE as e:
+            raise _Retryable(f"{type(e).__name__}: {e}") from e
+        except aiohttp.ContentTypeError as e:
+            raise RolloutError(f"{where}: {url}/generate answered non-JSON") from e
+
+    async def _abort(self, url: str, rid: str) -> None:
+        try:
+            await self._post(url, "/abort_request", {"rid": rid}, timeout=5.0)
+        except Exception:  # best effort: the server may be gone
+            pass
+
+    def _parse_version(self, ver: str | None) -> int:
+        if ver is not None and ver.isdigit():
+            return int(ver)
+        return self._version
+
+    # ------------------------------------------------------------- plumbing
+    async def _post(self, url: str, path: str, body: dict[str, Any] | None = None,
+                    timeout: float = 600.0, get: bool = False) -> Any:
+        """One control call; raises RolloutError on failure or `success: false`."""
+        method = self._sess().get if get else self._sess().post
+        try:
+            async with method(url + path, json=None if get else (body or {}),
+                              timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                text = await r.text()
+                if r.status != 200:
+                    raise RolloutError(f"{url}{path} answered HTTP {r.status}: {text[:300]}")
+        except (*_RETRYABLE, aiohttp.ClientError) as e:
+            raise RolloutError(f"{url}{path} failed: {type(e).__name__}: {e}") from e
+        try:
+            import json
+
+            data = json.loads(text) if text.strip() else None
+        except ValueError:
+            return text
+        if isinstance(data, dict) and data.get("success") is False:
+            raise RolloutError(f"{url}{path}: {data.get('message', data)}")
+        return data
+
+    async def _all(self, path: str, body: dict[str, Any] | None = None, **kw: Any) -> list[Any]:
+        await self.astart()
+        return list(await asyncio.gather(*(self._post(u, path, body, **kw) for u in self.urls)))
+
+    # --------------------------------------------------------------- weights
+    async def pause_generation(self) -> None:
+        await self._all("/pause_generation")
+
+    async def continue_generation(self) -> None:
+        await self._all("/continue_generation")
+
+    async def flush_cache(self) -> None:
+        await self._all("/flush_cache")
+
+    async def aupdate_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Colocated update: every bucket through /update_weights_from_tensor (flattened)."""
+        await self.pause_generation()
+        try:
+            for bucket in buckets:
+                bodies, keep = tensor_update_payloads(bucket, self.tp_size, flattened=True)
+                for body in bodies:
+                    body.update(flush_cache=False, weight_version=str(version))
+                    await self._all("/update_weights_from_tensor", body)
+                del keep  # the servers have copied the shared tensors
+            await self.flush_cache()
+            self._version = int(version)
+        finally:
+            await self.continue_generation()
+
+    async def aupdate_weights_from_disk(self, model_path: str, version: int) -> None:
+        """Reload weights from a HF directory on every server."""
+        body = {"model_path": model_path, "weight_version": str(version)}
+        await self._all("/update_weights_from_disk", body)
+        self._version = int(version)
+
+    async def aconnect_distributed(
+        self, master_address: str, master_port: int, backend: str = "nccl",
+        group_name: str = "weight_update_group",
+    ) -> Any:
+        """Form the learner (rank 0) + server-ranks group for broadcast updates."""
+        await self.astart()
+        world = 1 + self.tp_size * len(self.urls)
+        calls = [
+            asyncio.ensure_future(self._post(u, "/init_weights_update_group", {
+                "master_address": master_address, "master_port": master_port,
+                "rank_offset": 1 + i * self.tp_size, "world_size": world,
+                "group_name": group_name, "backend": backend,
+            })) for i, u in enumerate(self.urls)
+        ]
+        pg = await asyncio.to_thread(
+            init_learner_update_group, master_address, master_port, world, group_name, backend
+        )
+        await asyncio.gather(*calls)
+        self._update_group, self._group_name = pg, group_name
+        return pg
+
+    async def aupdate_weights_distributed(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Disaggregated update: metadata over HTTP, tensors by broadcast from the learner."""
+        import torch.distributed as dist
+
+        if self._update_group is None:
+            raise RolloutError("call aconnect_distributed() before a distributed weight update")
+        await self.pause_generation()
+        try:
+            for bucket in buckets:
+                named = list(bucket)
+                body = {
+                    "names": [n for n, _ in named],
+                    "dtypes": [dtype_name(t.dtype) for _, t in named],
+                    "shapes": [list(t.shape) for _, t in named],
+                    "group_name": self._group_name, "flush_cache": False,
+                    "weight_version": str(version),
+                }
+                calls = asyncio.ensure_future(self._all("/update_weights_from_distributed", body))
+
+                def send(named: list = named) -> None:
+                    for _, t in named:
+                        dist.broadcast(t.contiguous(), src=0, group=self._update_group)
+
+                await asyncio.to_thread(send)
+                await calls
+            await self.flush_cache()
+            self._version = int(version)
+        finally:
+            await self.continue_generation()
+
+    # ---------------------------------------------------------------- memory
+    async def arelease_memory(self, tags: Sequence[str] | None = None) -> None:
+        await self._all("/release_memory_occupation", {"tags": list(tags) if tags else None})
+
+    async def aresume_memory(self, tags: Sequence[str] | None = None) -> None:
+        await self._all("/resume_memory_occupation", {"tags": list(tags) if tags else None})
+
+    async def ahealth(self) -> bool:
+        if self._dead_server() is not None:
+            return False
+        try:
+            await self._all("/health_generate", get=True, timeout=30.0)
+        except RolloutError:
+            return False
+        return True
+
+    # -------------------------------------------------------------- shutdown
+    async def _stop_processes(self) -> None:
+        procs = [p for p in [self.router_proc, *self.procs] if p is not None]
+        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs))
+
+    async def ashutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._started and any(self._inflight.values()):
+            for u in self.urls:
+                try:
+                    await self._post(u, "/abort_request", {"abort_all": True}, timeout=5.0)
+                except RolloutError:
+                    pass
+        await self._stop_processes()
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+    def sync(self, coro: Any) -> Any:
+        """Run one of this engine's extra coroutines (weight/disk/distributed) synchronously."""
+        return self._run(coro)
