@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Helpers shared by the launch scripts (sourced, not run).
+
+# die MESSAGE: print "<script>: MESSAGE" to stderr and exit 2.
+die() {
+    echo "$(basename "$0"): $*" >&2
+    exit 2
+}
+
+# is_uint VALUE: true when VALUE is a non-negative integer.
+is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+
+# require_int NAME VALUE MIN [MAX]: die unless VALUE is an integer in [MIN, MAX].
+require_int() {
+    local name=$1 value=$2 min=$3 max=${4:-}
+    if ! is_uint "$value" || (( value < min )) || { [[ -n "$max" ]] && (( value > max )); }; then
+        die "$name must be an integer in [$min, ${max:-inf}], got '$value'"
+    fi
+}
+
+# gpus_per_node: GPUS_PER_NODE, else the number of GPUs nvidia-smi lists; validated.
+gpus_per_node() {
+    local n
+    if [[ -n "${GPUS_PER_NODE:-}" ]]; then
+        n=$GPUS_PER_NODE
+    elif command -v nvidia-smi >/dev/null 2>&1; then
+        n=$(nvidia-smi -L | grep -c '^GPU ' || true)
+    else
+        die "GPUS_PER_NODE is not set and nvidia-smi is not available to count GPUs"
+    fi
+    require_int GPUS_PER_NODE "$n" 1
+    echo "$n"
+}
+
+# split_train_args ARGS...: sets RUN_DIR_ARGS (the --run-dir option, if given) and
+# OVERRIDE_ARGS (everything else) so that wrappers can put their own overrides before the
+# user's (the last value of a key wins).
+# shellcheck disable=SC2034  # both arrays are read by the scripts that source this file
+split_train_args() {
+    RUN_DIR_ARGS=()
+    OVERRIDE_ARGS=()
+    while (( $# )); do
+        case "$1" in
+            --run-dir)
+                (( $# >= 2 )) || die "--run-dir needs a directory"
+                RUN_DIR_ARGS=(--run-dir "$2")
+                shift 2
+                ;;
+            --run-dir=*)
+                RUN_DIR_ARGS=(--run-dir "${1#--run-dir=}")
+                shift
+                ;;
+            *=*)
+                OVERRIDE_ARGS+=("$1")
+                shift
+                ;;
+            *)
+                die "expected --run-dir DIR or section.key=value, got '$1'"
+                ;;
+        esac
+    done
+}
+
+# json_list ITEMS...: a JSON list of strings (a YAML flow sequence the config overrides accept).
+json_list() {
+    local out="" item
+    for item in "$@"; do
+        out+="${out:+,}\"${item}\""
+    done
+    echo "[${out}]"
+}
