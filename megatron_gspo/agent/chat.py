@@ -1,0 +1,240 @@
+"""Qwen3-style chat rendering and tool-call parsing for multi-turn episodes.
+
+Implements the ChatML turn layout used by Qwen2.5/Qwen3 (`<|im_start|>role\\n...<|im_end|>\\n`)
+with Hermes-style function calling: tool schemas listed in the system turn inside
+`<tools></tools>`, calls emitted by the model as `<tool_call>\\n{"name": ..., "arguments": {...}}
+\\n</tool_call>`, and tool results returned in a user turn, each wrapped in
+`<tool_response>\\n...\\n</tool_response>`.
+
+Only text is produced here; the episode runner tokenises environment text itself and never
+re-tokenises what the model generated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """The special strings of one chat format (defaults: Qwen3)."""
+
+    im_start: str = "<|im_start|>"
+    im_end: str = "<|im_end|>"
+    tool_call_start: str = "<tool_call>"
+    tool_call_end: str = "</tool_call>"
+    tool_response_start: str = "<tool_response>"
+    tool_response_end: str = "</tool_response>"
+    think_start: str = "<think>"
+    think_end: str = "</think>"
+
+
+QWEN3 = ChatFormat()
+
+
+@dataclass
+class ToolCall:
+    """One parsed tool call."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ParsedAction:
+    """What the model's turn contains.
+
+    Attributes:
+        content: the text outside tool-call blocks (stripped).
+        tool_calls: well-formed tool calls, in order.
+        errors: one message per malformed `<tool_call>` block (bad JSON, missing name, ...).
+    """
+
+    content: str
+    tool_calls: list[ToolCall]
+    errors: list[str]
+
+
+def _tools_block(tools: list[dict[str, Any]], fmt: ChatFormat) -> str:
+    lines = [
+        "# Tools",
+        "",
+        "You may call one or more functions to assist with the user query.",
+        "",
+        "You are provided with function signatures within <tools></tools> XML tags:",
+        "<tools>",
+    ]
+    for schema in tools:
+        lines.append(json.dumps(schema, ensure_ascii=False))
+    lines += [
+        "</tools>",
+        "",
+        "For each function call, return a json object with function name and arguments within "
+        f"{fmt.tool_call_start}{fmt.tool_call_end} XML tags:",
+        fmt.tool_call_start,
+        '{"name": <function-name>, "arguments": <args-json-object>}',
+        fmt.tool_call_end,
+    ]
+    return "\n".join(lines)
+
+
+def render_tool_call(call: ToolCall, fmt: ChatFormat = QWEN3) -> str:
+    """Text of one tool call as the model is expected to write it."""
+    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+    return f"{fmt.tool_call_start}\n{body}\n{fmt.tool_call_end}"
+
+
+def _render_one(msg: dict[str, Any], fmt: ChatFormat) -> str:
+    role = msg.get("role")
+    content = msg.get("content") or ""
+    if role == "assistant" and msg.get("tool_calls"):
+        parts = [content] if content else []
+        for c in msg["tool_calls"]:
+            fn = c.get("function", c)
+            args = fn.get("arguments", {})
+            if isinstance(args, str):
+                args = json.loads(args)
+            parts.append(render_tool_call(ToolCall(fn["name"], args), fmt))
+        content = "\n".join(parts)
+    return f"{fmt.im_start}{role}\n{content}{fmt.im_end}\n"
+
+
+def render_messages(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool = False,
+    fmt: ChatFormat = QWEN3,
+) -> str:
+    """Render a chat (and the tool schemas) to prompt text.
+
+    Args:
+        messages: [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...].
+        tools: JSON schemas `{"type": "function", "function": {...}}`; listed in the system turn.
+        add_generation_prompt: end with the opening of an assistant turn.
+        enable_thinking: if False, the assistant turn starts with an empty think block.
+        fmt: the chat format's special strings.
+    Returns:
+        The prompt text.
+    """
+    for i, m in enumerate(messages):
+        if m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"chat message {i}: unknown role {m.get('role')!r}")
+    out: list[str] = []
+    rest = list(messages)
+    if tools:
+        sys_text = ""
+        if rest and rest[0]["role"] == "system":
+            sys_text = (rest.pop(0).get("content") or "") + "\n\n"
+        out.append(f"{fmt.im_start}system\n{sys_text}{_tools_block(tools, fmt)}{fmt.im_end}\n")
+    i = 0
+    while i < len(rest):
+        if rest[i]["role"] == "tool":
+            j = i
+            while j < len(rest) and rest[j]["role"] == "tool":
+                j += 1
+            out.append(render_tool_responses([m.get("content") or "" for m in rest[i:j]], fmt))
+            i = j
+        else:
+            out.append(_render_one(rest[i], fmt))
+            i += 1
+    if add_generation_prompt:
+        out.append(generation_prompt(enable_thinking, fmt))
+    return "".join(out)
+
+
+def generation_prompt(enable_thinking: bool = False, fmt: ChatFormat = QWEN3) -> str:
+    """Opening of an assistant turn."""
+    text = f"{fmt.im_start}assistant\n"
+    if not enable_thinking:
+        text += f"{fmt.think_start}\n\n{fmt.think_end}\n\n"
+    return text
+
+
+def render_tool_responses(contents: list[str], fmt: ChatFormat = QWEN3) -> str:
+    """One user turn holding the given tool results, each in a tool-response wrapper."""
+    body = "".join(
+        f"\n{fmt.tool_response_start}\n{c}\n{fmt.tool_response_end}" for c in contents
+    )
+    return f"{fmt.im_start}user{body}{fmt.im_end}\n"
+
+
+def render_observation(
+    messages: list[dict[str, Any]],
+    *,
+    model_closed_turn: bool,
+    enable_thinking: bool = False,
+    fmt: ChatFormat = QWEN3,
+) -> str:
+    """Text appended after a model turn: close the turn if the model did not, the environment's
+    messages (tool results and/or user text), then the next assistant opening.
+
+    Args:
+        messages: [{"role": "tool"|"user", "content": str}, ...].
+        model_closed_turn: True if the model's last token was the end-of-turn marker.
+        enable_thinking: see `render_messages`.
+        fmt: the chat format's special strings.
+    Returns:
+        The text to tokenise and append with loss mask 0.
+    """
+    for i, m in enumerate(messages):
+        if m.get("role") not in ("user", "tool", "system"):
+            raise ValueError(f"observation message {i}: role {m.get('role')!r} not allowed")
+    head = "\n" if model_closed_turn else f"{fmt.im_end}\n"
+    return head + render_messages(
+        messages, add_generation_prompt=True, enable_thinking=enable_thinking, fmt=fmt
+    )
+
+
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_action(text: str, fmt: ChatFormat = QWEN3) -> ParsedAction:
+    """Split the model's turn text into content and tool calls.
+
+    A block left open at the end of the text (generation stopped on the closing tag and the
+    engine dropped it) is parsed too. Special end markers are removed from the content.
+
+    Args:
+        text: decoded model turn.
+        fmt: the chat format's special strings.
+    Returns:
+        ParsedAction; never raises on malformed calls (they are listed in `errors`).
+    """
+    pattern = _BLOCK
+    if fmt.tool_call_start != "<tool_call>" or fmt.tool_call_end != "</tool_call>":
+        s, e = re.escape(fmt.tool_call_start), re.escape(fmt.tool_call_end)
+        pattern = re.compile(f"{s}(.*?)(?:{e}|$)", re.DOTALL)
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for m in pattern.finditer(text):
+        body = m.group(1).strip()
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as exc:
+            errors.append(f"invalid JSON in tool call: {exc.msg} at position {exc.pos}")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            errors.append('tool call must be a JSON object with a string "name"')
+            continue
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                errors.append(f'tool call {obj["name"]!r}: "arguments" is not a JSON object')
+                continue
+        if not isinstance(args, dict):
+            errors.append(f'tool call {obj["name"]!r}: "arguments" is not a JSON object')
+            continue
+        calls.append(ToolCall(obj["name"], args))
+    content = pattern.sub("", text)
+    for marker in (fmt.im_end, "<|endoftext|>"):
+        content = content.replace(marker, "")
+    think = re.compile(f"{re.escape(fmt.think_start)}.*?{re.escape(fmt.think_end)}", re.DOTALL)
+    content = think.sub("", content)
+    return ParsedAction(content=content.strip(), tool_calls=calls, errors=errors)
