@@ -63,7 +63,7 @@ class HFCheckpointReader:
                 raise ConversionError(f"{self.dir}: no *.safetensors files and no {INDEX_NAME}")
             self.weight_map = {}
             for f in files:
-                for k in self._open(f):
+                for k in self._open(f).keys():  # noqa: SIM118 (safe_open is not iterable)
                     self.weight_map[k] = f
         self._handles: dict[Path, object] = {}
 
@@ -76,6 +76,9 @@ class HFCheckpointReader:
     def keys(self) -> list[str]:
         """All tensor names."""
         return list(self.weight_map)
+
+    def __iter__(self):
+        return iter(self.weight_map)
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map

@@ -1,0 +1,325 @@
+"""Hugging Face weights into live Megatron-Core models, and distributed checkpoint save / load.
+
+- `model_param_entries`: each local parameter of a (pipeline stage / virtual chunk of a)
+  GPTModel with its canonical global name (global layer index from the layer's
+  ``layer_number``, global expert index from the expert-parallel rank) and its ParamMap.
+- `load_hf_weights`: fill the local shards of every parameter from a safetensors checkpoint,
+  reading only the HF tensors this rank needs (one parameter at a time).
+- `save_checkpoint` / `load_checkpoint`: Megatron-Core ``dist_checkpointing`` (torch_dist) of
+  the models' sharded state dicts; the checkpoint reshards on load, so it loads under any
+  TP / PP / EP layout. The target directory is written under a temporary name and renamed into
+  place by rank 0 once every rank has finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.convert.base import (
+    ConversionError,
+    ModelDims,
+    ParamMap,
+    StateDictAdapter,
+    from_te_name,
+    to_mcore_tensor,
+)
+from megatron_gspo.convert.hf_io import HFCheckpointReader, copy_side_files
+from megatron_gspo.convert.sharding import expert_index, layer_index, rename_indices, tp_shard
+
+META_NAME = "megatron_gspo_checkpoint.json"
+HF_SIDE_DIR = "hf_config"
+FORMAT = "megatron_gspo/dist_checkpoint/v1"
+
+
+def normalize_hf_config(cfg: Mapping) -> dict:
+    """Copy of an HF config with ``num_experts`` set when only ``num_local_experts`` is given
+    (transformers >= 5 writes Qwen3-MoE configs that way)."""
+    out = dict(cfg)
+    if out.get("num_experts") is None and out.get("num_local_experts") is not None:
+        out["num_experts"] = out["num_local_experts"]
+    return out
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@dataclass
+class ParamEntry:
+    """One local parameter and where it sits in the global model."""
+
+    local: str
+    canonical: str
+    param: torch.nn.Parameter
+    pm: ParamMap | None  # None: a tied output-layer copy (not exported)
+
+
+def _ep_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank()
+
+
+def model_param_entries(
+    model: torch.nn.Module, maps: Mapping[str, ParamMap], tied: bool
+) -> list[ParamEntry]:
+    """Local parameters of one model chunk with canonical global names.
+
+    Args:
+        model: GPTModel (wrappers allowed).
+        maps: canonical name -> ParamMap (from the adapter).
+        tied: embeddings and output layer are shared.
+    Returns:
+        entries in parameter order; raises ConversionError for a parameter with no mapping.
+    """
+    model = unwrap(model)
+    layer_global = {}
+    num_local_experts = {}
+    if getattr(model, "decoder", None) is not None:
+        for i, layer in enumerate(model.decoder.layers):
+            layer_global[i] = layer.layer_number - 1
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if experts is not None:
+                num_local_experts[i] = experts.num_local_experts
+    out = []
+    for local, p in model.named_parameters():
+        name = from_te_name(local)
+        li = layer_index(name)
+        if li is not None:
+            name = rename_indices(name, layer=layer_global[li])
+            e = expert_index(name)
+            if e is not None:
+                name = rename_indices(name, expert=e + _ep_rank() * num_local_experts[li])
+        if name == "output_layer.weight" and tied:
+            out.append(ParamEntry(local, name, p, None))
+            continue
+        if name not in maps:
+            raise ConversionError(f"model parameter '{local}' ({name}) has no Hugging Face mapping")
+        out.append(ParamEntry(local, name, p, maps[name]))
+    return out
+
+
+def _tp_rank_size(pm: ParamMap) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    if pm.expert:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _check_partition(entry: ParamEntry, pm: ParamMap, size: int) -> None:
+    p = entry.param
+    dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+    if size > 1 and dim != pm.tp_dim:
+        raise ConversionError(
+            f"parameter '{entry.local}' is partitioned on dim {dim}, mapping expects {pm.tp_dim}"
+        )
+
+
+@torch.no_grad()
+def load_hf_weights(
+    models: list[torch.nn.Module],
+    reader: HFCheckpointReader,
+    adapter: StateDictAdapter,
+    dims: ModelDims,
+) -> int:
+    """Copy HF weights into this rank's shards of every parameter of `models`.
+
+    Args:
+        models: model chunks of this rank (one per virtual pipeline stage).
+        reader: the HF checkpoint.
+        adapter, dims: from `get_adapter(config)` / `adapter.dims(config)`.
+    Returns:
+        number of parameters filled; raises ConversionError naming a missing or
+        shape-mismatched tensor.
+    """
+    maps = adapter.maps_by_mcore(dims)
+    emb_map = maps["embedding.word_embeddings.weight"]
+    n = 0
+    for model in models:
+        for entry in model_param_entries(model, maps, dims.tie_embeddings):
+            pm = entry.pm or emb_map
+            padded = entry.param.shape[0] * (_tp_rank_size(pm)[1] if pm.kind == "vocab" else 1)
+            full = to_mcore_tensor(pm, [reader.get(h) for h in pm.hf], dims, padded)
+            rank, size = _tp_rank_size(pm)
+            _check_partition(entry, pm, size)
+            shard = tp_shard(full, pm, rank, size)
+            if shard.shape != entry.param.shape:
+                raise ConversionError(
+                    f"{', '.join(pm.hf)} give {entry.local} shape {tuple(shard.shape)}, "
+                    f"model expects {tuple(entry.param.shape)}"
+                )
+            entry.param.copy_(shard)
+            n += 1
+    return n
+
+
+def unexpected_hf_tensors(reader: HFCheckpointReader, adapter: StateDictAdapter, dims) -> list[str]:
+    """HF tensors in the checkpoint that the mapping does not use (rotary buffers and a tied
+    ``lm_head.weight`` are allowed)."""
+    used = set(adapter.hf_names(dims))
+    skip = re.compile(r"rotary_emb\.inv_freq$")
+    out = []
+    for k in reader.keys():
+        if k in used or skip.search(k) or (dims.tie_embeddings and k == "lm_head.weight"):
+            continue
+        out.append(k)
+    return out
+
+
+def _sharded_state_dict(models: list[torch.nn.Module]) -> dict:
+    if len(models) == 1:
+        return {"model": unwrap(models[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(m).sharded_state_dict() for i, m in enumerate(models)}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(
+    models: list[torch.nn.Module],
+    ckpt_dir: str | os.PathLike,
+    *,
+    metadata: dict,
+    hf_side_files: str | os.PathLike | None = None,
+    force: bool = False,
+) -> None:
+    """Save a resharding-capable distributed checkpoint of `models` (collective).
+
+    Args:
+        models: this rank's model chunks.
+        ckpt_dir: target directory (must not exist unless `force`).
+        metadata: JSON-able dict stored as ``megatron_gspo_checkpoint.json`` (HF config, dtype).
+        hf_side_files: directory whose config / tokenizer files are kept under ``hf_config/``.
+        force: replace an existing target.
+    """
+    from megatron.core import dist_checkpointing
+
+    out = Path(ckpt_dir)
+    if out.exists() and not force:
+        raise ConversionError(f"output directory {out} exists (pass --force to overwrite)")
+    tmp = out.parent / f".{out.name}.tmp"
+    if _rank() == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+    try:
+        dist_checkpointing.save(_sharded_state_dict(models), str(tmp))
+        _barrier()
+        if _rank() == 0:
+            meta = {"format": FORMAT, **metadata}
+            (tmp / META_NAME).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+            if hf_side_files is not None:
+                (tmp / HF_SIDE_DIR).mkdir()
+                copy_side_files(hf_side_files, tmp / HF_SIDE_DIR)
+            if out.exists():
+                old = out.parent / f".{out.name}.old"
+                out.rename(old)
+                tmp.rename(out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(out)
+        _barrier()
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
+    """The metadata dict of a checkpoint written by `save_checkpoint`."""
+    path = Path(ckpt_dir) / META_NAME
+    if not path.is_file():
+        raise ConversionError(f"{ckpt_dir}: not a megatron_gspo checkpoint ({META_NAME} missing)")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ConversionError(f"{path}: unknown format {meta.get('format')!r}, expected {FORMAT}")
+    return meta
+
+
+@torch.no_grad()
+def load_checkpoint(models: list[torch.nn.Module], ckpt_dir: str | os.PathLike) -> None:
+    """Load a distributed checkpoint into `models` under the current layout (collective)."""
+    from megatron.core import dist_checkpointing
+
+    if not (Path(ckpt_dir) / "metadata.json").is_file():
+        raise ConversionError(f"{ckpt_dir}: not a Megatron-Core distributed checkpoint")
+    sharded = _sharded_state_dict(models)
+    state = dist_checkpointing.load(sharded, str(ckpt_dir))
+    keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
+    for key, m in zip(keys, models):
+        unwrap(m).load_state_dict(state[key], strict=True)
+
+
+def build_rank_models(
+    hf_config: Mapping,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    use_te: bool | None = None,
+    **config_kwargs,
+) -> list[torch.nn.Module]:
+    """This rank's GPTModel chunks under the initialised parallel_state (one per virtual stage).
+
+    Args:
+        hf_config: parsed config.json.
+        params_dtype: parameter dtype.
+        use_te: force the TE / local spec (None: TE when importable).
+        config_kwargs: extra `build_model_config` arguments (layout sizes are read from
+            parallel_state).
+    Returns:
+        list of GPTModel, in virtual-stage order.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_gspo.megatron.model import build_gpt_model, build_model_config
+
+    cfg = normalize_hf_config(hf_config)
+    # dense configs must not keep the allgather default, which rejects variable_seq_lengths
+    config_kwargs.setdefault("moe_token_dispatcher_type", "alltoall")
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size()
+    config = build_model_config(
+        cfg,
+        params_dtype=params_dtype,
+        tensor_parallel=ps.get_tensor_model_parallel_world_size(),
+        pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline=vpp if (vpp or 1) > 1 else None,
+        expert_parallel=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel=etp,
+        use_te=use_te,
+        **config_kwargs,
+    )
+    models = []
+    for vp in range(vpp or 1):
+        stage = vp if (vpp or 1) > 1 else None
+        models.append(
+            build_gpt_model(
+                cfg,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                vp_stage=stage,
+                config=config,
+                use_te=use_te,
+            )
+        )
+    return models
