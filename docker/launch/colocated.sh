@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Colocated rollouts: SGLang servers share the learner's GPUs. The trainer launches the servers
+# with memory saving on; they release their weights and KV cache while the learner trains and
+# take them back for the next rollout. Every GPU of the job both generates and trains.
+#
+# Usage: colocated.sh [--dry-run] CONFIG.yaml [--run-dir DIR] [section.key=value ...]
+#
+# Environment (besides torchrun.sh's NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT):
+#   ROLLOUT_TP            tensor-parallel size of each SGLang server      (default 1)
+#   ROLLOUT_MEM_FRACTION  SGLang --mem-fraction-static while generating   (default 0.5)
+# One server per ROLLOUT_TP GPUs: rollout.num_servers = NNODES * GPUS_PER_NODE / ROLLOUT_TP.
+# Overrides given on the command line win over the ones this script sets.
+set -euo pipefail
+here=$(dirname "${BASH_SOURCE[0]}")
+# shellcheck source=docker/launch/common.sh
+source "$here/common.sh"
+
+dry=()
+if [[ "${1:-}" == "--dry-run" ]]; then
+    dry=(--dry-run)
+    shift
+fi
+(( $# >= 1 )) || die "usage: colocated.sh [--dry-run] CONFIG.yaml [--run-dir DIR] [key=value ...]"
+config=$1
+shift
+split_train_args "$@"
+
+nnodes=${NNODES:-1}
+require_int NNODES "$nnodes" 1
+gpus=$(gpus_per_node)
+tp=${ROLLOUT_TP:-1}
+require_int ROLLOUT_TP "$tp" 1 "$gpus"
+(( gpus % tp == 0 )) || die "ROLLOUT_TP=$tp must divide GPUS_PER_NODE=$gpus"
+mem=${ROLLOUT_MEM_FRACTION:-0.5}
+[[ "$mem" =~ ^0?\.[0-9]+$ ]] || die "ROLLOUT_MEM_FRACTION must be a fraction in (0, 1), got '$mem'"
+
+export GPUS_PER_NODE=$gpus
+exec "$here/torchrun.sh" "${dry[@]}" "$config" "${RUN_DIR_ARGS[@]}" \
+    rollout.engine=sglang \
+    rollout.colocate=true \
+    "rollout.tp_size=$tp" \
+    "rollout.num_servers=$(( nnodes * gpus / tp ))" \
+    "rollout.mem_fraction=$mem" \
+    "${OVERRIDE_ARGS[@]}"

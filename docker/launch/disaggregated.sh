@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Disaggregated rollouts: SGLang servers run on their own GPUs (usually their own nodes); the
+# learner attaches to them over HTTP and, after each update, broadcasts the new weights to them
+# over an NCCL group (learner rank 0 + every server GPU).
+#
+# Usage:
+#   disaggregated.sh [--dry-run] rollout MODEL_DIR     start this node's SGLang servers, wait
+#   disaggregated.sh [--dry-run] learner CONFIG.yaml [--run-dir DIR] [section.key=value ...]
+#
+# rollout role, environment:
+#   GPUS_PER_NODE         GPUs on this node used for serving        (default: nvidia-smi count)
+#   ROLLOUT_TP            tensor-parallel size of each server       (default 1)
+#   ROLLOUT_BASE_PORT     port of the first server; server i uses base + i   (default 30000)
+#   ROLLOUT_MEM_FRACTION  SGLang --mem-fraction-static              (default 0.85)
+#   ROLLOUT_HOST          address the servers bind to               (default 0.0.0.0)
+#   LOG_DIR               server logs go to LOG_DIR/sglang_<host>_<i>.log (default: stdout)
+#   SGLANG_EXTRA_ARGS     extra arguments for every server (word-split)
+# learner role, environment: torchrun.sh's (NNODES counts learner nodes only) plus
+#   ROLLOUT_URLS          comma-separated server URLs, e.g. http://node2:30000,http://node2:30001
+set -euo pipefail
+here=$(dirname "${BASH_SOURCE[0]}")
+# shellcheck source=docker/launch/common.sh
+source "$here/common.sh"
+
+dry_run=0
+if [[ "${1:-}" == "--dry-run" ]]; then
+    dry_run=1
+    shift
+fi
+usage="usage: disaggregated.sh [--dry-run] rollout MODEL_DIR | learner CONFIG.yaml [args ...]"
+(( $# >= 2 )) || die "$usage"
+role=$1
+shift
+
+run_learner() {
+    local config=$1
+    shift
+    split_train_args "$@"
+    [[ -n "${ROLLOUT_URLS:-}" ]] || die "ROLLOUT_URLS (comma-separated SGLang server URLs) is required"
+    local urls=() url
+    IFS=',' read -r -a urls <<< "$ROLLOUT_URLS"
+    for url in "${urls[@]}"; do
+        [[ "$url" =~ ^https?://[^/:]+:[0-9]+/?$ ]] || die "ROLLOUT_URLS: bad server URL '$url'"
+    done
+    local dry=()
+    (( dry_run )) && dry=(--dry-run)
+    exec "$here/torchrun.sh" "${dry[@]}" "$config" "${RUN_DIR_ARGS[@]}" \
+        rollout.engine=sglang \
+        rollout.colocate=false \
+        "rollout.server_urls=$(json_list "${urls[@]}")" \
+        rollout.weight_sync=distributed \
+        "${OVERRIDE_ARGS[@]}"
+}
+
+run_rollout() {
+    local model=$1
+    (( $# == 1 )) || die "rollout role takes exactly one argument, MODEL_DIR"
+    local gpus tp base mem host
+    gpus=$(gpus_per_node)
+    tp=${ROLLOUT_TP:-1}
+    require_int ROLLOUT_TP "$tp" 1 "$gpus"
+    (( gpus % tp == 0 )) || die "ROLLOUT_TP=$tp must divide GPUS_PER_NODE=$gpus"
+    base=${ROLLOUT_BASE_PORT:-30000}
+    require_int ROLLOUT_BASE_PORT "$base" 1 65535
+    mem=${ROLLOUT_MEM_FRACTION:-0.85}
+    [[ "$mem" =~ ^0?\.[0-9]+$ ]] || die "ROLLOUT_MEM_FRACTION must be a fraction in (0, 1), got '$mem'"
+    host=${ROLLOUT_HOST:-0.0.0.0}
+    local extra=()
+    if [[ -n "${SGLANG_EXTRA_ARGS:-}" ]]; then
+        read -r -a extra <<< "$SGLANG_EXTRA_ARGS"
+    fi
+    if (( ! dry_run )); then
+        [[ -d "$model" ]] || die "MODEL_DIR is not a directory: $model"
+    fi
+
+    local n=$(( gpus / tp )) i pids=() name
+    name=$(hostname -s 2>/dev/null || hostname)
+    # Servers die with this script (the learner's job step ending, Ctrl-C, or one server failing).
+    trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+    for (( i = 0; i < n; i++ )); do
+        local cmd=(
+            "${PYTHON:-python3}" -m sglang.launch_server
+            --model-path "$model"
+            --host "$host"
+            --port "$(( base + i ))"
+            --tp-size "$tp"
+            --base-gpu-id "$(( i * tp ))"
+            --mem-fraction-static "$mem"
+            "${extra[@]}"
+        )
+        if (( dry_run )); then
+            printf '%q ' "${cmd[@]}"
+            echo
+            continue
+        fi
+        if [[ -n "${LOG_DIR:-}" ]]; then
+            mkdir -p "$LOG_DIR"
+            "${cmd[@]}" > "$LOG_DIR/sglang_${name}_$i.log" 2>&1 &
+        else
+            "${cmd[@]}" &
+        fi
+        pids+=("$!")
+        echo "disaggregated.sh: server $i on GPUs $(( i * tp ))..$(( i * tp + tp - 1 )):" \
+             "http://$name:$(( base + i ))" >&2
+    done
+    (( dry_run )) && exit 0
+    # Stay up while every server is up; the first one to exit ends the node's serving.
+    local rc=0
+    wait -n "${pids[@]}" || rc=$?
+    echo "disaggregated.sh: an SGLang server exited (status $rc); stopping the others" >&2
+    exit "$(( rc == 0 ? 1 : rc ))"
+}
+
+case "$role" in
+    learner) run_learner "$@" ;;
+    rollout) run_rollout "$@" ;;
+    *) die "unknown role '$role'; $usage" ;;
+esac
