@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -164,19 +163,6 @@ def load_hf_weights(
             entry.param.copy_(shard)
             n += 1
     return n
-
-
-def unexpected_hf_tensors(reader: HFCheckpointReader, adapter: StateDictAdapter, dims) -> list[str]:
-    """HF tensors in the checkpoint that the mapping does not use (rotary buffers and a tied
-    ``lm_head.weight`` are allowed)."""
-    used = set(adapter.hf_names(dims))
-    skip = re.compile(r"rotary_emb\.inv_freq$")
-    out = []
-    for k in reader.keys():
-        if k in used or skip.search(k) or (dims.tie_embeddings and k == "lm_head.weight"):
-            continue
-        out.append(k)
-    return out
 
 
 def _sharded_state_dict(models: list[torch.nn.Module]) -> dict:

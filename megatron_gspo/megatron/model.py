@@ -51,13 +51,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 SUPPORTED_ARCHITECTURES = (
@@ -256,6 +256,42 @@ class SequenceParallelRMSNorm(torch.nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+class PackedDotProductAttention(DotProductAttention):
+    """Local-spec core attention that accepts packed sequences (THD, `PackedSeqParams`):
+    turns `cu_seqlens` into a block-diagonal causal mask, so packed sequences never attend to
+    each other (Megatron-Core's local attention refuses `packed_seq_params`)."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **kwargs):
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias, **kwargs)
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"packed qkv_format {packed_seq_params.qkv_format!r} unsupported")
+        # [t, np, hn] -> [t, 1, np, hn] (sq, b, np, hn)
+        q, k, v = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        mask = block_causal_mask(packed_seq_params.cu_seqlens_q, q.shape[0], q.device)
+        return super().forward(q, k, v, mask, attn_mask_type=attn_mask_type,
+                               attention_bias=attention_bias, **kwargs)
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
+    """[1, 1, t, t] bool mask, True where attention is NOT allowed (other segment or future).
+
+    Args:
+        cu_seqlens: [n + 1] segment boundaries covering `total` positions.
+        total: t.
+        device: where to build it.
+    """
+    seg = torch.zeros(total, dtype=torch.long, device=device)
+    bounds = cu_seqlens.to(device=device, dtype=torch.long)
+    seg[bounds[1:-1]] = 1
+    seg = seg.cumsum(0)  # segment id of each position
+    pos = torch.arange(total, device=device)
+    allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    return (~allowed).view(1, 1, total, total)
+
+
 def _layer_spec(config: TransformerConfig, use_te: bool) -> ModuleSpec:
     num_experts = config.num_moe_experts
     if use_te:
@@ -265,6 +301,7 @@ def _layer_spec(config: TransformerConfig, use_te: bool) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
         normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     if config.sequence_parallel:
         sub = spec.submodules
         sub.input_layernorm = SequenceParallelRMSNorm
@@ -303,9 +340,10 @@ def build_gpt_model(
     spec = _layer_spec(config, use_te)
     if config.sequence_parallel and not use_te:
         # final layernorm comes from the block spec; route it through the SP-aware norm too.
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
 
         n_local = get_num_layers_to_build(config, vp_stage=vp_stage)
         spec = TransformerBlockSubmodules(

@@ -1,0 +1,171 @@
+"""Stream a live Megatron-Core model's weights as Hugging Face-named tensors, in size-bounded
+buckets: the input of every weight-sync path to the rollout engines and of ``mcore-to-hf``.
+
+Each parameter is gathered to its full tensor across tensor parallelism (expert-tensor
+parallelism for routed experts), routed experts are gathered across expert parallelism, and
+the full tensor is split into its HF tensors with the architecture's adapter (fused QKV and
+[gate; up] undone, vocabulary padding dropped). With ``gather_pipeline=True`` every pipeline
+stage receives the other stages' tensors (broadcast over the pipeline group) so every rank
+yields the whole model in the same order; otherwise each rank yields its own stage only.
+
+All ranks of the model-parallel group must iterate the generator together (it is collective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.convert import get_adapter
+from megatron_gspo.convert.base import ConversionError, to_hf_tensors
+from megatron_gspo.convert.sharding import expert_index, rename_indices, tp_unshard
+from megatron_gspo.megatron.checkpoint_io import (
+    ParamEntry,
+    model_param_entries,
+    normalize_hf_config,
+)
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def _full_tensors(entry: ParamEntry, num_local_experts: int) -> list[tuple[str, torch.Tensor]]:
+    """(canonical name, full tensor) for one local parameter; several for gathered experts."""
+    from megatron.core import parallel_state as ps
+
+    pm, t = entry.pm, entry.param.detach()
+    if pm.expert:
+        group = ps.get_expert_tensor_parallel_group()
+        size = ps.get_expert_tensor_parallel_world_size()
+    else:
+        group = ps.get_tensor_model_parallel_group()
+        size = ps.get_tensor_model_parallel_world_size()
+    if size > 1 and pm.tp_dim is not None:
+        t = tp_unshard(_all_gather(t, group), pm)
+    if not pm.expert or ps.get_expert_model_parallel_world_size() == 1:
+        return [(entry.canonical, t)]
+    parts = _all_gather(t, ps.get_expert_model_parallel_group())
+    e_local = (
+        expert_index(entry.canonical) - ps.get_expert_model_parallel_rank() * num_local_experts
+    )
+    return [
+        (rename_indices(entry.canonical, expert=e_local + r * num_local_experts), p)
+        for r, p in enumerate(parts)
+    ]
+
+
+def _stage_tensors(
+    entries: list[ParamEntry], maps, dims, adapter, dtype, num_local_experts: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for entry in entries:
+        for canonical, full in _full_tensors(entry, num_local_experts):
+            pm = maps[canonical]
+            for name, t in zip(pm.hf, to_hf_tensors(pm, full, dims)):
+                yield name, (t if dtype is None else t.to(dtype))
+
+
+def _stage_meta(entries, maps, dims, dtype, num_local_experts, ep_size) -> list:
+    """(name, shape, dtype) of every HF tensor a stage yields, in yield order (no data)."""
+    out = []
+    for entry in entries:
+        names = [entry.canonical]
+        if entry.pm.expert and ep_size > 1:
+            e = expert_index(entry.canonical) % num_local_experts
+            names = [
+                rename_indices(entry.canonical, expert=e + r * num_local_experts)
+                for r in range(ep_size)
+            ]
+        for c in names:
+            pm = maps[c]
+            for name, shape in zip(pm.hf, pm.shapes):
+                out.append((name, tuple(shape), dtype or entry.param.dtype))
+    return out
+
+
+def export_hf_weights(
+    models: list[torch.nn.Module],
+    hf_config: Mapping,
+    *,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    gather_pipeline: bool = True,
+) -> Iterator[Bucket]:
+    """Yield the model's weights as buckets of (HF name, tensor) (collective).
+
+    Args:
+        models: this rank's model chunks (wrappers allowed), in virtual-stage order.
+        hf_config: the HF config.json the model was built from.
+        bucket_bytes: upper bound on the bytes of one bucket; a single tensor larger than
+            this is an error.
+        dtype: cast to this dtype (None keeps the parameter dtype).
+        gather_pipeline: yield every stage's tensors on every rank (True) or only this
+            rank's stage (False).
+    Yields:
+        lists of (name, tensor); tensors may share storage with live parameters (copy them
+        before the next optimizer step if kept).
+    """
+    from megatron.core import parallel_state as ps
+
+    if bucket_bytes <= 0:
+        raise ConversionError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    cfg = normalize_hf_config(hf_config)
+    adapter = get_adapter(cfg)
+    dims = adapter.dims(cfg)
+    maps = adapter.maps_by_mcore(dims)
+    entries = [
+        e
+        for m in models
+        for e in model_param_entries(m, maps, dims.tie_embeddings)
+        if e.pm is not None
+    ]
+    ep_size = ps.get_expert_model_parallel_world_size()
+    nle = dims.num_experts // ep_size if dims.num_experts else 0
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        own = _stage_tensors(entries, maps, dims, adapter, dtype, nle)
+        if pp_size == 1 or not gather_pipeline:
+            yield from own
+            return
+        group = ps.get_pipeline_model_parallel_group()
+        ranks = dist.get_process_group_ranks(group)
+        me = ps.get_pipeline_model_parallel_rank()
+        device = entries[0].param.device if entries else torch.device("cpu")
+        for stage in range(pp_size):
+            meta = [_stage_meta(entries, maps, dims, dtype, nle, ep_size) if stage == me else None]
+            dist.broadcast_object_list(meta, src=ranks[stage], group=group)
+            if stage == me:
+                for (name, t), (mname, _, _) in zip(own, meta[0], strict=True):
+                    assert name == mname, (name, mname)
+                    t = t.contiguous()
+                    dist.broadcast(t, src=ranks[stage], group=group)
+                    yield name, t
+            else:
+                for name, shape, dt in meta[0]:
+                    t = torch.empty(shape, dtype=dt, device=device)
+                    dist.broadcast(t, src=ranks[stage], group=group)
+                    yield name, t
+
+    bucket: Bucket = []
+    size = 0
+    for name, t in stream():
+        nbytes = t.numel() * t.element_size()
+        if nbytes > bucket_bytes:
+            raise ConversionError(
+                f"tensor '{name}' has {nbytes} bytes > bucket_bytes={bucket_bytes}; "
+                "raise the bucket size"
+            )
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket

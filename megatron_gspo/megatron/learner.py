@@ -1,0 +1,342 @@
+"""The Megatron-Core learner: one object per rank that owns the model chunks, the optimizer and
+the packing of a mini-batch, and runs GSPO / GSPO-token / GRPO optimizer steps.
+
+Same code on CPU (gloo, with `megatron_gspo.megatron.cpu`) and GPU (NCCL). Every rank receives
+the SAME global mini-batch (a list of `Sample`s; `broadcast_samples` sends rank 0's list); the
+learner picks this DP rank's share with `plan_microbatches`, packs micro-batches, and runs
+Megatron's pipeline schedule. Usable in-process (world size 1) or under
+`torchrun --nproc_per_node=N` (see `python -m megatron_gspo.megatron.learner --help`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.data.batch import MicroBatch, pack_microbatch, plan_microbatches
+from megatron_gspo.data.sample import Sample
+from megatron_gspo.megatron import parallel, step, weights
+from megatron_gspo.megatron.model import build_gpt_model, build_model_config
+from megatron_gspo.megatron.optimizer import (OptimSettings, build_optimizer, current_lr,
+                                              wrap_ddp)
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How a mini-batch is cut: `num_microbatches` per DP rank (minimum) and/or a token budget
+    per micro-batch; `pad_id` pads packed rows."""
+
+    num_microbatches: int | None = None
+    max_tokens_per_microbatch: int | None = None
+    pad_id: int = 0
+
+
+class Learner:
+    """Model chunks + optimizer + scheduler of this rank.
+
+    Args:
+        hf_config: parsed Hugging Face config.json.
+        layout: parallel sizes (DP derived from the world size).
+        optim: optimizer / LR schedule settings.
+        loss: policy-loss settings.
+        batching: micro-batch settings.
+        params_dtype: float32 / bfloat16 / float16.
+        seed: model-init / RNG seed.
+        use_te: force the TE (True) / local (False) layer spec; None = TE when importable.
+        recompute: full activation recompute.
+    """
+
+    def __init__(self, hf_config: dict, *, layout: parallel.ParallelLayout | None = None,
+                 optim: OptimSettings | None = None, loss: step.LossSettings | None = None,
+                 batching: BatchSettings | None = None, params_dtype: torch.dtype = torch.float32,
+                 seed: int = 1234, use_te: bool | None = None, recompute: bool = False):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.transformer.module import Float16Module
+
+        self.hf_config = hf_config
+        self.layout = layout or parallel.ParallelLayout()
+        self.optim_settings = optim or OptimSettings()
+        self.loss_settings = loss or step.LossSettings()
+        self.batching = batching or BatchSettings()
+        self.params_dtype = params_dtype
+        self.tied = bool(hf_config.get("tie_word_embeddings", False))
+        self.dp_size = parallel.initialize(self.layout, seed=seed, hf_config=hf_config)
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        lay = self.layout
+        self.config = build_model_config(
+            hf_config, params_dtype=params_dtype, tensor_parallel=lay.tensor,
+            pipeline_parallel=lay.pipeline, virtual_pipeline=(
+                lay.virtual_pipeline if (lay.virtual_pipeline or 1) > 1 else None),
+            expert_parallel=lay.expert, expert_tensor_parallel=lay.expert_tensor,
+            context_parallel=lay.context, sequence_parallel=lay.sequence_parallel,
+            recompute=recompute, use_te=use_te)
+        n_chunks = max(1, lay.virtual_pipeline or 1)
+        self.chunks = []
+        for vp in range(n_chunks):
+            vps = vp if n_chunks > 1 else None
+            m = build_gpt_model(
+                hf_config, config=self.config, use_te=use_te, vp_stage=vps,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vps),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vps))
+            m.to(self.device)
+            self.chunks.append(m)
+        wrapped = [Float16Module(self.config, m) if params_dtype != torch.float32 else m
+                   for m in self.chunks]
+        self.model = wrap_ddp(wrapped, use_distributed_optimizer=(
+            self.optim_settings.use_distributed_optimizer))
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_settings,
+                                                         params_dtype)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        if params_dtype == torch.float16:
+            self.config.grad_scale_func = self.optimizer.scale_loss
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        vocab_local = self.chunks[-1].vocab_size // lay.tensor
+        self.ctx = step.ParallelContext(
+            tp_group=ps.get_tensor_model_parallel_group(),
+            cp_group=ps.get_context_parallel_group() if lay.context > 1 else None,
+            dp_size=self.dp_size, cp_size=lay.context, cp_rank=ps.get_context_parallel_rank(),
+            vocab_start=tp_rank * vocab_local, vocab_size=int(hf_config["vocab_size"]))
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.steps = 0
+
+    # ----------------------------------------------------------------------------- packing
+    def _micro_batches(self, samples: list[Sample], old_logprobs) -> list[MicroBatch]:
+        from megatron.core import parallel_state as ps
+
+        plan = plan_microbatches([len(s.prompt_ids) + len(s.response_ids) for s in samples],
+                                 self.dp_size,
+                                 num_microbatches=self.batching.num_microbatches,
+                                 max_tokens=self.batching.max_tokens_per_microbatch)
+        cp = self.layout.context
+        seq_mult = 2 * cp if cp > 1 else 1
+        total_mult = seq_mult * (self.layout.tensor if self.config.sequence_parallel else 1)
+        mine = plan[ps.get_data_parallel_rank(with_context_parallel=False)]
+        return [pack_microbatch(samples, idx, old_logprobs=old_logprobs, seq_multiple=seq_mult,
+                                total_multiple=total_mult, pad_id=self.batching.pad_id)
+                for idx in mine]
+
+    def _run(self, forward_step_func, data: list[dict], forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        iters = [iter(data) for _ in self.model] if len(self.model) > 1 else iter(data)
+        seq = max(int(d["tokens"].shape[1]) for d in data)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step_func, data_iterator=iters,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(data), seq_length=seq, micro_batch_size=1,
+            forward_only=forward_only)
+
+    # ----------------------------------------------------------------------------- API
+    @torch.no_grad()
+    def forward_logprobs(self, samples: list[Sample], *, temperature: float | None = None,
+                         with_entropy: bool = False):
+        """Token log-probs of every sample's response under the current weights.
+
+        Args:
+            samples: the global mini-batch (same list on every rank).
+            temperature: sampling temperature (default: the loss settings').
+            with_entropy: also return per-token entropies.
+        Returns:
+            list (one per sample) of response log-prob lists [, list of entropy lists];
+            identical on every rank.
+        """
+        from megatron.core import parallel_state as ps
+
+        temp = self.loss_settings.temperature if temperature is None else temperature
+        for m in self.model:
+            m.eval()
+        mbs = self._micro_batches(samples, None)
+        data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
+        out = self._run(step.logprob_forward_step_factory(self.ctx, temp), data, True)
+        for m in self.model:
+            m.train()
+        width = max(len(s.response_ids) for s in samples)
+        buf = torch.zeros(2, len(samples), width, dtype=torch.float64, device=self.device)
+        contribute = (self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
+                      and ps.get_context_parallel_rank() == 0)
+        if contribute:
+            for mb, res in zip(mbs, out):
+                for i, k in enumerate(mb.sample_indices):
+                    s = samples[k]
+                    start = int(mb.seq_index[i, 0]) + len(s.prompt_ids) - 1
+                    r = len(s.response_ids)
+                    buf[0, k, :r] = res["logprobs"][start:start + r].double()
+                    buf[1, k, :r] = res["entropy"][start:start + r].double()
+        dist.all_reduce(buf)
+        lps = [buf[0, k, :len(s.response_ids)].tolist() for k, s in enumerate(samples)]
+        if with_entropy:
+            return lps, [buf[1, k, :len(s.response_ids)].tolist() for k, s in enumerate(samples)]
+        return lps
+
+    def forward_backward(self, samples: list[Sample], old_logprobs=None) -> dict[str, float]:
+        """Zero the gradients, run forward + backward over the mini-batch (gradients reduced
+        over DP, ready for the optimizer) and return loss metrics.
+
+        Args:
+            samples: the global mini-batch (same list on every rank), advantages filled in.
+            old_logprobs: per-sample pi_old response log-probs; None = `rollout_logprobs`.
+        """
+        if not samples:
+            raise ValueError("train batch is empty")
+        missing = [s.index for s in samples if s.advantage is None]
+        if missing:
+            raise ValueError(f"samples {missing[:5]} have no advantage")
+        if old_logprobs is None:
+            bad = [s.index for s in samples if s.rollout_logprobs is None]
+            if bad:
+                raise ValueError(f"samples {bad[:5]} have no rollout_logprobs and no "
+                                 "old_logprobs were given")
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        mbs = self._micro_batches(samples, old_logprobs)
+        n_seq = float(sum(1 for s in samples if s.num_trainable > 0))
+        n_tok = float(sum(s.num_trainable for s in samples))
+        data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
+        fstep = step.forward_step_factory(self.loss_settings, self.ctx,
+                                          num_sequences=max(n_seq, 1.0),
+                                          num_tokens=max(n_tok, 1.0),
+                                          num_microbatches=len(data))
+        out = self._run(fstep, data, False)
+        return self._metrics(out, len(data), sum(mb.seq_len for mb in mbs))
+
+    def _metrics(self, out: list, n_mb: int, local_tokens: int) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        keys = None
+        vec = None
+        if self.is_last_stage:
+            m = step.reduce_metrics(out, ps.get_data_parallel_group(with_context_parallel=False),
+                                    self.device)
+            keys = sorted(m)
+            vec = torch.tensor([m[k] for k in keys], dtype=torch.float64, device=self.device)
+        # send the last stage's metrics to every pipeline stage
+        obj = [keys]
+        pp_group = ps.get_pipeline_model_parallel_group()
+        last = ps.get_pipeline_model_parallel_last_rank()
+        if self.layout.pipeline > 1:
+            dist.broadcast_object_list(obj, src=last, group=pp_group)
+            keys = obj[0]
+            if vec is None:
+                vec = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+            dist.broadcast(vec, src=last, group=pp_group)
+        res = dict(zip(keys, vec.tolist()))
+        res["micro_batches"] = float(n_mb)
+        res["packed_tokens"] = float(local_tokens)
+        return res
+
+    def optimizer_step(self) -> dict[str, float]:
+        """One optimizer + LR-scheduler step on the accumulated gradients."""
+        lr = current_lr(self.optimizer)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+            self.steps += 1
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "lr": lr, "update_skipped": float(not ok)}
+
+    def train_step(self, samples: list[Sample], old_logprobs=None) -> dict[str, float]:
+        """One optimizer step over a global mini-batch.
+
+        Returns:
+            metrics: loss, clip_fraction(_low/_high), ratio_mean/min/max, entropy, grad_norm,
+            lr, trainable_tokens, sequences, micro_batches, time_fwd_bwd, time_optimizer,
+            tokens_per_s (all ranks' packed tokens / step time).
+        """
+        t0 = time.perf_counter()
+        metrics = self.forward_backward(samples, old_logprobs)
+        t1 = time.perf_counter()
+        metrics.update(self.optimizer_step())
+        t2 = time.perf_counter()
+        tokens = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
+        metrics.update(time_fwd_bwd=t1 - t0, time_optimizer=t2 - t1,
+                       tokens=tokens, tokens_per_s=tokens / max(t2 - t0, 1e-9))
+        return metrics
+
+    # ----------------------------------------------------------------------------- weights
+    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
+        """Set all weights from a full (TP=PP=EP=1) Megatron-named state dict; refreshes the
+        optimizer's fp32 main parameters."""
+        weights.load_full_state_dict(self.chunks, full, self.tied)
+        self._refresh_main_params()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights gathered from all ranks (on every rank; small models / tests)."""
+        return weights.gather_full(self.chunks, self.tied)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Full gradients after `forward_backward` (needs the non-distributed optimizer)."""
+        if self.optim_settings.use_distributed_optimizer:
+            raise ValueError("full_grads needs use_distributed_optimizer=False (gradients are "
+                             "reduce-scattered otherwise)")
+        return weights.gather_full(self.chunks, self.tied, grads=True)
+
+    def _refresh_main_params(self) -> None:
+        opt = self.optimizer
+        for o in getattr(opt, "chained_optimizers", [opt]):
+            if hasattr(o, "reload_model_params"):
+                o.reload_model_params()
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def sharded_state_dict(self) -> dict:
+        """Model + optimizer + scheduler state for `megatron.core.dist_checkpointing`."""
+        sd = {}
+        for i, m in enumerate(self.model):
+            key = f"model{i}" if len(self.model) > 1 else "model"
+            sd[key] = m.sharded_state_dict()
+        return sd
+
+    def _full_sharded_sd(self, is_loading: bool) -> dict:
+        sd = self.sharded_state_dict()
+        meta = {"distrib_optim_sharding_type": "dp_reshardable"}
+        if is_loading and self.optim_settings.use_distributed_optimizer:
+            for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                if hasattr(o, "_init_optimizer_states_with_dummy_values"):
+                    o._init_optimizer_states_with_dummy_values()
+        sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=is_loading,
+                                                            metadata=meta)
+        sd["scheduler"] = self.scheduler.state_dict()
+        sd["steps"] = self.steps
+        return sd
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save model, optimizer and scheduler (torch_dist format) to directory `path`."""
+        import os
+
+        from megatron.core import dist_checkpointing
+
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._full_sharded_sd(False), path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a checkpoint written by `save_checkpoint` (any parallel layout)."""
+        from megatron.core import dist_checkpointing
+
+        sd = self._full_sharded_sd(True)
+        with torch.no_grad():
+            loaded = dist_checkpointing.load(sd, path)
+        for i, m in enumerate(self.model):
+            key = f"model{i}" if len(self.model) > 1 else "model"
+            m.load_state_dict(loaded[key])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        self.steps = int(loaded["steps"])
+
+    def shutdown(self) -> None:
+        """Release the process groups."""
+        parallel.shutdown()
+
+
+def broadcast_samples(samples: list[Sample] | None, src: int = 0) -> list[Sample]:
+    """Send rank `src`'s sample list to every rank (pickled object broadcast)."""
+    obj = [samples]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(obj, src=src)
+    return obj[0]

@@ -1,0 +1,215 @@
+"""Token log-probs / entropy from tensor-parallel (vocab-sharded) logits, and context-parallel
+helpers for per-sequence quantities.
+
+`vocab_parallel_logprobs`: log softmax(logits / T)[target] where each TP rank holds a slice
+[V/tp] of the vocabulary. Only [N]-sized max / sum-exp / target-logit vectors cross ranks (three
+all-reduces); the full vocabulary is never gathered. Padded vocabulary columns (ids >=
+`vocab_size`) are excluded. Computed in float32, in token chunks to bound the working set; the
+backward pass recomputes the softmax chunk by chunk: d logp / dz = (onehot - softmax) / T.
+
+Context parallel: each CP rank holds a part of every sequence. The loss is computed replicated
+on every CP rank from the whole sequences: `cp_gather` assembles per-token values (forward:
+all-gather; backward: each rank keeps the gradient of its own positions, since every rank
+computes the same loss), `cp_allreduce_sum` sums per-sequence partial sums the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK = 4096
+
+
+def _mask_padded(z: torch.Tensor, vocab_start: int, vocab_size: int | None) -> torch.Tensor:
+    if vocab_size is None or vocab_start + z.shape[-1] <= vocab_size:
+        return z
+    keep = vocab_size - vocab_start  # may be <= 0 on a rank holding only padding
+    z[:, max(keep, 0):] = float("-inf")
+    return z
+
+
+def _stats_chunk(z, t_local, in_range, group):
+    """Return (max [C], sumexp [C], target logit [C]) reduced over the TP group."""
+    m = z.max(dim=-1).values  # [C]
+    if group is not None:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    se = (z - m[:, None]).exp().sum(-1)  # [C]
+    tz = torch.where(in_range, z.gather(-1, t_local[:, None]).squeeze(-1), torch.zeros_like(m))
+    if group is not None:
+        dist.all_reduce(se, group=group)
+        dist.all_reduce(tz, group=group)
+    return m, se, tz
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, vocab_start, vocab_size, group, chunk):
+        n = logits.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        out = torch.empty_like(lse)
+        t_local = (targets - vocab_start).clamp(0, logits.shape[1] - 1)
+        in_range = (targets >= vocab_start) & (targets < vocab_start + logits.shape[1])
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            z = _mask_padded(logits[s:e].float() / temperature, vocab_start, vocab_size)
+            m, se, tz = _stats_chunk(z, t_local[s:e], in_range[s:e], group)
+            lse[s:e] = m + se.log()
+            out[s:e] = tz - lse[s:e]
+        ctx.save_for_backward(logits, t_local, in_range, lse)
+        ctx.cfg = (temperature, vocab_start, vocab_size, chunk)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, t_local, in_range, lse = ctx.saved_tensors
+        temperature, vocab_start, vocab_size, chunk = ctx.cfg
+        grad = torch.empty_like(logits)
+        g = grad_out.float()
+        for s in range(0, logits.shape[0], chunk):
+            e = min(s + chunk, logits.shape[0])
+            z = _mask_padded(logits[s:e].float() / temperature, vocab_start, vocab_size)
+            p = (z - lse[s:e, None]).exp()  # [C, V/tp] softmax slice
+            d = -p * (g[s:e, None] / temperature)
+            hot = (g[s:e] / temperature) * in_range[s:e].float()
+            d.scatter_add_(-1, t_local[s:e, None], hot[:, None])
+            grad[s:e] = d.to(grad.dtype)
+        return grad, None, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    group=None,
+    chunk_size: int = DEFAULT_CHUNK,
+    return_entropy: bool = False,
+):
+    """Log-probs of `targets` under softmax(logits / T) over a vocabulary sharded across `group`.
+
+    Args:
+        logits: [..., V_local] this rank's vocabulary slice (any float dtype, with grad).
+        targets: [...] global token ids.
+        temperature: sampling temperature (> 0).
+        vocab_start: global id of this rank's first column.
+        vocab_size: true vocabulary size; columns with id >= vocab_size are ignored.
+        group: tensor-parallel process group (None or size 1: single rank).
+        chunk_size: tokens per chunk.
+        return_entropy: also return the (detached) entropy of each token's distribution.
+    Returns:
+        [...] float32 log-probs, or (log-probs, entropy).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
+                         "disagree")
+    if group is not None and dist.get_world_size(group) == 1:
+        group = None
+    lead = targets.shape
+    z2 = logits.reshape(-1, logits.shape[-1])  # [N, V_local]
+    t1 = targets.reshape(-1).long()  # [N]
+    lp = _VocabParallelLogProbs.apply(z2, t1, float(temperature), int(vocab_start), vocab_size,
+                                      group, max(1, int(chunk_size)))
+    lp = lp.reshape(lead)
+    if not return_entropy:
+        return lp
+    with torch.no_grad():
+        ent = torch.empty(z2.shape[0], dtype=torch.float32, device=z2.device)
+        for s in range(0, z2.shape[0], chunk_size):
+            e = min(s + chunk_size, z2.shape[0])
+            z = _mask_padded(z2[s:e].float() / temperature, vocab_start, vocab_size)
+            m, se, _ = _stats_chunk(z, torch.zeros(e - s, dtype=torch.long, device=z.device),
+                                    torch.zeros(e - s, dtype=torch.bool, device=z.device), group)
+            lse = m + se.log()
+            p = (z - lse[:, None]).exp()
+            pz = torch.where(p > 0, p * z, torch.zeros_like(p)).sum(-1)  # [C]
+            if group is not None:
+                dist.all_reduce(pz, group=group)
+            ent[s:e] = lse - pz
+    return lp, ent.reshape(lead)
+
+
+# ----------------------------------------------------------------------------- context parallel
+class _CPAllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        # The loss built from the sum is replicated on every CP rank: each rank's partial sum
+        # receives that (identical) gradient once.
+        return g, None
+
+
+def cp_allreduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum `x` over the CP group; backward passes the gradient through unchanged.
+
+    Args:
+        x: any tensor (e.g. [n] per-sequence partial sums of this rank's tokens).
+        group: context-parallel process group (None / size 1: identity).
+    Returns:
+        the sum over CP ranks, same shape.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _CPAllReduceSum.apply(x, group)
+
+
+class _CPGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, total, group):
+        size = dist.get_world_size(group)
+        xs = [torch.empty_like(x) for _ in range(size)]
+        idx = [torch.empty_like(index) for _ in range(size)]
+        dist.all_gather(xs, x.contiguous(), group=group)
+        dist.all_gather(idx, index.contiguous(), group=group)
+        out = x.new_zeros(total)
+        out[torch.cat(idx)] = torch.cat(xs)
+        ctx.save_for_backward(index)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (index,) = ctx.saved_tensors
+        return g[index], None, None, None
+
+
+def cp_gather(x: torch.Tensor, index: torch.Tensor, total: int, group) -> torch.Tensor:
+    """Assemble a full packed row from every CP rank's positions.
+
+    Args:
+        x: [S_local] this rank's values (e.g. token log-probs, with grad).
+        index: [S_local] int64 global positions of those values (`cp_local_index`).
+        total: S, the full row length.
+        group: context-parallel process group (None / size 1: scatter into place).
+    Returns:
+        [S] values in global order; gradient flows back to this rank's positions only.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        out = x.new_zeros(total)
+        return out.index_put((index,), x)
+    return _CPGather.apply(x, index, total, group)
+
+
+def sequence_sums(values: torch.Tensor, seq_index: torch.Tensor, seq_valid: torch.Tensor,
+                  group=None) -> torch.Tensor:
+    """Per-sequence sums of per-position values, summed over CP ranks.
+
+    Args:
+        values: [S] per-position values (positions a rank does not hold are 0).
+        seq_index / seq_valid: [n, L] positions of each sequence (MicroBatch fields).
+        group: CP group for the cross-rank sum (None: local only).
+    Returns:
+        [n] sums.
+    """
+    rows = torch.where(seq_valid, values[seq_index], torch.zeros((), dtype=values.dtype,
+                                                                 device=values.device))
+    return cp_allreduce_sum(rows.sum(-1), group)

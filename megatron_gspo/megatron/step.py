@@ -1,0 +1,225 @@
+"""forward_step / loss_func for Megatron-Core's `get_forward_backward_func`, calling the
+`megatron_gspo.algo` losses on packed micro-batches.
+
+Normalisation (one optimizer step = mean over ALL sequences of the global mini-batch, or all
+trainable tokens for token-mean GRPO). Every sequence lies in one micro-batch (under context
+parallelism its token log-probs are gathered over the CP group first), so each micro-batch's loss
+is its SUM of per-sequence terms divided by the GLOBAL count N. Megatron then
+  - divides the returned loss by the number of micro-batches M and multiplies it by the CP size
+    (2-tuple `(loss, dict)` contract of `forward_step_calc_loss`, with
+    `calculate_per_token_loss=False`), and
+  - averages gradients over the DP x CP ranks (DDP `gradient_scaling_factor = 1/(dp*cp)`).
+`loss_func` therefore returns `loss * M * dp`: the gradient that reaches the optimizer is
+exactly d/dtheta (1/N) sum_i term_i, whatever M, the packing and the DP / CP sizes. (Each CP
+rank computes the same replicated loss but back-propagates only through its own tokens, so the
+DP x CP sum of the per-rank gradients is the full gradient.)
+
+Metrics: the loss and the algo's sum-type counters are summed over micro-batches and DP ranks
+(`reduce_metrics`), ratio_min / ratio_max reduced with MIN / MAX, fractions recomputed with
+`megatron_gspo.algo.losses.finalize_stats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.algo import losses
+from megatron_gspo.data.batch import MicroBatch, cp_local_index
+from megatron_gspo.megatron.logprobs import cp_gather, vocab_parallel_logprobs
+
+LOSS_KINDS = ("gspo", "gspo_token", "grpo")
+SUM_KEYS = ("loss", "clipped_tokens", "clipped_tokens_low", "clipped_tokens_high",
+            "trainable_tokens", "sequences", "ratio_sum", "ratio_count", "logratio_bound_hits",
+            "entropy_sum")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Which policy loss and its knobs.
+
+    kind: "gspo" | "gspo_token" | "grpo"; eps_low / eps_high: clip range; grpo_aggregation:
+    "seq-mean-token-mean" | "token-mean"; temperature: sampling temperature of the rollouts.
+    """
+
+    kind: str = "gspo"
+    eps_low: float = 3e-4
+    eps_high: float = 4e-4
+    grpo_aggregation: str = "seq-mean-token-mean"
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"loss kind {self.kind!r} not in {LOSS_KINDS}")
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """What the step needs from parallel_state (explicit, so tests can build it by hand)."""
+
+    tp_group: object = None
+    cp_group: object = None
+    dp_size: int = 1
+    cp_size: int = 1
+    cp_rank: int = 0
+    vocab_start: int = 0
+    vocab_size: int | None = None
+
+
+def device_batch(mb: MicroBatch, device, ctx: ParallelContext) -> dict:
+    """Move a micro-batch to `device` and cut this CP rank's positions out of it.
+
+    Returns a dict with the model inputs (`tokens`, `position_ids`, `packed_seq_params`) and the
+    loss inputs (full-row targets / masks and the CP index).
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    local = cp_local_index(mb.cu_seqlens, ctx.cp_size, ctx.cp_rank).to(device)  # [S/cp]
+    cu = mb.cu_seqlens.to(device=device, dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen,
+                          cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
+    full = {k: getattr(mb, k).to(device).reshape(-1)
+            for k in ("targets", "loss_mask", "old_logprobs", "advantages")}
+    return {
+        "tokens": mb.tokens.to(device)[:, local],  # [1, S/cp]
+        "position_ids": mb.position_ids.to(device)[:, local],
+        "packed_seq_params": psp,
+        "local_index": local,
+        "seq_len": mb.seq_len,
+        "seq_index": mb.seq_index.to(device),
+        "seq_valid": mb.seq_valid.to(device),
+        "seq_advantages": mb.seq_advantages.to(device),
+        "token_advantages": mb.token_advantages,
+        **full,
+    }
+
+
+def token_logprobs_full(logits: torch.Tensor, data: dict, ctx: ParallelContext,
+                        temperature: float, with_entropy: bool = False):
+    """[S] token log-probs (and entropy) of the whole packed row from this rank's logits.
+
+    Args:
+        logits: [1, S/cp, V/tp] model output (vocab-sharded).
+    """
+    tgt = data["targets"][data["local_index"]]  # [S/cp]
+    out = vocab_parallel_logprobs(logits[0], tgt, temperature=temperature,
+                                  vocab_start=ctx.vocab_start, vocab_size=ctx.vocab_size,
+                                  group=ctx.tp_group, return_entropy=with_entropy)
+    lp, ent = out if with_entropy else (out, None)
+    lp_full = cp_gather(lp, data["local_index"], data["seq_len"], ctx.cp_group)  # [S]
+    if ent is not None:
+        ent = cp_gather(ent, data["local_index"], data["seq_len"], ctx.cp_group)
+    return lp_full, ent
+
+
+def _rows(flat: torch.Tensor, data: dict) -> torch.Tensor:
+    out = flat[data["seq_index"]]  # [n, L]
+    return torch.where(data["seq_valid"], out, torch.zeros_like(out))
+
+
+def compute_loss(lp_full: torch.Tensor, data: dict, settings: LossSettings, *,
+                 num_sequences: float, num_tokens: float):
+    """Algo loss of one micro-batch, normalised by the GLOBAL counts.
+
+    Args:
+        lp_full: [S] current token log-probs (with grad).
+        data: `device_batch` output.
+        num_sequences / num_tokens: global divisors.
+    Returns:
+        (loss, stats) from `megatron_gspo.algo.losses`.
+    """
+    lp = _rows(lp_full, data)  # [n, L]
+    old = _rows(data["old_logprobs"], data)
+    mask = _rows(data["loss_mask"], data)
+    if settings.kind == "gspo":
+        if data["token_advantages"]:
+            raise ValueError("per-token advantages need loss kind gspo_token or grpo")
+        return losses.gspo_loss(lp, old, data["seq_advantages"], mask, eps_low=settings.eps_low,
+                                eps_high=settings.eps_high, num_sequences=num_sequences)
+    adv = _rows(data["advantages"], data)  # [n, L]
+    if settings.kind == "gspo_token":
+        return losses.gspo_token_loss(lp, old, adv, mask, eps_low=settings.eps_low,
+                                      eps_high=settings.eps_high, num_sequences=num_sequences)
+    return losses.grpo_loss(lp, old, adv, mask, eps_low=settings.eps_low,
+                            eps_high=settings.eps_high, aggregation=settings.grpo_aggregation,
+                            num_sequences=num_sequences, num_tokens=num_tokens)
+
+
+def loss_func(data: dict, settings: LossSettings, ctx: ParallelContext, num_sequences: float,
+              num_tokens: float, num_microbatches: int, output: torch.Tensor):
+    """Megatron loss_func (2-tuple contract): returns (scaled loss, metrics dict)."""
+    lp_full, ent = token_logprobs_full(output, data, ctx, settings.temperature, True)
+    loss, stats = compute_loss(lp_full, data, settings, num_sequences=num_sequences,
+                               num_tokens=num_tokens)
+    metrics = {k: v.detach().float() for k, v in stats.items()}
+    metrics["loss"] = loss.detach().float()
+    metrics["entropy_sum"] = (ent * data["loss_mask"]).sum().detach()
+    return loss * (num_microbatches * ctx.dp_size), metrics
+
+
+def forward_step_factory(settings: LossSettings, ctx: ParallelContext, *, num_sequences: float,
+                         num_tokens: float, num_microbatches: int):
+    """forward_step_func(data_iterator, model) for training micro-batches (dicts from
+    `device_batch`)."""
+
+    def forward_step(data_iterator, model):
+        data = next(data_iterator)
+        out = model(data["tokens"], data["position_ids"], None,
+                    packed_seq_params=data["packed_seq_params"])
+        return out, partial(loss_func, data, settings, ctx, num_sequences, num_tokens,
+                            num_microbatches)
+
+    return forward_step
+
+
+def logprob_forward_step_factory(ctx: ParallelContext, temperature: float):
+    """forward_step_func for forward-only passes that collect [S] token log-probs + entropy."""
+
+    def collect(data, output):
+        with torch.no_grad():
+            lp, ent = token_logprobs_full(output, data, ctx, temperature, True)
+        zero = torch.zeros((), device=lp.device)
+        return zero, {"logprobs": lp, "entropy": ent}
+
+    def forward_step(data_iterator, model):
+        data = next(data_iterator)
+        out = model(data["tokens"], data["position_ids"], None,
+                    packed_seq_params=data["packed_seq_params"])
+        return out, partial(collect, data)
+
+    return forward_step
+
+
+def reduce_metrics(per_mb: list[dict], dp_group, device) -> dict[str, float]:
+    """Sum micro-batch metrics, reduce over DP, recompute fractions.
+
+    Args:
+        per_mb: metric dicts from `loss_func` (empty on non-last pipeline stages).
+        dp_group: data-parallel group (without CP: CP ranks hold the same replicated values).
+    Returns:
+        dict of floats.
+    """
+    sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=device)
+    lo = torch.full((), float("inf"), dtype=torch.float64, device=device)
+    hi = torch.full((), float("-inf"), dtype=torch.float64, device=device)
+    for m in per_mb:
+        for i, k in enumerate(SUM_KEYS):
+            sums[i] += m[k].double()
+        if m["ratio_count"] > 0:
+            lo = torch.minimum(lo, m["ratio_min"].double())
+            hi = torch.maximum(hi, m["ratio_max"].double())
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(sums, group=dp_group)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=dp_group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=dp_group)
+    st = {k: sums[i].float() for i, k in enumerate(SUM_KEYS)}
+    st = losses.finalize_stats(st)
+    out = {k: float(v) for k, v in st.items()}
+    out["ratio_min"] = float(lo) if torch.isfinite(lo) else 1.0
+    out["ratio_max"] = float(hi) if torch.isfinite(hi) else 1.0
+    out["entropy"] = out.pop("entropy_sum") / max(out["trainable_tokens"], 1.0)
+    return out
