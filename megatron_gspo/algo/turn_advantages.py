@@ -48,8 +48,12 @@ def _normalize(values: torch.Tensor, scale_by_std: bool, eps: float) -> torch.Te
     mean = values.mean()
     if not scale_by_std:
         return values - mean
-    std = values.std() if values.numel() > 1 else torch.zeros((), dtype=values.dtype)
-    return (values - mean) / (std + eps)
+    if values.numel() < 2:
+        return torch.zeros_like(values)
+    denom = values.std() + eps
+    if denom <= 0:  # equal values and eps = 0
+        return torch.zeros_like(values)
+    return (values - mean) / denom
 
 
 def group_normalize(
