@@ -72,8 +72,10 @@ def _tools_block(tools: list[dict[str, Any]], fmt: ChatFormat) -> str:
     lines += [
         "</tools>",
         "",
-        "For each function call, return a json object with function name and arguments within "
-        f"{fmt.tool_call_start}{fmt.tool_call_end} XML tags:",
+        (
+            "For each function call, return a json object with function name and arguments "
+            f"within {fmt.tool_call_start}{fmt.tool_call_end} XML tags:"
+        ),
         fmt.tool_call_start,
         '{"name": <function-name>, "arguments": <args-json-object>}',
         fmt.tool_call_end,

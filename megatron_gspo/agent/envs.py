@@ -37,7 +37,7 @@ def row_fields(item: Any) -> tuple[Any, Any]:
         if "prompt" not in item:
             raise ValueError("environment row has no 'prompt' field")
         return item["prompt"], item.get("label", item.get("answer"))
-    return getattr(item, "prompt"), getattr(item, "label", None)
+    return item.prompt, getattr(item, "label", None)
 
 
 @register_env("calculator")

@@ -65,7 +65,7 @@ def test_network_refused(isolate):
         for code in (
             f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=1)",
             f"import _socket; s = _socket.socket(); s.connect(('127.0.0.1', {port}))",
-            "import urllib.request; urllib.request.urlopen('http://127.0.0.1:%d')" % port,
+            f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}')",
         ):
             rc, _, err, _ = run(sb, code)
             assert rc != 0 and "sandbox:" in err, (code, err)

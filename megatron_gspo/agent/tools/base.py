@@ -102,7 +102,7 @@ class ToolSet:
             return ToolResult(f"Error: {exc}", "tool_error")
         except (TypeError, KeyError, ValueError) as exc:
             return ToolResult(f"Error: bad arguments for {call.name!r}: {exc}", "bad_arguments")
-        except Exception as exc:  # a tool bug must not end the run
+        except Exception as exc:  # noqa: BLE001  (a tool bug must not end the run)
             return ToolResult(f"Error: tool {call.name!r} failed: {type(exc).__name__}", "tool_error")
         if not isinstance(out, str):
             out = str(out)

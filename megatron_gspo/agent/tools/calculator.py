@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
-from typing import Any
+from typing import Any, ClassVar
 
 from megatron_gspo.agent.tools.base import ToolError
 
@@ -61,7 +61,7 @@ def evaluate(
     if sum(1 for _ in ast.walk(tree)) > max_nodes:
         raise CalcError(f"expression has more than {max_nodes} parts")
 
-    def check(v: int | float) -> int | float:
+    def check(v: float) -> int | float:
         if isinstance(v, float) and not math.isfinite(v):
             raise CalcError("result is not a finite number")
         if abs(v) > max_abs:
@@ -82,10 +82,9 @@ def evaluate(
             if isinstance(node.op, ast.Pow):
                 if abs(right) > max_exponent:
                     raise CalcError(f"exponent {right} exceeds the limit {max_exponent}")
-                if left != 0 and abs(right) >= 1:
-                    # bound |left|**right before computing it
-                    if right > 0 and right * math.log10(abs(left)) > math.log10(max_abs):
-                        raise CalcError(f"result magnitude exceeds {max_abs:g}")
+                # bound |left| ** right before computing it
+                if left != 0 and right >= 1 and right * math.log10(abs(left)) > math.log10(max_abs):
+                    raise CalcError(f"result magnitude exceeds {max_abs:g}")
                 if left == 0 and right < 0:
                     raise CalcError("division by zero")
                 if left < 0 and isinstance(right, float) and not right.is_integer():
@@ -101,7 +100,7 @@ def evaluate(
     return walk(tree)
 
 
-def format_number(value: int | float) -> str:
+def format_number(value: float) -> str:
     """Print integral floats as integers, others with up to 12 significant digits."""
     if isinstance(value, float):
         if value.is_integer() and abs(value) < 1e15:
@@ -118,7 +117,7 @@ class Calculator:
         "Evaluate an arithmetic expression with + - * / // % ** and parentheses; "
         "returns the number."
     )
-    parameters: dict[str, Any] = {
+    parameters: ClassVar[dict[str, Any]] = {
         "type": "object",
         "properties": {
             "expression": {"type": "string", "description": "e.g. (12 + 7) * 3"}

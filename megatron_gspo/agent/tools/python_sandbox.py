@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import Any, ClassVar
 
 from megatron_gspo.agent.tools.base import ToolError, truncate_output
 
@@ -104,7 +104,7 @@ def network_namespace_prefix() -> tuple[str, ...]:
         return ()
     for prefix in ((exe, "--net", "--map-root-user"), (exe, "--net")):
         try:
-            r = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+            r = subprocess.run([*prefix, "true"], capture_output=True, timeout=10, check=False)
         except (OSError, subprocess.TimeoutExpired):
             continue
         if r.returncode == 0:
@@ -130,7 +130,7 @@ class PythonSandbox:
         "Run a short Python program (standard library only, no files outside the working "
         "directory, no network) and return what it prints."
     )
-    parameters: dict[str, Any] = {
+    parameters: ClassVar[dict[str, Any]] = {
         "type": "object",
         "properties": {"code": {"type": "string", "description": "Python source to run"}},
         "required": ["code"],
@@ -161,8 +161,7 @@ class PythonSandbox:
         """Run `code`; returns (exit code or None if killed, stdout, stderr, timed_out)."""
         tmp = tempfile.mkdtemp(prefix="gspo-sandbox-")
         try:
-            with open(os.path.join(tmp, "main.py"), "w") as f:
-                f.write(code)
+            _write_text(os.path.join(tmp, "main.py"), code)
             prefix = network_namespace_prefix() if self.isolate_network else ()
             cmd = [
                 *prefix, sys.executable, "-I", "-S", "-c", _BOOTSTRAP, tmp,
@@ -210,6 +209,11 @@ class PythonSandbox:
             tail = err.strip().splitlines()[-3:]
             text += f"\n[{reason}]" + ("\n" + "\n".join(tail) if tail else "")
         return truncate_output(text.strip() or "(no output)", self.max_output_chars)[0]
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int) -> bytes:

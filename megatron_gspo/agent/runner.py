@@ -1,0 +1,386 @@
+"""Token-in/token-out multi-turn episode runner on top of a RolloutEngine.
+
+Each turn sends the exact token context (prompt + everything so far) to the engine and keeps
+the generated ids and log-probs as returned (never decoded and re-encoded). The decoded text is
+only used to let the environment act. Environment text (tool results, user replies, the turn
+framing) is tokenised and appended with loss mask 0 and rollout log-prob 0.0. One `Sample` per
+episode: `turn_ids` give each response token's turn, `turn_rewards` the per-turn rewards.
+
+Episodes stop when the environment says done, after `max_turns` model turns, when the episode
+would exceed `max_total_tokens`, or on per-turn / per-episode timeouts. Many episodes run
+concurrently (asyncio); `EngineBatcher` merges their concurrent turn requests into engine batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from megatron_gspo.agent.chat import QWEN3, ChatFormat, render_messages, render_observation
+from megatron_gspo.data.sample import Sample
+from megatron_gspo.rollout.base import GenerateRequest, RolloutEngine, SamplingParams
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Bounds of one episode.
+
+    Attributes:
+        max_turns: most model turns.
+        max_total_tokens: most tokens of the whole episode (prompt + model + environment).
+        max_new_tokens_per_turn: most tokens the model generates in one turn.
+        turn_timeout_s: wall-clock limit of one generation call.
+        episode_timeout_s: wall-clock limit of the whole episode (generation + environment).
+    """
+
+    max_turns: int = 4
+    max_total_tokens: int = 2048
+    max_new_tokens_per_turn: int = 256
+    turn_timeout_s: float = 120.0
+    episode_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_total_tokens", "max_new_tokens_per_turn"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"agent.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("turn_timeout_s", "episode_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"agent.{name} must be > 0, got {getattr(self, name)}")
+
+
+class EngineBatcher:
+    """Merges concurrent single-turn requests from many episodes into `agenerate` batches.
+
+    A batch is sent when `expected()` requests are waiting (all live episodes asked) or
+    `max_wait_s` after the first one arrived, whichever comes first.
+
+    Args:
+        engine: the rollout engine.
+        max_wait_s: longest wait for more requests before sending a batch.
+        expected: callable giving how many requests to wait for (default: send at once).
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        max_wait_s: float = 0.02,
+        expected: Callable[[], int] | None = None,
+    ):
+        self.engine = engine
+        self.max_wait_s = max_wait_s
+        self.expected = expected or (lambda: 1)
+        self._pending: list[tuple[GenerateRequest, asyncio.Future]] = []
+        self._wake: asyncio.Event | None = None
+        self._flusher: asyncio.Task | None = None
+        self.batch_sizes: list[int] = []
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Sample:
+        """Generate one response (n=1) for `prompt_ids`."""
+        loop = asyncio.get_running_loop()
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        fut: asyncio.Future = loop.create_future()
+        self._pending.append((GenerateRequest(list(prompt_ids), sampling), fut))
+        self._wake.set()
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush())
+        return await fut
+
+    def poke(self) -> None:
+        """Re-check the batch condition (call when the number of live episodes drops)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _flush(self) -> None:
+        assert self._wake is not None
+        deadline = time.monotonic() + self.max_wait_s
+        while len(self._pending) < max(1, self.expected()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        batch, self._pending = self._pending, []
+        self._flusher = None
+        if self._pending or not batch:
+            return
+        self.batch_sizes.append(len(batch))
+        try:
+            samples = await self.engine.agenerate([r for r, _ in batch])
+            if len(samples) != len(batch):
+                raise RuntimeError(
+                    f"engine returned {len(samples)} samples for {len(batch)} requests"
+                )
+        except Exception as exc:  # noqa: BLE001  (hand the failure to every waiting episode)
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        for (_, fut), s in zip(batch, samples):
+            if not fut.done():
+                fut.set_result(s)
+
+
+class EpisodeRunner:
+    """Runs multi-turn episodes against an engine and builds one Sample per episode.
+
+    Args:
+        engine: the rollout engine (its `agenerate` is called with token ids).
+        tokenizer: Hugging Face-style tokenizer (`encode(text, add_special_tokens=False)`,
+            `decode(ids, skip_special_tokens=False)`).
+        env_factory: zero-argument callable returning a fresh environment per episode.
+        sampling: sampling parameters of every turn (max_new_tokens and n are set per turn).
+        limits: episode bounds.
+        fmt: chat format; its end-of-turn and (optionally) tool-call end tokens stop a turn.
+        stop_on_tool_call_end: end a turn at the tool-call closing token (one call per turn).
+        enable_thinking: Qwen3 thinking on/off in the assistant turn openings.
+        max_concurrent: most episodes in flight.
+        batch_wait_s: see `EngineBatcher`.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        env_factory: Callable[[], Any],
+        *,
+        sampling: SamplingParams | None = None,
+        limits: EpisodeLimits | None = None,
+        fmt: ChatFormat = QWEN3,
+        stop_on_tool_call_end: bool = True,
+        enable_thinking: bool = False,
+        max_concurrent: int = 256,
+        batch_wait_s: float = 0.02,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.env_factory = env_factory
+        self.sampling = sampling or engine.default_sampling
+        self.limits = limits or EpisodeLimits()
+        self.fmt = fmt
+        self.enable_thinking = enable_thinking
+        if max_concurrent < 1:
+            raise ValueError(f"agent.max_concurrent must be >= 1, got {max_concurrent}")
+        self.max_concurrent = max_concurrent
+        self.im_end_id = self._single_token(fmt.im_end)
+        stops = set(self.sampling.stop_token_ids) | {self.im_end_id}
+        if stop_on_tool_call_end:
+            stops.add(self._single_token(fmt.tool_call_end))
+        self.stop_token_ids = tuple(sorted(stops))
+        self._live = 0
+        self.batcher = EngineBatcher(engine, batch_wait_s, expected=lambda: self._live)
+
+    def _single_token(self, text: str) -> int:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"tokenizer encodes {text!r} as {len(ids)} tokens; it must be one")
+        return int(ids[0])
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # ------------------------------------------------------------------ one episode
+    async def run_episode(self, item: Any, *, group_index: int = 0, index: int = 0) -> Sample:
+        """Play one episode on a fresh environment.
+
+        Args:
+            item: dataset row handed to `env.reset`; its "label" (if a dict) is copied.
+            group_index, index: copied to the Sample.
+        Returns:
+            the episode's Sample (reward = sum of turn rewards).
+        """
+        lim = self.limits
+        t0 = time.monotonic()
+        deadline = t0 + lim.episode_timeout_s
+        env = self.env_factory()
+        metrics: dict[str, Any] = {}
+        resp: list[int] = []
+        mask: list[int] = []
+        lps: list[float] = []
+        tids: list[int] = []
+        rewards: list[float] = []
+        versions: list[int] = []
+        finish, stop = "length", "max_turns"
+        prompt_ids: list[int] = []
+        try:
+            messages = await asyncio.wait_for(env.reset(item), lim.episode_timeout_s)
+            prompt_text = render_messages(
+                messages, env.tool_schemas(), enable_thinking=self.enable_thinking, fmt=self.fmt
+            )
+            prompt_ids = self._encode(prompt_text)
+            for turn in range(lim.max_turns):
+                room = lim.max_total_tokens - len(prompt_ids) - len(resp)
+                if room <= 0:
+                    finish, stop = "length", "max_total_tokens"
+                    break
+                budget = min(lim.max_new_tokens_per_turn, room)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    finish, stop = "abort", "episode_timeout"
+                    break
+                sp = replace(
+                    self.sampling, max_new_tokens=budget, n=1, stop_token_ids=self.stop_token_ids
+                )
+                try:
+                    out = await asyncio.wait_for(
+                        self.batcher.generate(prompt_ids + resp, sp),
+                        min(lim.turn_timeout_s, left),
+                    )
+                except asyncio.TimeoutError:
+                    timed_out_episode = time.monotonic() >= deadline
+                    finish = "abort"
+                    stop = "episode_timeout" if timed_out_episode else "turn_timeout"
+                    break
+                except Exception as exc:  # engine failures end the run, not just the episode
+                    raise _EngineFailure(exc) from exc
+                gen = list(out.response_ids)
+                glp = list(out.rollout_logprobs or [0.0] * len(gen))
+                versions.append(out.weight_version)
+                resp += gen
+                mask += [1] * len(gen)
+                lps += glp
+                tids += [turn] * len(gen)
+                if out.finish_reason != "stop":
+                    rewards.append(0.0)
+                    finish = out.finish_reason
+                    stop = "turn_length" if out.finish_reason == "length" else "engine_abort"
+                    break
+                text = self.tokenizer.decode(gen, skip_special_tokens=False)
+                try:
+                    res = await asyncio.wait_for(env.step(text), max(deadline - time.monotonic(), 1e-3))
+                except asyncio.TimeoutError:
+                    rewards.append(0.0)
+                    finish, stop = "abort", "episode_timeout"
+                    break
+                rewards.append(float(res.reward))
+                _merge_info(metrics, res.info)
+                if res.done:
+                    finish, stop = "stop", "done"
+                    break
+                if turn == lim.max_turns - 1:
+                    break
+                obs_text = render_observation(
+                    res.observation,
+                    model_closed_turn=bool(gen) and gen[-1] == self.im_end_id,
+                    enable_thinking=self.enable_thinking,
+                    fmt=self.fmt,
+                )
+                obs = self._encode(obs_text)
+                if len(prompt_ids) + len(resp) + len(obs) >= lim.max_total_tokens:
+                    finish, stop = "length", "max_total_tokens"
+                    break
+                resp += obs
+                mask += [0] * len(obs)
+                lps += [0.0] * len(obs)
+                tids += [turn] * len(obs)
+        except _EngineFailure as exc:
+            raise exc.__cause__ from None
+        except Exception as exc:  # noqa: BLE001  (a broken environment ends only its episode)
+            finish, stop = "abort", "env_error"
+            metrics["env_error"] = f"{type(exc).__name__}: {exc}"
+            if not prompt_ids:  # reset failed: keep a valid (untrainable) placeholder prompt
+                prompt_ids = [self.im_end_id]
+            n_model_turns = (tids[-1] + 1) if tids else 0
+            rewards = rewards[:n_model_turns] + [0.0] * (n_model_turns - len(rewards))
+        finally:
+            try:
+                await env.close()
+            except Exception as exc:  # noqa: BLE001  (closing must not lose the episode)
+                metrics["env_close_error"] = f"{type(exc).__name__}: {exc}"
+        metrics.update(
+            stop_reason=stop,
+            num_turns=len(rewards),
+            model_tokens=sum(mask),
+            env_tokens=len(mask) - sum(mask),
+            episode_time_s=time.monotonic() - t0,
+            weight_versions=versions,
+        )
+        label = item.get("label") if isinstance(item, dict) else None
+        return Sample(
+            prompt_ids=prompt_ids,
+            response_ids=resp,
+            loss_mask=mask,
+            rollout_logprobs=lps,
+            turn_ids=tids,
+            reward=float(sum(rewards)),
+            turn_rewards=rewards,
+            group_index=group_index,
+            index=index,
+            finish_reason=finish,
+            weight_version=min(versions) if versions else self.engine.weight_version,
+            prompt=item,
+            label=label,
+            metadata=metrics,
+        )
+
+    # ------------------------------------------------------------------ many episodes
+    async def run_batch(self, items: Sequence[Any], n_per_prompt: int = 1) -> list[Sample]:
+        """Play `n_per_prompt` episodes per item, all concurrently (bounded by max_concurrent).
+
+        Returns:
+            Samples ordered by item then episode; group_index = item position.
+        """
+        if n_per_prompt < 1:
+            raise ValueError(f"n_per_prompt must be >= 1, got {n_per_prompt}")
+        sem = asyncio.Semaphore(self.max_concurrent)
+
+        async def one(i: int, j: int) -> Sample:
+            async with sem:
+                self._live += 1
+                try:
+                    return await self.run_episode(
+                        items[i], group_index=i, index=i * n_per_prompt + j
+                    )
+                finally:
+                    self._live -= 1
+                    self.batcher.poke()
+
+        jobs = [one(i, j) for i in range(len(items)) for j in range(n_per_prompt)]
+        return list(await asyncio.gather(*jobs))
+
+    def run_batch_sync(self, items: Sequence[Any], n_per_prompt: int = 1) -> list[Sample]:
+        """Synchronous `run_batch`, on the engine's own event loop when it has one."""
+        runner = getattr(self.engine, "run_coroutine", None) or getattr(self.engine, "_run", None)
+        if runner is None:
+            return asyncio.run(self.run_batch(items, n_per_prompt))
+        return runner(self.run_batch(items, n_per_prompt))
+
+
+class _EngineFailure(Exception):
+    """Carries an engine exception through the episode's environment-error handler."""
+
+
+def _merge_info(metrics: dict[str, Any], info: dict[str, Any]) -> None:
+    """Sum numeric info into the episode metrics; keep the last value of anything else."""
+    for k, v in info.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            metrics[k] = metrics.get(k, 0) + v
+        else:
+            metrics[k] = v
+
+
+def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Batch means of the numeric episode metrics (and of the reward), for logging.
+
+    Tool-error counts are reported as totals per episode (mean over episodes); stop reasons as
+    shares (`stop/<reason>`).
+    """
+    out: dict[str, float] = {}
+    n = max(len(samples), 1)
+    keys: set[str] = set()
+    for s in samples:
+        keys |= {k for k, v in s.metadata.items() if isinstance(v, (int, float))
+                 and not isinstance(v, bool)}
+    for k in sorted(keys):
+        out[f"agent/{k}"] = sum(float(s.metadata.get(k, 0)) for s in samples) / n
+    for s in samples:
+        key = f"agent/stop/{s.metadata.get('stop_reason', 'unknown')}"
+        out[key] = out.get(key, 0.0) + 1.0 / n
+    out["agent/reward"] = sum(float(s.reward or 0.0) for s in samples) / n
+    return out
