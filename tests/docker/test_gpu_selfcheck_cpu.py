@@ -1,0 +1,55 @@
+"""tools/gpu_selfcheck.py without CUDA: a full table of skipped GPU rows and exit code 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "gpu_selfcheck.py"
+GPU_ROWS = ["cuda devices", "nccl all-reduce", "transformer-engine", "apex",
+            "TE-spec GPTModel fwd/bwd", "sglang server round trip"]
+
+
+def test_cpu_only_machine_prints_skipped_rows_and_exits_0(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the CPU-only path is not taken")
+    out_json = tmp_path / "rows.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, str(TOOL), "--json", str(out_json)], env=env,
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["check", "status", "detail"]
+    for name in GPU_ROWS:
+        [row] = [ln for ln in lines if ln.startswith(name + " ")]
+        assert "skipped: no CUDA" in row
+    assert "No CUDA device visible: the GPU checks were skipped" in r.stdout
+    report = json.loads(out_json.read_text())
+    assert report["cuda"] is False
+    status = {row["check"]: row["status"] for row in report["rows"]}
+    assert status["torch"] == "ok" and status["megatron-core"] == "ok"
+    assert all(status[n] == "skipped: no CUDA" for n in GPU_ROWS)
+
+
+def test_table_alignment_and_failed_exit_code(monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gpu_selfcheck as sc
+    finally:
+        sys.path.pop(0)
+    rows = [sc.Row("torch", "ok", "2.x"), sc.Row("nccl all-reduce", "FAIL", "rank 1: timed out")]
+    table = sc.format_table(rows).splitlines()
+    col = table[0].index("status")  # the status column lines up under its header
+    assert table[2][col:col + 2] == "ok" and table[3][col:col + 4] == "FAIL"
+    assert table[3].split()[:3] == ["nccl", "all-reduce", "FAIL"]
+    monkeypatch.setattr(sc, "run_checks", lambda *a: (rows, True))
+    assert sc.main([]) == 1
+    assert "FAILED: nccl all-reduce" in capsys.readouterr().err

@@ -1,0 +1,231 @@
+"""Launch scripts under docker/launch: syntax (bash -n), shellcheck, and the command lines their
+dry runs build for one and two nodes, colocated and disaggregated, directly and under SLURM."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_gspo.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = ROOT / "docker" / "launch"
+SCRIPTS = sorted(p for p in (ROOT / "docker").rglob("*") if p.suffix in (".sh", ".sbatch"))
+CLEAN_ENV = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "LOG_DIR",
+             "ROLLOUT_TP", "ROLLOUT_MEM_FRACTION", "ROLLOUT_URLS", "ROLLOUT_BASE_PORT",
+             "ROLLOUT_NODES", "PLACEMENT", "IMAGE", "MODEL_DIR", "DRY_RUN", "SGLANG_EXTRA_ARGS",
+             "TORCHRUN", "MEGATRON_GSPO")
+
+
+def run(script: str, *args: str, env: dict[str, str] | None = None, path_prefix: str = ""):
+    e = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV and not k.startswith("SLURM")}
+    if path_prefix:
+        e["PATH"] = f"{path_prefix}:{e['PATH']}"
+    e.update(env or {})
+    return subprocess.run(["bash", str(LAUNCH / script), *args], env=e, capture_output=True,
+                          text=True, timeout=30, cwd=ROOT)
+
+
+def argv_lines(out: str) -> list[list[str]]:
+    return [shlex.split(ln) for ln in out.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def split_torchrun(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """torchrun's own --k=v options and the program's argv after --no-python."""
+    assert argv[0] == "torchrun", argv
+    i = argv.index("--no-python")
+    opts = dict(a[2:].split("=", 1) for a in argv[1:i])
+    return opts, argv[i + 1:]
+
+
+def overrides_of(program: list[str]) -> list[str]:
+    return [a for a in program if "=" in a and not a.startswith("-")]
+
+
+def assert_valid_overrides(program: list[str]) -> None:
+    """Every key=value the scripts add is a real config field with a valid value."""
+    load_config(None, [*overrides_of(program), "model.path=/models/tiny"])
+
+
+def test_scripts_exist_and_are_executable():
+    names = {p.name for p in SCRIPTS}
+    assert {"torchrun.sh", "colocated.sh", "disaggregated.sh", "slurm.sbatch"} <= names
+    for p in SCRIPTS:
+        if p.name != "common.sh":
+            assert p.stat().st_mode & stat.S_IXUSR, f"{p} is not executable"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bash_syntax(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_shellcheck():
+    exe = shutil.which("shellcheck")
+    if exe is None:
+        pytest.skip("shellcheck binary not installed (apt-get install -y shellcheck)")
+    r = subprocess.run([exe, "-x", *map(str, SCRIPTS)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_torchrun_single_node():
+    r = run("torchrun.sh", "--dry-run", "cfg.yaml", "--run-dir", "runs/a", "train.max_steps=3",
+            env={"GPUS_PER_NODE": "8"})
+    assert r.returncode == 0, r.stderr
+    [argv] = argv_lines(r.stdout)
+    opts, program = split_torchrun(argv)
+    assert opts == {"nnodes": "1", "node-rank": "0", "nproc-per-node": "8",
+                    "master-addr": "127.0.0.1", "master-port": "29500"}
+    assert program == ["megatron-gspo", "train", "cfg.yaml", "--run-dir", "runs/a",
+                       "train.max_steps=3"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_torchrun_two_nodes(rank):
+    env = {"NNODES": "2", "NODE_RANK": str(rank), "GPUS_PER_NODE": "4",
+           "MASTER_ADDR": "node-a", "MASTER_PORT": "6000", "LOG_DIR": "/logs/j1"}
+    r = run("torchrun.sh", "--dry-run", "cfg.yaml", env=env)
+    assert r.returncode == 0, r.stderr
+    [argv] = argv_lines(r.stdout)
+    opts, program = split_torchrun(argv)
+    assert opts == {"nnodes": "2", "node-rank": str(rank), "nproc-per-node": "4",
+                    "master-addr": "node-a", "master-port": "6000",
+                    "log-dir": f"/logs/j1/node{rank}", "tee": "3"}
+    assert program == ["megatron-gspo", "train", "cfg.yaml"]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"NNODES": "2", "NODE_RANK": "1", "GPUS_PER_NODE": "8"}, "MASTER_ADDR"),
+    ({"NNODES": "2", "NODE_RANK": "2", "GPUS_PER_NODE": "8", "MASTER_ADDR": "a"}, "NODE_RANK"),
+    ({"GPUS_PER_NODE": "eight"}, "GPUS_PER_NODE"),
+    ({"GPUS_PER_NODE": "8", "MASTER_PORT": "70000"}, "MASTER_PORT"),
+])
+def test_torchrun_rejects_bad_environment(env, message):
+    r = run("torchrun.sh", "--dry-run", "cfg.yaml", env=env)
+    assert r.returncode == 2
+    assert message in r.stderr and r.stdout == ""
+
+
+def test_colocated_two_nodes():
+    env = {"NNODES": "2", "NODE_RANK": "1", "GPUS_PER_NODE": "8", "MASTER_ADDR": "node-a",
+           "ROLLOUT_TP": "2"}
+    r = run("colocated.sh", "--dry-run", "cfg.yaml", "rollout.mem_fraction=0.6",
+            "--run-dir", "runs/b", env=env)
+    assert r.returncode == 0, r.stderr
+    [argv] = argv_lines(r.stdout)
+    opts, program = split_torchrun(argv)
+    assert opts["nnodes"] == "2" and opts["node-rank"] == "1" and opts["nproc-per-node"] == "8"
+    # --run-dir stays right after the config; the user's override comes last so it wins.
+    assert program[:5] == ["megatron-gspo", "train", "cfg.yaml", "--run-dir", "runs/b"]
+    assert overrides_of(program) == [
+        "rollout.engine=sglang", "rollout.colocate=true", "rollout.tp_size=2",
+        "rollout.num_servers=8", "rollout.mem_fraction=0.5", "rollout.mem_fraction=0.6"]
+    assert_valid_overrides(program)
+    assert load_config(None, [*overrides_of(program), "model.path=/m"]).rollout.mem_fraction == 0.6
+
+
+def test_colocated_rejects_tp_not_dividing_gpus():
+    r = run("colocated.sh", "--dry-run", "cfg.yaml", env={"GPUS_PER_NODE": "8", "ROLLOUT_TP": "3"})
+    assert r.returncode == 2 and "ROLLOUT_TP" in r.stderr
+
+
+def test_disaggregated_learner():
+    urls = "http://roll-0:30000,http://roll-0:30001"
+    r = run("disaggregated.sh", "--dry-run", "learner", "cfg.yaml", "train.max_steps=2",
+            env={"GPUS_PER_NODE": "8", "ROLLOUT_URLS": urls})
+    assert r.returncode == 0, r.stderr
+    [argv] = argv_lines(r.stdout)
+    _, program = split_torchrun(argv)
+    assert_valid_overrides(program)
+    cfg = load_config(None, [*overrides_of(program), "model.path=/m"])
+    assert cfg.rollout.server_urls == urls.split(",")
+    assert (cfg.rollout.engine, cfg.rollout.colocate, cfg.rollout.weight_sync) == (
+        "sglang", False, "distributed")
+    assert cfg.train.max_steps == 2
+
+
+def test_disaggregated_learner_needs_urls():
+    r = run("disaggregated.sh", "--dry-run", "learner", "cfg.yaml", env={"GPUS_PER_NODE": "8"})
+    assert r.returncode == 2 and "ROLLOUT_URLS" in r.stderr
+    r = run("disaggregated.sh", "--dry-run", "learner", "cfg.yaml",
+            env={"GPUS_PER_NODE": "8", "ROLLOUT_URLS": "roll-0:30000"})
+    assert r.returncode == 2 and "bad server URL" in r.stderr
+
+
+def test_disaggregated_rollout_servers():
+    env = {"GPUS_PER_NODE": "8", "ROLLOUT_TP": "4", "ROLLOUT_BASE_PORT": "31000",
+           "SGLANG_EXTRA_ARGS": "--dtype bfloat16"}
+    r = run("disaggregated.sh", "--dry-run", "rollout", "/models/qwen3-8b", env=env)
+    assert r.returncode == 0, r.stderr
+    servers = argv_lines(r.stdout)
+    assert len(servers) == 2
+    for i, argv in enumerate(servers):
+        assert argv[1:3] == ["-m", "sglang.launch_server"]
+        flags = dict(zip(argv[3::2], argv[4::2]))
+        assert flags == {"--model-path": "/models/qwen3-8b", "--host": "0.0.0.0",
+                         "--port": str(31000 + i), "--tp-size": "4", "--base-gpu-id": str(4 * i),
+                         "--mem-fraction-static": "0.85", "--dtype": "bfloat16"}
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path):
+    """`scontrol show hostnames LIST` for a comma-separated LIST, as SLURM prints it."""
+    exe = tmp_path / "scontrol"
+    exe.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || exit 1\n'
+                   'echo "$3" | tr , "\\n"\n')
+    exe.chmod(0o755)
+    return str(tmp_path)
+
+
+def slurm_env(**extra: str) -> dict[str, str]:
+    return {"SLURM_JOB_NODELIST": "gpu-1,gpu-2,gpu-3", "SLURM_JOB_ID": "42",
+            "SLURM_SUBMIT_DIR": str(ROOT), "DRY_RUN": "1", **extra}
+
+
+def test_slurm_colocated(fake_scontrol):
+    r = run("slurm.sbatch", "cfg.yaml", "train.seed=7",
+            env=slurm_env(IMAGE="registry/megatron-gspo:0.1"), path_prefix=fake_scontrol)
+    assert r.returncode == 0, r.stderr
+    srun, *nodes = argv_lines(r.stdout)
+    assert srun[0] == "srun" and "--nodes=3" in srun and "--nodelist=gpu-1,gpu-2,gpu-3" in srun
+    assert "--container-image=registry/megatron-gspo:0.1" in srun
+    assert srun[-3:-1] == [str(LAUNCH / "colocated.sh"), "cfg.yaml"]
+    assert len(nodes) == 3
+    for rank, argv in enumerate(nodes):
+        opts, program = split_torchrun(argv)
+        assert opts["nnodes"] == "3" and opts["node-rank"] == str(rank)
+        assert opts["master-addr"] == "gpu-1" and opts["log-dir"] == f"{ROOT}/logs/42/node{rank}"
+        assert "rollout.colocate=true" in program and program[-1] == "train.seed=7"
+
+
+def test_slurm_disaggregated(fake_scontrol):
+    env = slurm_env(PLACEMENT="disaggregated", ROLLOUT_NODES="1", MODEL_DIR="/models/m",
+                    ROLLOUT_TP="2")
+    r = run("slurm.sbatch", "cfg.yaml", env=env, path_prefix=fake_scontrol)
+    assert r.returncode == 0, r.stderr
+    lines = argv_lines(r.stdout)
+    srun_roll, *servers = lines[:5]
+    assert "--nodelist=gpu-3" in srun_roll and "rollout" in srun_roll
+    assert [a[a.index("--port") + 1] for a in servers] == ["30000", "30001", "30002", "30003"]
+    srun_learn, *learners = lines[5:]
+    assert "--nodelist=gpu-1,gpu-2" in srun_learn and "learner" in srun_learn
+    assert len(learners) == 2
+    for rank, argv in enumerate(learners):
+        opts, program = split_torchrun(argv)
+        assert (opts["nnodes"], opts["node-rank"], opts["master-addr"]) == ("2", str(rank), "gpu-1")
+        cfg = load_config(None, [*overrides_of(program), "model.path=/m"])
+        assert cfg.rollout.server_urls == [f"http://gpu-3:{30000 + i}" for i in range(4)]
+
+
+def test_slurm_disaggregated_needs_rollout_nodes(fake_scontrol):
+    r = run("slurm.sbatch", "cfg.yaml", env=slurm_env(PLACEMENT="disaggregated", MODEL_DIR="/m",
+                                                      ROLLOUT_NODES="3"),
+            path_prefix=fake_scontrol)
+    assert r.returncode == 2 and "ROLLOUT_NODES" in r.stderr
