@@ -2,7 +2,8 @@
 log_softmax.
 
 `token_logprobs` computes log softmax(logits / temperature)[target] chunk by chunk over tokens:
-only `chunk_size x V` float32 values exist at a time, in the forward and in the backward pass
+only `chunk_size x V` float32 values exist at a time (about 256 MiB by default), in the forward
+and in the backward pass
 (a custom autograd function saves the logits it was given plus one log-sum-exp per token and
 recomputes the softmax of each chunk in backward). This is the single-rank version; the
 vocabulary-parallel one lives in `megatron_gspo.megatron.logprobs`.
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-DEFAULT_CHUNK_SIZE = 1024
+DEFAULT_CHUNK_SIZE = None  # None: chunks of about CHUNK_BYTES of float32 values
+CHUNK_BYTES = 256 * 2**20
 
 __all__ = ["token_logprobs", "DEFAULT_CHUNK_SIZE"]
 
@@ -29,17 +31,16 @@ def _chunk_forward(logits_2d, targets_1d, temperature, chunk_size, want_entropy)
     ent = torch.empty(n, dtype=cd, device=logits_2d.device) if want_entropy else None
     for s in range(0, n, chunk_size):
         e = min(s + chunk_size, n)
-        z = logits_2d[s:e].to(cd, copy=True)  # [C, V], own copy: edited in place
+        z = logits_2d[s:e]  # [C, V]
         if temperature != 1.0:
-            z.div_(temperature)
-        c_lse = torch.logsumexp(z, dim=-1)  # [C]
-        lse[s:e] = c_lse
-        logp[s:e] = z.gather(-1, targets_1d[s:e, None]).squeeze(-1) - c_lse
+            z = z.to(cd) / temperature
+        ls = torch.log_softmax(z, dim=-1, dtype=cd)  # [C, V], fused kernel, one buffer
+        tgt = targets_1d[s:e, None]
+        logp[s:e] = ls.gather(-1, tgt).squeeze(-1)
+        lse[s:e] = z.gather(-1, tgt).squeeze(-1).to(cd) - logp[s:e]
         if want_entropy:
-            # H = lse - sum_v p_v z_v
-            z.sub_(c_lse[:, None])  # log p
-            ent[s:e] = -(z.exp() * z).sum(-1)
-        del z
+            ent[s:e] = -(ls.exp() * ls).sum(-1)
+        del ls, z
     return logp, lse, ent
 
 
@@ -78,7 +79,7 @@ def token_logprobs(
     targets: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     return_entropy: bool = False,
 ):
     """Log-probabilities of `targets` under softmax(logits / temperature), in float32.
@@ -87,7 +88,8 @@ def token_logprobs(
         logits: `[..., V]` logits of any float dtype (gradients flow back to them).
         targets: `[...]` token ids, same leading shape as logits.
         temperature: sampling temperature the tokens were drawn with (> 0).
-        chunk_size: tokens processed at once (bounds the float32 working set to chunk x V).
+        chunk_size: tokens processed at once (bounds the float32 working set to chunk x V);
+            None picks chunks of about 256 MiB of float32 values.
         return_entropy: also return the entropy of each token's distribution (detached; a
             metric, not differentiated).
     Returns:
@@ -106,6 +108,8 @@ def token_logprobs(
     if targets_1d.numel() and (targets_1d.min() < 0 or targets_1d.max() >= v):
         raise ValueError(f"target ids must lie in [0, {v}), got [{targets_1d.min()}, "
                          f"{targets_1d.max()}]")
+    if chunk_size is None:
+        chunk_size = CHUNK_BYTES // (4 * v)
     chunk_size = max(1, int(chunk_size))
     if logits_2d.requires_grad and torch.is_grad_enabled():
         logp = _TokenLogProbs.apply(logits_2d, targets_1d, float(temperature), chunk_size)
