@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -18,7 +22,8 @@ VERSION_ARGS = ("SGLANG_VERSION", "SGLANG_ROUTER_VERSION", "BASE_TORCH_VERSION",
 def dockerfile_args() -> dict[str, str]:
     """ARG defaults; an ARG declared twice (before and after FROM) must have one default."""
     args: dict[str, str] = {}
-    for name, value in re.findall(r"^ARG\s+(\w+)=(\S+)\s*$", DOCKERFILE.read_text(), re.M):
+    for name, value in re.findall(r"^ARG\s+(\w+)=(\S+)\s*$", DOCKERFILE.read_text(),
+                                   re.MULTILINE):
         assert args.setdefault(name, value) == value, f"ARG {name} has two defaults"
     return args
 

@@ -28,8 +28,8 @@ def run(script: str, *args: str, env: dict[str, str] | None = None, path_prefix:
     if path_prefix:
         e["PATH"] = f"{path_prefix}:{e['PATH']}"
     e.update(env or {})
-    return subprocess.run(["bash", str(LAUNCH / script), *args], env=e, capture_output=True,
-                          text=True, timeout=30, cwd=ROOT)
+    return subprocess.run(["bash", str(LAUNCH / script), *args], check=False, env=e,
+                          capture_output=True, text=True, timeout=30, cwd=ROOT)
 
 
 def argv_lines(out: str) -> list[list[str]]:
@@ -63,7 +63,8 @@ def test_scripts_exist_and_are_executable():
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_bash_syntax(script):
-    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    r = subprocess.run(["bash", "-n", str(script)], check=False, capture_output=True,
+                       text=True)
     assert r.returncode == 0, r.stderr
 
 
@@ -71,7 +72,8 @@ def test_shellcheck():
     exe = shutil.which("shellcheck")
     if exe is None:
         pytest.skip("shellcheck binary not installed (apt-get install -y shellcheck)")
-    r = subprocess.run([exe, "-x", *map(str, SCRIPTS)], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([exe, "-x", *map(str, SCRIPTS)], check=False, capture_output=True,
+                       text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
