@@ -21,13 +21,15 @@ SPECIALS = [
 # multi-character tokens, so that decode -> encode is NOT the identity for split spellings
 MERGES = ["12", "calc"]
 CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
+VOCAB_SIZE = 128  # padded with reserved tokens
 
 
 class ToyTokenizer:
     """Greedy longest-match tokenizer over specials, a few merges and single characters."""
 
     def __init__(self) -> None:
-        self.vocab = SPECIALS + MERGES + CHARS
+        base = SPECIALS + MERGES + CHARS
+        self.vocab = base + [f"<|reserved_{i}|>" for i in range(VOCAB_SIZE - len(base))]
         self.ids = {t: i for i, t in enumerate(self.vocab)}
         self._pieces = sorted(SPECIALS + MERGES, key=len, reverse=True)
         self.unk = self.ids["?"]
