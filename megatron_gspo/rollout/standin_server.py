@@ -4,8 +4,9 @@ JSON shapes (matches SGLang's http_server.py / io_struct.py), backed by the embe
 It lets the SGLang client be exercised over real HTTP with a real model on CPU, and has
 switchable faults for reliability tests (POST /standin/faults or `StandinServer.faults`):
 `error_5xx` (answer the next k /generate calls with 503), `drop` (close the next k
-/generate connections without answering), `delay_s` (sleep before each /generate answer),
-`crash` (stop serving at once; as a subprocess the process exits with code 1).
+/generate connections without answering), `slow` (delay the next k /generate answers by
+`delay_s` seconds), `crash` (stop serving at once; as a subprocess the process exits with
+code 1).
 
 Concurrent /generate calls are micro-batched into one embedded-engine batch. Run as a process
 with SGLang's launch flags: `python -m megatron_gspo.rollout.standin_server --model-path DIR
@@ -30,13 +31,17 @@ from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.weight_sync import decode_tensor_update, init_learner_update_group
 
 
+_BATCHER: web.AppKey[asyncio.Task] = web.AppKey("batcher", asyncio.Task)
+
+
 @dataclass
 class Faults:
     """Switchable faults of the stand-in server (see module docstring)."""
 
     error_5xx: int = 0
     drop: int = 0
-    delay_s: float = 0.0
+    slow: int = 0
+    delay_s: float = 1.0
     crash: bool = False
 
 
@@ -116,11 +121,11 @@ class StandinServer:
 
     async def _on_startup(self, app: web.Application) -> None:
         self._wake = asyncio.Event()
-        app["batcher"] = asyncio.get_running_loop().create_task(self._batcher())
+        app[_BATCHER] = asyncio.get_running_loop().create_task(self._batcher())
 
     async def _on_cleanup(self, app: web.Application) -> None:
-        app["batcher"].cancel()
-        await asyncio.gather(app["batcher"], return_exceptions=True)
+        app[_BATCHER].cancel()
+        await asyncio.gather(app[_BATCHER], return_exceptions=True)
 
     async def start(self) -> None:
         """Start listening on the current event loop."""
@@ -224,8 +229,11 @@ class StandinServer:
         self._queue.append((rows, fut, rid))
         assert self._wake is not None
         self._wake.set()
+        slow = f.slow > 0
+        if slow:
+            f.slow -= 1
         outs = await fut
-        if f.delay_s > 0:
+        if slow:
             await asyncio.sleep(f.delay_s)
         results = []
         for i, ((prompt, _), (tok, lps, reason)) in enumerate(zip(rows, outs)):
@@ -322,7 +330,6 @@ class StandinServer:
             pg = await asyncio.to_thread(
                 init_learner_update_group, b["master_address"], int(b["master_port"]),
                 int(b["world_size"]), name, b.get("backend", "nccl"), int(b["rank_offset"]),
-                600.0, f"{name}@standin:{self.port}",
             )
             self._groups[name] = pg
         except Exception as e:

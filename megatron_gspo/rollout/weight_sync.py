@@ -177,7 +177,6 @@ def init_learner_update_group(
     backend: str = "nccl",
     rank: int = 0,
     timeout_s: float = 600.0,
-    local_name: str | None = None,
 ) -> Any:
     """Join a weight-update process group outside the default group (learner = rank 0).
 
@@ -191,8 +190,6 @@ def init_learner_update_group(
         backend: "nccl" on GPUs, "gloo" on CPU.
         rank: this process's rank (0 for the learner).
         timeout_s: rendezvous / collective timeout.
-        local_name: name to register the group under in this process (default group_name);
-            lets two members live in one process, as in tests.
     Returns:
         the torch.distributed ProcessGroup.
     """
@@ -205,8 +202,8 @@ def init_learner_update_group(
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store,
-        group_name=local_name or group_name, timeout=timeout,
+        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name,
+        timeout=timeout,
     )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
