@@ -96,6 +96,16 @@ class HFCheckpointReader:
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ConversionError(f"cannot read tensor '{name}' from {f}: {e}") from None
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of one tensor from the file header (no data read)."""
+        f = self.weight_map.get(name)
+        if f is None:
+            raise ConversionError(f"checkpoint {self.dir} has no tensor '{name}'")
+        h = self._handles.get(f)
+        if h is None:
+            h = self._handles[f] = self._open(f)
+        return tuple(h.get_slice(name).get_shape())
+
     def close(self) -> None:
         """Drop open file handles."""
         self._handles.clear()
@@ -261,3 +271,29 @@ def iter_hf_tensors(
     """(name, tensor) for the given names, loaded one at a time."""
     for n in names:
         yield n, reader.get(n)
+
+
+def validate_hf_checkpoint(reader: HFCheckpointReader, adapter, dims) -> None:
+    """Check names and shapes of every tensor against the mapping, from headers only.
+
+    Args:
+        reader: the checkpoint.
+        adapter, dims: the architecture's StateDictAdapter and ModelDims.
+    Raises:
+        ConversionError naming the first missing, unexpected or mis-shaped tensor.
+    """
+    used = set()
+    for pm in adapter.param_maps(dims):
+        for name, shape in zip(pm.hf, pm.shapes or [None] * len(pm.hf)):
+            used.add(name)
+            got = reader.shape(name)
+            if shape is not None and got != tuple(shape):
+                raise ConversionError(f"tensor '{name}' has shape {got}, expected {tuple(shape)}")
+    for k in reader:
+        if k in used or k.endswith("rotary_emb.inv_freq"):
+            continue
+        if dims.tie_embeddings and k == "lm_head.weight":
+            continue
+        raise ConversionError(
+            f"tensor '{k}' in {reader.dir} is not mapped for {adapter.architectures[0]}"
+        )

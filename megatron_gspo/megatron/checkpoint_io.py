@@ -133,6 +133,7 @@ def load_hf_weights(
     reader: HFCheckpointReader,
     adapter: StateDictAdapter,
     dims: ModelDims,
+    progress: bool = False,
 ) -> int:
     """Copy HF weights into this rank's shards of every parameter of `models`.
 
@@ -140,28 +141,33 @@ def load_hf_weights(
         models: model chunks of this rank (one per virtual pipeline stage).
         reader: the HF checkpoint.
         adapter, dims: from `get_adapter(config)` / `adapter.dims(config)`.
+        progress: show a tqdm bar over parameters.
     Returns:
         number of parameters filled; raises ConversionError naming a missing or
         shape-mismatched tensor.
     """
     maps = adapter.maps_by_mcore(dims)
     emb_map = maps["embedding.word_embeddings.weight"]
+    entries = [e for m in models for e in model_param_entries(m, maps, dims.tie_embeddings)]
+    if progress:
+        from tqdm import tqdm
+
+        entries = tqdm(entries, desc="hf-to-mcore", unit=" params")
     n = 0
-    for model in models:
-        for entry in model_param_entries(model, maps, dims.tie_embeddings):
-            pm = entry.pm or emb_map
-            padded = entry.param.shape[0] * (_tp_rank_size(pm)[1] if pm.kind == "vocab" else 1)
-            full = to_mcore_tensor(pm, [reader.get(h) for h in pm.hf], dims, padded)
-            rank, size = _tp_rank_size(pm)
-            _check_partition(entry, pm, size)
-            shard = tp_shard(full, pm, rank, size)
-            if shard.shape != entry.param.shape:
-                raise ConversionError(
-                    f"{', '.join(pm.hf)} give {entry.local} shape {tuple(shard.shape)}, "
-                    f"model expects {tuple(entry.param.shape)}"
-                )
-            entry.param.copy_(shard)
-            n += 1
+    for entry in entries:
+        pm = entry.pm or emb_map
+        padded = entry.param.shape[0] * (_tp_rank_size(pm)[1] if pm.kind == "vocab" else 1)
+        full = to_mcore_tensor(pm, [reader.get(h) for h in pm.hf], dims, padded)
+        rank, size = _tp_rank_size(pm)
+        _check_partition(entry, pm, size)
+        shard = tp_shard(full, pm, rank, size)
+        if shard.shape != entry.param.shape:
+            raise ConversionError(
+                f"{', '.join(pm.hf)} give {entry.local} shape {tuple(shard.shape)}, "
+                f"model expects {tuple(entry.param.shape)}"
+            )
+        entry.param.copy_(shard)
+        n += 1
     return n
 
 
