@@ -1,0 +1,188 @@
+"""Objects of a training run, built from the config: the learner, the rollout engine, the
+tokenizer, the prompt stream, the reward scorer, the initial weights and the run directory.
+
+The RL loop (`train.py`) calls these once at start-up and the phases in `phases.py` each step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.config import Config, ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def is_rank0() -> bool:
+    """True on global rank 0 (or without torch.distributed)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def resolve_run_dir(run_dir: str | None, config_path: str | None) -> Path:
+    """RUN_DIR: as given, else runs/<config file stem>."""
+    if run_dir:
+        return Path(run_dir)
+    stem = Path(config_path).stem if config_path else "run"
+    parent = Path(config_path).parent.name if config_path else ""
+    return Path("runs") / (f"{parent}-{stem}" if parent else stem)
+
+
+def read_hf_config(model_path: str | None) -> dict:
+    """The model's Hugging Face config.json as a dict (one-line errors)."""
+    if not model_path:
+        raise ConfigError("model.path: required (a Hugging Face model directory)")
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model.path: {model_path} has no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.path: {path} is not valid JSON ({e})") from None
+
+
+def learner(cfg: Config, hf_config: dict):
+    """The Megatron-Core learner of this rank (starts torch.distributed and parallel state)."""
+    from megatron_gspo.megatron.learner import BatchSettings, Learner
+    from megatron_gspo.megatron.optimizer import OptimSettings
+    from megatron_gspo.megatron.parallel import ParallelLayout
+    from megatron_gspo.megatron.step import LossSettings
+
+    p, o, a = cfg.parallel, cfg.optimizer, cfg.algorithm
+    lo, hi = a.clip_range()
+    layout = ParallelLayout(tensor=p.tensor, pipeline=p.pipeline,
+                            virtual_pipeline=p.virtual_pipeline, expert=p.expert,
+                            expert_tensor=p.expert_tensor, context=p.context,
+                            sequence_parallel=p.sequence_parallel)
+    total = max(cfg.train.max_steps * a.mini_batches, o.lr_warmup_steps + 1)
+    optim = OptimSettings(lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                          adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                          clip_grad=o.clip_grad, warmup_steps=o.lr_warmup_steps,
+                          total_steps=total, decay_style=o.lr_decay_style,
+                          use_distributed_optimizer=o.distributed_optimizer)
+    loss = LossSettings(kind=a.loss, eps_low=lo, eps_high=hi, grpo_aggregation=a.grpo_aggregation,
+                        temperature=cfg.rollout.temperature)
+    use_te = {"auto": None, "local": False, "transformer_engine": True}[cfg.model.transformer_impl]
+    return Learner(hf_config, layout=layout, optim=optim, loss=loss,
+                   batching=BatchSettings(max_tokens_per_microbatch=a.micro_batch_tokens,
+                                          pad_id=int(hf_config.get("pad_token_id") or 0)),
+                   params_dtype=DTYPES[cfg.model.dtype], seed=cfg.train.seed, use_te=use_te,
+                   recompute=cfg.model.recompute_activations)
+
+
+def load_initial_weights(cfg: Config, learner_, hf_config: dict) -> None:
+    """Fill the learner from `model.load_checkpoint` (Megatron dist checkpoint) or from the
+    safetensors in `model.path`."""
+    from megatron_gspo.convert.hf_io import HFCheckpointReader
+    from megatron_gspo.convert.registry import get_adapter
+    from megatron_gspo.megatron import checkpoint_io
+
+    if cfg.model.load_checkpoint:
+        checkpoint_io.load_checkpoint(learner_.chunks, cfg.model.load_checkpoint)
+    else:
+        adapter = get_adapter(hf_config)
+        dims = adapter.dims(checkpoint_io.normalize_hf_config(hf_config))
+        reader = HFCheckpointReader(cfg.model.path)
+        try:
+            with torch.no_grad():
+                checkpoint_io.load_hf_weights(learner_.chunks, reader, adapter, dims)
+        finally:
+            reader.close()
+    learner_._refresh_main_params()
+
+
+def tokenizer(cfg: Config):
+    """The Hugging Face tokenizer of `model.tokenizer` (default `model.path`)."""
+    from transformers import AutoTokenizer
+
+    path = cfg.model.tokenizer or cfg.model.path
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {path}: "
+                          f"{str(e).splitlines()[0]}") from None
+
+
+def _stop_ids(cfg: Config, tok) -> tuple[int, ...]:
+    ids = list(cfg.rollout.stop_token_ids)
+    for t in ("<|im_end|>", "<|endoftext|>"):
+        tid = tok.convert_tokens_to_ids(t) if t in tok.get_vocab() else None
+        if tid is not None and tid not in ids:
+            ids.append(int(tid))
+    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
+        ids.append(int(tok.eos_token_id))
+    return tuple(ids)
+
+
+def sampling_params(cfg: Config, tok, *, greedy: bool = False):
+    """Sampling parameters of the rollouts (or greedy for evaluation)."""
+    from megatron_gspo.rollout.base import SamplingParams
+
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens,
+                          temperature=0.0 if greedy else r.temperature, top_p=r.top_p,
+                          top_k=r.top_k, n=r.group_size, stop_token_ids=_stop_ids(cfg, tok))
+
+
+def rollout_engine(cfg: Config, hf_config: dict, tok):
+    """The embedded engine (in-process) or SGLang servers (launched or attached)."""
+    r = cfg.rollout
+    if r.engine == "embedded":
+        from megatron_gspo.rollout.embedded import EmbeddedEngine
+
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        return EmbeddedEngine(dict(hf_config), dtype=r.dtype, device=device, seed=cfg.train.seed,
+                              default_sampling=sampling_params(cfg, tok))
+    from megatron_gspo.rollout.sglang import engine_from_config
+
+    return engine_from_config(cfg, default_sampling=sampling_params(cfg, tok))
+
+
+def prompt_stream(cfg: Config, tok):
+    """Endless, seeded, resumable stream of prompts from `data.train_path`."""
+    from megatron_gspo.data.datasets import PromptDataset, PromptIterator
+
+    d = cfg.data
+    if not d.train_path:
+        raise ConfigError("data.train_path: required")
+    ds = PromptDataset.from_file(d.train_path, tok, prompt_key=d.prompt_key,
+                                 label_key=d.label_key, system_prompt=d.system_prompt,
+                                 apply_chat_template=d.apply_chat_template,
+                                 max_prompt_length=d.max_prompt_length,
+                                 skip_bad_rows=d.skip_bad_rows)
+    return PromptIterator(ds, seed=cfg.train.seed, shuffle=d.shuffle)
+
+
+def eval_prompts(cfg: Config, tok):
+    """The first `train.eval_prompts` rows of `data.eval_path` (None when not configured)."""
+    from megatron_gspo.data.datasets import PromptDataset
+
+    d = cfg.data
+    if not d.eval_path:
+        return None
+    ds = PromptDataset.from_file(d.eval_path, tok, prompt_key=d.prompt_key,
+                                 label_key=d.label_key, system_prompt=d.system_prompt,
+                                 apply_chat_template=d.apply_chat_template,
+                                 max_prompt_length=d.max_prompt_length,
+                                 skip_bad_rows=d.skip_bad_rows)
+    return [ds[i] for i in range(min(len(ds), cfg.train.eval_prompts))]
+
+
+def reward_scorer(cfg: Config, tok):
+    """A callable that fills `Sample.reward` from the decoded response and the label."""
+    from megatron_gspo.rewards import get_reward_fn
+
+    fn = get_reward_fn(cfg.reward.name)
+    kwargs = dict(cfg.reward.kwargs)
+
+    def score(samples) -> None:
+        for s in samples:
+            text = tok.decode(s.response_ids, skip_special_tokens=True)
+            s.reward = float(fn(text, s.label, dict(s.metadata), **kwargs))
+
+    return score
+
+

@@ -1,0 +1,232 @@
+"""The phases of one RL step, called in order by `train.py`: rollout, advantages, pi_old
+(with the precision audit), training over mini-batches, weight sync, evaluation.
+
+Each phase takes the objects it works on plus the config, and returns metrics as a flat dict.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from megatron_gspo.algo.advantages import group_advantages
+from megatron_gspo.algo.precision import (
+    apply_correction,
+    audit_sums,
+    check_engine_logprobs,
+    finalize_audit,
+    sequence_mismatch,
+)
+from megatron_gspo.build import DTYPES
+from megatron_gspo.config import Config, ConfigError
+from megatron_gspo.data.sample import Sample
+
+
+def _requests(prompts, group_size_hint=None):
+    from megatron_gspo.rollout.base import GenerateRequest
+
+    for item in prompts:
+        yield GenerateRequest(prompt_ids=list(item.prompt_ids), prompt=item.prompt,
+                              label=item.label, metadata={"row": item.row})
+
+
+def rollout(cfg: Config, engine, prompts, score, tok, step: int):
+    """Generate `train.prompts_per_step` groups of `rollout.group_size` scored samples.
+
+    Returns:
+        (samples, metrics)
+    """
+    from megatron_gspo.build import sampling_params
+    from megatron_gspo.rollout.groups import GroupSampler
+
+    if hasattr(engine, "generator"):  # per-step seed: identical samples after a resume
+        engine.generator.manual_seed(cfg.train.seed * 1_000_003 + step)
+    if cfg.agent.enabled:
+        from megatron_gspo.agent.loop import rollout_episodes
+
+        samples, m = rollout_episodes(cfg, engine, _requests(prompts), tok, step)
+    else:
+        sampler = GroupSampler(engine, cfg.rollout.group_size, score,
+                               sampling=sampling_params(cfg, tok),
+                               oversample_factor=cfg.rollout.over_sample,
+                               drop_zero_variance=cfg.rollout.drop_zero_variance_groups)
+        samples, gm = sampler.collect(_requests(prompts), cfg.train.prompts_per_step)
+        m = {f"rollout/{k}": v for k, v in gm.items()}
+    if not samples:
+        raise RuntimeError(f"step {step}: the rollout produced no complete group")
+    rewards = torch.tensor([float(s.reward) for s in samples])
+    lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
+    m.update({
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if len(samples) > 1 else 0.0,
+        "reward/max": rewards.max().item(),
+        "reward/min": rewards.min().item(),
+        "tokens/generated": float(sum(s.num_trainable for s in samples)),
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples)
+        / len(samples),
+        "rollout/samples": float(len(samples)),
+        "rollout/weight_version": float(min(s.weight_version for s in samples)),
+    })
+    return samples, m
+
+
+def broadcast(samples):
+    """Rank 0's samples on every rank."""
+    from megatron_gspo.megatron.learner import broadcast_samples
+
+    return broadcast_samples(samples)
+
+
+def fill_advantages(cfg: Config, samples: list[Sample]) -> None:
+    """Group-normalised advantages; per-token for GSPO-token (turn-level in agent mode)."""
+    a = cfg.algorithm
+    if cfg.agent.enabled and cfg.agent.advantage == "turn":
+        from megatron_gspo.agent.loop import fill_turn_advantages
+
+        fill_turn_advantages(cfg, samples)
+        return
+    adv = group_advantages(torch.tensor([float(s.reward) for s in samples]),
+                           cfg.rollout.group_size, scale=a.advantage_scale, eps=a.advantage_eps)
+    for s, v in zip(samples, adv.tolist()):
+        s.advantage = [v] * len(s.response_ids) if a.loss == "gspo_token" else v
+
+
+def _padded(rows: list[list[float]]) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out  # [B, T]
+
+
+def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: int):
+    """Decide pi_old for this step and audit the engine's log-probs when scheduled.
+
+    Returns:
+        (old, source, metrics): `old` is None when the engine's `rollout_logprobs` are used,
+        else the learner's per-sample log-prob lists; source is "rollout" or "recompute".
+    """
+    p, a = cfg.precision, cfg.algorithm
+    m: dict = {}
+    has_engine = all(s.rollout_logprobs is not None for s in samples)
+    if not has_engine and p.old_logprobs == "rollout":
+        raise ConfigError("precision.old_logprobs: 'rollout' but the engine returned no "
+                          "log-probs; use 'recompute' or 'auto'")
+    need = controller.needs_learner_logprobs(step) or not has_engine
+    learner_lps = learner.forward_logprobs(samples) if need else None
+    audit = None
+    if has_engine and (learner_lps is not None or p.old_logprobs != "recompute"):
+        for s in samples:
+            check_engine_logprobs(s.index, s.rollout_logprobs, s.loss_mask, len(s.response_ids))
+    if learner_lps is not None and has_engine:
+        lo, hi = a.clip_range()
+        mask = _padded([list(map(float, s.loss_mask)) for s in samples])
+        learner_t = _padded(learner_lps)
+        engine_t = _padded([s.rollout_logprobs for s in samples])
+        sums = audit_sums(learner_t, engine_t, mask, eps_low=lo, eps_high=hi,
+                          scale=p.mismatch_scale, level="token" if a.loss == "grpo" else "sequence")
+        audit = finalize_audit(sums)
+        m.update({f"precision/{k}": v for k, v in audit.items()})
+        if p.correction != "none":
+            d = sequence_mismatch(learner_t, engine_t, mask)
+            _correct(samples, d, mask, p)
+            m["precision/masked_sequences"] = sum(s.num_trainable == 0 for s in samples)
+    source = controller.decide(step, audit) if has_engine else "recompute"
+    m["precision/audited"] = float(audit is not None)
+    return (learner_lps if source == "recompute" else None), source, m
+
+
+def _correct(samples, d, mask, p) -> None:
+    tok_adv = isinstance(samples[0].advantage, list)
+    adv = _padded([s.advantage for s in samples]) if tok_adv else \
+        torch.tensor([float(s.advantage) for s in samples])
+    new_mask, new_adv, _ = apply_correction(d, mask, adv, mode=p.correction,
+                                            mask_bound=p.mask_bound, tis_cap=p.tis_cap)
+    for i, s in enumerate(samples):
+        r = len(s.response_ids)
+        s.loss_mask = [int(v) for v in new_mask[i, :r].tolist()]
+        s.advantage = new_adv[i, :r].tolist() if tok_adv else float(new_adv[i])
+
+
+def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int) -> dict:
+    """`algorithm.mini_batches` optimizer steps, each on a disjoint share of the batch.
+
+    Returns:
+        metrics averaged over the mini-batches (tokens summed; lr of the last step).
+    """
+    order = list(range(len(samples)))
+    random.Random(cfg.train.seed * 7919 + step).shuffle(order)
+    k = cfg.algorithm.mini_batches
+    parts = [order[i * len(order) // k:(i + 1) * len(order) // k] for i in range(k)]
+    per = []
+    for idx in parts:
+        if not idx:
+            continue
+        mb = [samples[i] for i in idx]
+        per.append(learner.train_step(mb, None if old is None else [old[i] for i in idx]))
+    out: dict = {}
+    for key in per[0]:
+        vals = [p[key] for p in per if key in p]
+        if key in ("tokens", "trainable_tokens", "sequences", "micro_batches", "packed_tokens",
+                   "time_fwd_bwd", "time_optimizer"):
+            out[key] = float(sum(vals))
+        elif key == "lr":
+            out[key] = float(vals[-1])
+        else:
+            finite = [v for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
+            out[key] = float(sum(finite) / len(finite)) if finite else float("nan")
+    out["train/first_minibatch_ratio_mean"] = float(per[0].get("ratio_mean", float("nan")))
+    out["optimizer_steps"] = float(len(per))
+    return out
+
+
+def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int) -> None:
+    """Export the learner's weights (collective over all ranks) into the rollout engine."""
+    from megatron_gspo.megatron.export import export_hf_weights
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+
+    dtype = DTYPES[cfg.rollout.dtype] if cfg.rollout.engine == "embedded" else \
+        DTYPES[cfg.model.dtype]
+    buckets = export_hf_weights(learner.chunks, hf_config, bucket_bytes=cfg.rollout.bucket_bytes,
+                                dtype=dtype)
+    if engine is None:
+        for _ in buckets:  # other ranks take part in the gathers
+            pass
+    elif isinstance(engine, EmbeddedEngine):
+        engine.load_buckets(buckets, version)
+    else:
+        engine.update_weights([[(n, t.clone()) for n, t in b] for b in buckets], version)
+
+
+def evaluate(cfg: Config, engine, tok, score, prompts) -> dict:
+    """Greedy reward on the evaluation prompts."""
+    from dataclasses import replace
+
+    from megatron_gspo.build import sampling_params
+
+    if not prompts:
+        return {}
+    sp = replace(sampling_params(cfg, tok, greedy=True), n=1)
+    reqs = list(_requests(prompts))
+    samples = engine.generate([replace(r, sampling=sp) for r in reqs])
+    score(samples)
+    rewards = [float(s.reward) for s in samples]
+    return {"eval/reward_mean": sum(rewards) / len(rewards), "eval/prompts": float(len(rewards))}
+
+
+def sample_preview(samples: list[Sample], tok, n: int, step: int) -> str:
+    """A few decoded responses with their rewards, for the log."""
+    lines = [f"step {step} samples:"]
+    for s in samples[:n]:
+        text = tok.decode(s.response_ids, skip_special_tokens=False).replace("\n", "\\n")
+        lines.append(f"  reward={s.reward:+.3f} adv={_adv(s):+.3f} | {text[:160]}")
+    return "\n".join(lines)
+
+
+def _adv(s: Sample) -> float:
+    a = s.advantage
+    return float(a[0]) if isinstance(a, list) and a else float(a or 0.0)

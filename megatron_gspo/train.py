@@ -1,0 +1,118 @@
+"""The GSPO RL loop (arXiv 2507.18071), readable top to bottom:
+
+    sample prompts -> rollout (groups of G) -> rewards -> group advantages -> pi_old (engine
+    log-probs or learner recompute, audited) -> optimizer steps over mini-batches -> weight sync
+    -> log / eval / checkpoint
+
+Every rank runs this loop. Rank 0 owns the prompts, the rollout engine and the rewards; the
+samples are broadcast so every rank trains on the same global batch (the learner picks its
+data-parallel share). Helpers live where they belong: `build.py` (objects from the config),
+`phases.py` (each phase of a step), `checkpoint.py`, `metrics.py`, `algo/` (the math).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from megatron_gspo import build, phases
+from megatron_gspo.algo.precision import ToleranceController
+from megatron_gspo.checkpoint import Checkpointer
+from megatron_gspo.config import Config, save_config, to_dict
+from megatron_gspo.metrics import MetricsLogger
+
+
+def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None) -> Path:
+    """Train according to `cfg`; returns the run directory."""
+    run_dir = build.resolve_run_dir(run_dir, config_path)
+    hf_config = build.read_hf_config(cfg.model.path)
+    learner = build.learner(cfg, hf_config)  # starts torch.distributed + Megatron parallel state
+    rank0 = build.is_rank0()
+    tokenizer = build.tokenizer(cfg)
+    prompts = build.prompt_stream(cfg, tokenizer) if rank0 else None
+    reward = build.reward_scorer(cfg, tokenizer) if rank0 else None
+    engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 else None
+    evals = build.eval_prompts(cfg, tokenizer) if rank0 else None
+    controller = ToleranceController(cfg.precision.old_logprobs, cfg.precision.audit_fraction,
+                                     cfg.precision.tolerance, cfg.precision.recheck_interval)
+    ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
+    ckpt.clean_partial()
+
+    start = 0
+    latest = ckpt.latest() if cfg.train.resume == "auto" else None
+    if latest is not None:
+        state = ckpt.load(latest[1], learner)
+        start = state["step"]
+        if rank0:
+            prompts.load_state_dict(state["data"])
+        controller.load_state_dict(state["precision"])
+    else:
+        build.load_initial_weights(cfg, learner, hf_config)
+    log = MetricsLogger(run_dir, enabled=rank0, total_steps=cfg.train.max_steps,
+                        start_step=start, tensorboard=cfg.logging.tensorboard,
+                        wandb_project=cfg.logging.wandb_project, wandb_name=cfg.logging.wandb_name,
+                        progress_bar=cfg.logging.progress_bar, config=to_dict(cfg))
+    if rank0:
+        save_config(cfg, run_dir / "config.yaml")
+        log.event(f"run dir {run_dir}; " + (f"resumed from {latest[1]} at step {start}"
+                                            if latest else "starting from the initial weights"))
+        if cfg.algorithm.loss == "grpo" and cfg.precision.old_logprobs != "recompute":
+            log.event("warning: GRPO's token-level ratios tolerate engine/learner mismatch less "
+                      "than GSPO's sequence ratios; the audit reports per-token numbers")
+    phases.sync_weights(learner, engine, hf_config, cfg, version=start)
+
+    for step in range(start, cfg.train.max_steps):
+        t_step = time.perf_counter()
+        m: dict = {}
+
+        # 1-2. Rollout G responses per prompt and score them (rank 0), then share the batch.
+        samples = None
+        if rank0:
+            samples, rollout_m = phases.rollout(cfg, engine, prompts, reward, tokenizer, step)
+            m.update(rollout_m)
+        samples = phases.broadcast(samples)
+        m["time/rollout"] = time.perf_counter() - t_step
+
+        # 3. Group-relative advantages (episode- or turn-level).
+        phases.fill_advantages(cfg, samples)
+
+        # 4. pi_old: the engine's log-probs, or the learner's recompute; audited on schedule.
+        t_old = time.perf_counter()
+        n_events = len(controller.events)
+        old, source, precision_m = phases.old_logprobs(cfg, learner, controller, samples, step)
+        m.update(precision_m)
+        m["precision/old_logprobs"] = source
+        m["time/old_logprobs"] = time.perf_counter() - t_old
+        for event in controller.events[n_events:]:
+            log.event(f"step {step}: pi_old {event['switch']} (out-of-range share "
+                      f"{event['out_of_range_fraction']:.4f}, tolerance {event['tolerance']})")
+
+        # 5. Optimizer steps over the mini-batches of this rollout batch.
+        t_train = time.perf_counter()
+        m.update(phases.train_on_batch(cfg, learner, samples, old, step))
+        m["time/train"] = time.perf_counter() - t_train
+
+        # 6. New weights to the rollout engine.
+        t_sync = time.perf_counter()
+        phases.sync_weights(learner, engine, hf_config, cfg, version=step + 1)
+        m["time/weight_sync"] = time.perf_counter() - t_sync
+
+        # 7. Evaluate, log, checkpoint.
+        if cfg.train.eval_interval and (step + 1) % cfg.train.eval_interval == 0:
+            m.update(phases.evaluate(cfg, engine, tokenizer, reward, evals) if rank0 else {})
+        m["time/step"] = time.perf_counter() - t_step
+        log.log(step, m)
+        if rank0 and cfg.logging.log_samples:
+            log.event(phases.sample_preview(samples, tokenizer, cfg.logging.log_samples, step))
+        done = step + 1 == cfg.train.max_steps
+        if (cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0) or done:
+            state = {"step": step + 1, "precision": controller.state_dict(),
+                     "data": prompts.state_dict() if rank0 else None}
+            path = ckpt.save(step + 1, learner, state)
+            log.event(f"checkpoint {path}")
+
+    log.close()
+    if engine is not None:
+        engine.shutdown()
+    learner.shutdown()
+    return run_dir
