@@ -16,6 +16,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -236,7 +237,8 @@ def _gpt_worker(rank: int, world: int, queue, port: int) -> None:
             bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
         ok = finite and not no_grad
         layer_cls = type(model.decoder.layers[0].self_attention.linear_qkv).__name__
-        detail = (f"loss {loss.float().mean().item():.3f} (ln V = {torch.log(torch.tensor(vocab)).item():.3f}), "
+        ln_v = math.log(vocab)  # loss of a uniform guess; a random-init model starts near it
+        detail = (f"loss {loss.float().mean().item():.3f} (ln V = {ln_v:.3f}), "
                   f"{'finite' if finite else 'NOT finite'}, "
                   f"{len(params) - len(no_grad)}/{len(params)} params got grads, "
                   f"qkv={layer_cls}, {dt * 1e3:.0f} ms")
@@ -313,7 +315,8 @@ def _sglang_round_trip(proc: subprocess.Popen, base: str, log: str, timeout_s: f
             time.sleep(2)
         startup = time.monotonic() - t0
         n_new = 16
-        body = {"text": "The capital of France is",
+        # Token ids rather than text: valid for any vocabulary, no tokenizer round trip needed.
+        body = {"input_ids": list(range(10, 18)),
                 "sampling_params": {"max_new_tokens": n_new, "temperature": 0.0,
                                     "ignore_eos": True},
                 "return_logprob": True}

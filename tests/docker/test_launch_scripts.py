@@ -170,7 +170,7 @@ def test_disaggregated_rollout_servers():
     assert len(servers) == 2
     for i, argv in enumerate(servers):
         assert argv[1:3] == ["-m", "sglang.launch_server"]
-        flags = dict(zip(argv[3::2], argv[4::2]))
+        flags = dict(zip(argv[3::2], argv[4::2], strict=True))
         assert flags == {"--model-path": "/models/qwen3-8b", "--host": "0.0.0.0",
                          "--port": str(31000 + i), "--tp-size": "4", "--base-gpu-id": str(4 * i),
                          "--mem-fraction-static": "0.85", "--dtype": "bfloat16"}
