@@ -1,0 +1,157 @@
+"""Reward functions by name, user reward functions by `module:function`, and the batch helper
+that scores Samples.
+
+A reward function has the signature
+
+    reward_fn(response_text: str, label, sample_metadata: dict) -> float
+
+where `sample_metadata` holds the sample's metadata plus "prompt", "finish_reason", "index"
+and "group_index".
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from megatron_gspo.data.sample import Sample
+from megatron_gspo.rewards.math import (
+    exact_match_reward,
+    math_boxed_strict_reward,
+    math_reward,
+)
+
+RewardFn = Callable[[str, Any, dict], float]
+
+
+class RewardError(ValueError):
+    """An unknown reward name, a reward function that cannot be loaded, or a bad reward value."""
+
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str, fn: RewardFn | None = None):
+    """Register a reward function under a name (usable as a decorator).
+
+    Args:
+        name: the name used in config (`reward.name`); must not contain ":".
+        fn: the function; omitted when used as @register_reward("name").
+    Returns:
+        fn (or the decorator).
+    """
+    if ":" in name:
+        raise RewardError(f"reward name {name!r} must not contain ':' (reserved for module:fn)")
+
+    def deco(f: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not f:
+            raise RewardError(f"reward {name!r} is already registered")
+        _REGISTRY[name] = f
+        return f
+
+    return deco(fn) if fn is not None else deco
+
+
+def registered_rewards() -> list[str]:
+    """Sorted names of the registered reward functions."""
+    return sorted(_REGISTRY)
+
+
+def get_reward_fn(spec: str) -> RewardFn:
+    """Resolve a reward by registered name or as "package.module:function".
+
+    Args:
+        spec: a registered name ("math", "exact_match", ...) or "module:function" (the module
+            must be importable, e.g. on PYTHONPATH or a path relative to the working directory
+            given as "path/to/file.py:function").
+    Returns:
+        the reward function.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise RewardError(f"reward name must be a non-empty string, got {spec!r}")
+    if ":" not in spec:
+        if spec not in _REGISTRY:
+            raise RewardError(f"unknown reward {spec!r}; registered: {registered_rewards()} "
+                              "(or give 'module:function')")
+        return _REGISTRY[spec]
+    module_name, _, fn_name = spec.rpartition(":")
+    if not module_name or not fn_name:
+        raise RewardError(f"reward {spec!r} is not of the form 'module:function'")
+    module = _import_module(module_name, spec)
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise RewardError(f"reward {spec!r}: module {module_name!r} has no attribute {fn_name!r}")
+    if not callable(fn):
+        raise RewardError(f"reward {spec!r}: {fn_name!r} is not callable")
+    try:
+        inspect.signature(fn).bind("", None, {})
+    except TypeError:
+        raise RewardError(f"reward {spec!r} must accept (response_text, label, "
+                          "sample_metadata)") from None
+    except ValueError:
+        pass  # builtins without a signature
+    return fn
+
+
+def _import_module(module_name: str, spec: str):
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise RewardError(f"reward {spec!r}: file {path} not found")
+        mod_spec = importlib.util.spec_from_file_location(f"_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise RewardError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
+
+
+def score_samples(
+    samples: Sequence[Sample],
+    reward_fn: RewardFn,
+    detokenize: Callable[[list[int]], str],
+) -> list[float]:
+    """Compute and store `sample.reward` for every sample.
+
+    Args:
+        samples: the samples; their response_ids are decoded with `detokenize`.
+        reward_fn: reward_fn(response_text, label, sample_metadata) -> float.
+        detokenize: token ids -> text (e.g. tokenizer.decode with skip_special_tokens=True).
+    Returns:
+        the rewards, in sample order.
+    """
+    rewards = []
+    for s in samples:
+        text = detokenize(list(s.response_ids))
+        meta = dict(s.metadata)
+        meta.update(prompt=s.prompt, finish_reason=s.finish_reason, index=s.index,
+                    group_index=s.group_index)
+        name = getattr(reward_fn, "__name__", repr(reward_fn))
+        try:
+            value = reward_fn(text, s.label, meta)
+        except Exception as e:
+            raise RewardError(f"reward {name} failed on sample {s.index} (group "
+                              f"{s.group_index}): {type(e).__name__}: {e}") from e
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            try:
+                value = float(value)  # numpy / torch scalars
+            except (TypeError, ValueError):
+                raise RewardError(f"reward {name} returned {type(value).__name__} for sample "
+                                  f"{s.index}; expected a float") from None
+        value = float(value)
+        if not math.isfinite(value):
+            raise RewardError(f"reward {name} returned {value} for sample {s.index}")
+        s.reward = value
+        rewards.append(value)
+    return rewards
+
+
+register_reward("math", math_reward)
+register_reward("math_boxed_strict", math_boxed_strict_reward)
+register_reward("exact_match", exact_match_reward)

@@ -1,0 +1,131 @@
+"""Reward extraction, comparison, registry and the Sample batch helper."""
+
+import sys
+import textwrap
+
+import pytest
+
+from megatron_gspo.data.sample import Sample
+from megatron_gspo.rewards import RewardError, get_reward_fn, registered_rewards, score_samples
+from megatron_gspo.rewards.math import extract_boxed, extract_last_number, parse_number
+
+
+@pytest.mark.parametrize("text,expected", [
+    (r"so the answer is \boxed{42}.", "42"),
+    (r"\boxed{1} then \boxed{\frac{3}{4}}", r"\frac{3}{4}"),
+    (r"\boxed{x^{2}+1}", "x^{2}+1"),
+    (r"\boxed{12", None),
+    ("no box here", None),
+])
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("I think 3 then 1,234.5 apples", "1,234.5"),
+    ("it is -7.", "-7"),
+    ("nothing", None),
+])
+def test_extract_last_number(text, expected):
+    assert extract_last_number(text) == expected
+
+
+@pytest.mark.parametrize("s,value", [
+    ("1,234", 1234.0), ("-2.5", -2.5), ("3/4", 0.75), (r"\frac{1}{8}", 0.125),
+    (r"\dfrac{6}{3}", 2.0), ("50\\%", 50.0), ("$12$", 12.0), ("abc", None), ("1/0", None),
+])
+def test_parse_number(s, value):
+    assert parse_number(s) == value
+
+
+@pytest.mark.parametrize("response,label,reward", [
+    ("95", "95", 1.0),
+    ("The sum is 95.", 95, 1.0),
+    (r"first 10, finally \boxed{0.5}", "1/2", 1.0),
+    (r"\boxed{95} but later 3", "95", 1.0),          # box wins over last number
+    ("94", "95", 0.0),
+    ("", "95", 0.0),
+    ("1,000", "Step... #### 1000", 1.0),            # GSM8K-style label
+    (r"\boxed{\text{Paris}}", "paris", 1.0),        # non-numeric string compare
+    ("0.333", "1/3", 0.0),
+    ("95.0000000001", "95", 1.0),                   # within tolerance
+])
+def test_math_reward(response, label, reward):
+    assert get_reward_fn("math")(response, label, {}) == reward
+
+
+def test_math_boxed_strict_needs_box():
+    fn = get_reward_fn("math_boxed_strict")
+    assert fn("the answer is 7", "7", {}) == 0.0
+    assert fn(r"\boxed{7}", "7", {}) == 1.0
+
+
+def test_exact_match():
+    fn = get_reward_fn("exact_match")
+    assert fn("  Hello   World. ", "hello world", {}) == 1.0
+    assert fn("hello", ["hi", "Hello"], {}) == 1.0
+    assert fn("hello there", "hello", {}) == 0.0
+
+
+def test_unknown_name_lists_registered():
+    with pytest.raises(RewardError) as e:
+        get_reward_fn("maths")
+    for name in ("math", "exact_match", "math_boxed_strict"):
+        assert name in str(e.value)
+    assert set(registered_rewards()) >= {"math", "exact_match", "math_boxed_strict"}
+
+
+def test_module_function_loading(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        def length_reward(response_text, label, sample_metadata):
+            return float(len(response_text)) + sample_metadata.get("bonus", 0)
+
+        def bad_signature(text):
+            return 0.0
+
+        not_callable = 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = get_reward_fn("my_rewards:length_reward")
+    assert fn("abc", None, {"bonus": 1}) == 4.0
+    # path form
+    assert get_reward_fn(f"{tmp_path / 'my_rewards.py'}:length_reward")("ab", None, {}) == 2.0
+    with pytest.raises(RewardError, match="no attribute 'nope'"):
+        get_reward_fn("my_rewards:nope")
+    with pytest.raises(RewardError, match="not callable"):
+        get_reward_fn("my_rewards:not_callable")
+    with pytest.raises(RewardError, match="must accept"):
+        get_reward_fn("my_rewards:bad_signature")
+    with pytest.raises(RewardError, match="cannot import module 'no_such_module_xyz'"):
+        get_reward_fn("no_such_module_xyz:f")
+    sys.modules.pop("my_rewards", None)
+
+
+def _sample(i, response, label, **meta):
+    return Sample(prompt_ids=[1, 2], response_ids=response, index=i, label=label,
+                  prompt="p", metadata=meta)
+
+
+def test_score_samples_sets_rewards_and_passes_metadata():
+    detok = lambda ids: "".join(str(t) for t in ids)  # noqa: E731
+    samples = [_sample(0, [9, 5], "95"), _sample(1, [9, 4], "95"), _sample(2, [1], "1", k=7)]
+    seen = []
+
+    def fn(text, label, meta):
+        seen.append(meta)
+        return get_reward_fn("math")(text, label, meta)
+
+    assert score_samples(samples, fn, detok) == [1.0, 0.0, 1.0]
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0]
+    assert seen[2]["k"] == 7 and seen[2]["prompt"] == "p" and seen[2]["finish_reason"] == "stop"
+    assert seen[1]["index"] == 1
+
+
+def test_score_samples_bad_values():
+    s = [_sample(3, [1], "1")]
+    with pytest.raises(RewardError, match="sample 3.*ZeroDivisionError"):
+        score_samples(s, lambda t, lab, m: 1 / 0, str)
+    with pytest.raises(RewardError, match="returned nan"):
+        score_samples(s, lambda t, lab, m: float("nan"), str)
+    with pytest.raises(RewardError, match="returned str"):
+        score_samples(s, lambda t, lab, m: "high", str)
