@@ -129,7 +129,8 @@ def tensor_update_payloads(
 
     Args:
         bucket: (HF name, full tensor) pairs.
-        tp_size: the server's tensor-parallel size; each rank gets its own copy of the payload.
+        tp_size: the server's tensor-parallel size; each rank gets its own serialization of
+            the same tensors (a shared-memory handle may be opened only once per copy).
         flattened: one flattened bucket per dtype (else a plain list of named tensors).
     Returns:
         (bodies, keep_alive): request bodies, and the tensors that must stay alive until the
@@ -140,14 +141,14 @@ def tensor_update_payloads(
         for group in group_by_dtype(bucket):
             payload = flatten_bucket(group)
             keep.append(payload)
-            s = serialize(payload)
-            bodies.append({"serialized_named_tensors": [s] * tp_size, "load_format": FLATTENED_BUCKET})
+            entries = [serialize(payload) for _ in range(tp_size)]
+            bodies.append({"serialized_named_tensors": entries, "load_format": FLATTENED_BUCKET})
     else:
         named = [(n, t.contiguous()) for n, t in bucket]
         if named:
             keep.append(named)
-            s = serialize(named)
-            bodies.append({"serialized_named_tensors": [s] * tp_size, "load_format": None})
+            entries = [serialize(named) for _ in range(tp_size)]
+            bodies.append({"serialized_named_tensors": entries, "load_format": None})
     return bodies, keep
 
 

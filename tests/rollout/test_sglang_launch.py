@@ -1,0 +1,96 @@
+"""Server launch: SGLang command lines, and launched (stand-in) server processes end to end."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+import torch
+
+from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
+from megatron_gspo.rollout.sglang import SGLangEngine
+from megatron_gspo.rollout.sglang_launch import LaunchSpec, router_argv, server_argv
+
+STANDIN = "megatron_gspo.rollout.standin_server"
+
+
+def test_server_argv_matches_sglang_flags():
+    spec = LaunchSpec(
+        model_path="/models/qwen3", num_servers=2, tp_size=2, host="127.0.0.1",
+        mem_fraction_static=0.7, colocated=True, base_gpu_id=4, seed=11, dtype="bfloat16",
+        extra_args=["--context-length", "8192"], python="/usr/bin/python3",
+    )
+    assert server_argv(spec, 1, 30001) == [
+        "/usr/bin/python3", "-m", "sglang.launch_server",
+        "--model-path", "/models/qwen3", "--host", "127.0.0.1", "--port", "30001",
+        "--tp-size", "2", "--base-gpu-id", "6", "--random-seed", "12", "--dtype", "bfloat16",
+        "--mem-fraction-static", "0.7", "--enable-memory-saver",
+        "--context-length", "8192",
+    ]
+    plain = server_argv(LaunchSpec(model_path="m", python="py"), 0, 30000)
+    assert "--enable-memory-saver" not in plain and "--mem-fraction-static" not in plain
+    assert router_argv(["http://a:1", "http://b:2"], "127.0.0.1", 31000, python="py") == [
+        "py", "-m", "sglang_router.launch_router", "--worker-urls", "http://a:1", "http://b:2",
+        "--host", "127.0.0.1", "--port", "31000", "--policy", "cache_aware",
+    ]
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        LaunchSpec(model_path="m", mem_fraction_static=1.5)
+    with pytest.raises(ValueError, match="server_urls"):
+        SGLangEngine()
+
+
+def test_server_that_dies_at_startup_fails_clearly(tmp_path):
+    spec = LaunchSpec(model_path="m", module="megatron_gspo.rollout.no_such_module",
+                      base_port=0, python=sys.executable, log_dir=str(tmp_path))
+    eng = SGLangEngine(launch=spec, startup_timeout_s=120)
+    with pytest.raises(RolloutError, match=r"exited with code 1 .*before becoming healthy"):
+        eng.sync(eng.astart())
+    assert all(not p.alive() for p in eng.procs)
+    assert "No module named" in (tmp_path / "sglang_server_0.log").read_text()
+    eng.shutdown()
+
+
+@pytest.mark.slow
+def test_launched_servers_generate_update_and_crash(tiny_model_dir, tmp_path):
+    """A launched server process: generation, CPU shared-memory tensor update, gloo broadcast
+    update, then a crash makes the call fail and stops the server."""
+    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors across processes
+    spec = LaunchSpec(model_path=tiny_model_dir, num_servers=1, module=STANDIN, base_port=0,
+                      python=sys.executable, log_dir=str(tmp_path), dtype="float32")
+    eng = SGLangEngine(launch=spec, backoff_s=0.01, max_retries=1, startup_timeout_s=120)
+    try:
+        reqs = [GenerateRequest([4, 5, 6], SamplingParams(max_new_tokens=6, n=4))]
+        out = eng.generate(reqs)
+        assert len(out) == 4 and {s.metadata["server"] for s in out} == set(eng.urls)
+        assert all(p.alive() for p in eng.procs) and len(eng.urls) == 1
+
+        greedy = [GenerateRequest([4, 5, 6], SamplingParams(max_new_tokens=6, temperature=0.0,
+                                                            ignore_eos=True, n=2))]
+        base = eng.generate(greedy)
+        from safetensors.torch import load_file
+
+        weights = load_file(f"{tiny_model_dir}/model.safetensors")
+        shifted = [(k, v + 0.3) for k, v in weights.items()]
+        eng.update_weights([shifted], version=1)
+        upd = eng.generate(greedy)
+        assert [s.weight_version for s in upd] == [1, 1]
+        assert upd[0].response_ids == upd[1].response_ids != base[0].response_ids
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        eng.sync(eng.aconnect_distributed("127.0.0.1", port, backend="gloo"))
+        eng.sync(eng.aupdate_weights_distributed([list(weights.items())], version=2))
+        back = eng.generate(greedy)
+        assert [s.weight_version for s in back] == [2, 2]
+        assert [s.response_ids for s in back] == [s.response_ids for s in base]
+
+        eng.sync(eng._post(eng.urls[0], "/standin/faults", {"crash": True}))
+        with pytest.raises(RolloutError, match="exited with code 1.*stopped the rollout servers"):
+            eng.generate(reqs)
+        assert all(not p.alive() for p in eng.procs)
+    finally:
+        eng.shutdown()
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    assert all(p.returncode is not None for p in eng.procs)
