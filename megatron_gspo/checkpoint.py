@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -48,12 +49,10 @@ def rng_state() -> dict:
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    try:
+    if "megatron.core.tensor_parallel" in sys.modules:  # a learner lives in this process
         from megatron.core import tensor_parallel
 
         state["megatron_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    except Exception:  # tracker not initialised (no learner in this process)
-        pass
     return state
 
 
