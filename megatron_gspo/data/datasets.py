@@ -169,6 +169,11 @@ class PromptDataset:
             raise DatasetError(f"{self.path}: no usable rows "
                                f"({len(self.skipped)} bad rows skipped)")
 
+    @classmethod
+    def from_file(cls, path: str | Path, tokenizer: TokenizerLike, **kwargs: Any) -> PromptDataset:
+        """Same as the constructor (kept for call sites that read better this way)."""
+        return cls(path, tokenizer, **kwargs)
+
     @property
     def num_skipped(self) -> int:
         """Number of bad rows skipped at load time."""
@@ -232,22 +237,24 @@ class PromptDataset:
 
 
 class PromptIterator:
-    """Shuffled batches of prompts over epochs, with a resumable cursor.
+    """Shuffled prompts over epochs, with a resumable cursor.
 
-    Epoch e visits the items in the order of a permutation drawn from (seed, e); a batch that
-    reaches the end of an epoch continues with the next epoch, so every batch is full. The
-    cursor is (epoch, position in that epoch's order); `load_state_dict` of a saved cursor
-    continues exactly where the saved iterator stopped.
+    Iterating yields one item at a time (endlessly unless num_epochs is set); `next_batch`
+    returns several. Epoch e visits the items in the order of a permutation drawn from
+    (seed, e); a batch that reaches the end of an epoch continues with the next epoch, so every
+    batch is full. The cursor is (epoch, position in that epoch's order) and advances by
+    exactly the items handed out; `load_state_dict` of a saved cursor continues exactly where
+    the saved iterator stopped.
 
     Args:
         dataset: the items (anything with __len__ and __getitem__).
-        batch_size: prompts per batch.
+        batch_size: default number of items per `next_batch`.
         seed: shuffle seed.
         shuffle: when False every epoch visits the items in file order.
         num_epochs: stop after this many epochs (StopIteration); None: never stop.
     """
 
-    def __init__(self, dataset: Any, batch_size: int, seed: int = 0, shuffle: bool = True,
+    def __init__(self, dataset: Any, batch_size: int = 1, seed: int = 0, shuffle: bool = True,
                  num_epochs: int | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -275,24 +282,36 @@ class PromptIterator:
             self._order_epoch = epoch
         return self._order
 
-    def next_batch(self) -> list[Any]:
-        """The next batch_size items; raises StopIteration after num_epochs epochs."""
+    def __iter__(self) -> PromptIterator:
+        return self
+
+    def __next__(self) -> Any:
+        """The next item; StopIteration after num_epochs epochs."""
         if self.num_epochs is not None and self.epoch >= self.num_epochs:
             raise StopIteration
-        batch = []
-        while len(batch) < self.batch_size:
-            if self.num_epochs is not None and self.epoch >= self.num_epochs:
-                break  # last, partial batch
-            order = self._epoch_order(self.epoch)
-            take = min(self.batch_size - len(batch), self.size - self.position)
-            batch.extend(self.dataset[int(i)] for i in order[self.position:self.position + take])
-            self.position += take
-            if self.position == self.size:
-                self.epoch += 1
-                self.position = 0
+        item = self.dataset[int(self._epoch_order(self.epoch)[self.position])]
+        self.position += 1
+        if self.position == self.size:
+            self.epoch += 1
+            self.position = 0
+        return item
+
+    def next_batch(self, n: int | None = None) -> list[Any]:
+        """The next n (default batch_size) items; the last batch of the last epoch may be short.
+
+        Raises StopIteration when num_epochs epochs are done before the call.
+        """
+        n = self.batch_size if n is None else n
+        batch = [next(self)]
+        for _ in range(n - 1):
+            try:
+                batch.append(next(self))
+            except StopIteration:
+                break
         return batch
 
-    def __iter__(self) -> Iterator[list[Any]]:
+    def batches(self) -> Iterator[list[Any]]:
+        """Iterate over batches of batch_size items until num_epochs (forever when None)."""
         while True:
             try:
                 yield self.next_batch()

@@ -99,39 +99,43 @@ def answers_match(answer: str, label: Any, rel_tol: float = 1e-6, abs_tol: float
     return normalize_answer(answer) == normalize_answer(target)
 
 
-def math_reward(response_text: str, label: Any, sample_metadata: dict | None = None) -> float:
+def math_reward(response_text: str, label: Any, sample_metadata: dict | None = None, *,
+                rel_tol: float = 1e-6, abs_tol: float = 1e-6) -> float:
     """1.0 when the last \\boxed{} answer (or, without a box, the last number) matches the label.
 
     Args:
         response_text: the decoded response.
         label: the reference answer (number, string, or solution ending in "#### answer").
         sample_metadata: unused.
+        rel_tol, abs_tol: numeric tolerance (math.isclose).
     Returns:
         1.0 or 0.0.
     """
     answer = extract_boxed(response_text)
     if answer is None:
         answer = extract_last_number(response_text)
-    return float(answer is not None and answers_match(answer, label))
+    return float(answer is not None and answers_match(answer, label, rel_tol, abs_tol))
 
 
-def math_boxed_strict_reward(response_text: str, label: Any,
-                             sample_metadata: dict | None = None) -> float:
+def math_boxed_strict_reward(response_text: str, label: Any, sample_metadata: dict | None = None,
+                             *, rel_tol: float = 1e-6, abs_tol: float = 1e-6) -> float:
     """1.0 only when the response has a \\boxed{} answer that matches the label."""
     answer = extract_boxed(response_text)
-    return float(answer is not None and answers_match(answer, label))
+    return float(answer is not None and answers_match(answer, label, rel_tol, abs_tol))
 
 
-def exact_match_reward(response_text: str, label: Any,
-                       sample_metadata: dict | None = None) -> float:
+def exact_match_reward(response_text: str, label: Any, sample_metadata: dict | None = None, *,
+                       case_sensitive: bool = False) -> float:
     """1.0 when the response equals the label (or one of a list of labels) after normalisation.
 
-    Normalisation: strip, lower-case, collapse whitespace, drop a trailing period.
+    Normalisation: strip, collapse whitespace, drop a trailing period, lower-case unless
+    case_sensitive.
     """
     labels = label if isinstance(label, (list, tuple)) else [label]
 
     def norm(s: Any) -> str:
-        return re.sub(r"\s+", " ", str(s).strip().lower()).rstrip(".").strip()
+        s = re.sub(r"\s+", " ", str(s).strip())
+        return (s if case_sensitive else s.lower()).rstrip(".").strip()
 
     got = norm(response_text)
     return float(any(got == norm(x) for x in labels))

@@ -116,17 +116,20 @@ def score_samples(
     samples: Sequence[Sample],
     reward_fn: RewardFn,
     detokenize: Callable[[list[int]], str],
+    reward_kwargs: dict[str, Any] | None = None,
 ) -> list[float]:
     """Compute and store `sample.reward` for every sample.
 
     Args:
         samples: the samples; their response_ids are decoded with `detokenize`.
-        reward_fn: reward_fn(response_text, label, sample_metadata) -> float.
+        reward_fn: reward_fn(response_text, label, sample_metadata, **reward_kwargs) -> float.
         detokenize: token ids -> text (e.g. tokenizer.decode with skip_special_tokens=True).
+        reward_kwargs: extra keyword arguments for the reward function (config reward.kwargs).
     Returns:
         the rewards, in sample order.
     """
     rewards = []
+    kwargs = dict(reward_kwargs or {})
     for s in samples:
         text = detokenize(list(s.response_ids))
         meta = dict(s.metadata)
@@ -134,7 +137,7 @@ def score_samples(
                     group_index=s.group_index)
         name = getattr(reward_fn, "__name__", repr(reward_fn))
         try:
-            value = reward_fn(text, s.label, meta)
+            value = reward_fn(text, s.label, meta, **kwargs)
         except Exception as e:
             raise RewardError(f"reward {name} failed on sample {s.index} (group "
                               f"{s.group_index}): {type(e).__name__}: {e}") from e

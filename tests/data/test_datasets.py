@@ -115,7 +115,18 @@ def test_iterator_epochs_cover_everything_and_reshuffle():
 
 def test_iterator_num_epochs_and_no_shuffle():
     it = PromptIterator(list(range(5)), batch_size=2, shuffle=False, num_epochs=1)
-    assert list(it) == [[0, 1], [2, 3], [4]]
+    assert list(it.batches()) == [[0, 1], [2, 3], [4]]
+    assert list(PromptIterator(list(range(3)), shuffle=False, num_epochs=2)) == [0, 1, 2] * 2
+
+
+def test_item_iteration_consumes_exactly_what_is_taken():
+    """A generator over the iterator abandoned mid-way moves the cursor only by items taken."""
+    a = PromptIterator(list(range(9)), seed=5)
+    gen = (x for x in a)
+    taken = [next(gen) for _ in range(4)]
+    assert a.state_dict()["position"] == 4
+    b = PromptIterator(list(range(9)), seed=5)
+    assert b.next_batch(4) == taken and next(a) == next(b)
 
 
 def test_iterator_resume_continues_exactly():
@@ -123,7 +134,7 @@ def test_iterator_resume_continues_exactly():
     full = PromptIterator(data, batch_size=3, seed=11)
     reference = [full.next_batch() for _ in range(8)]
     first = PromptIterator(data, batch_size=3, seed=11)
-    head = [first.next_batch() for _ in range(3)]
+    head = [first.next_batch() for _ in range(2)] + [[next(first) for _ in range(3)]]
     state = json.loads(json.dumps(first.state_dict()))  # survives serialisation
     resumed = PromptIterator(data, batch_size=3, seed=11)
     resumed.load_state_dict(state)

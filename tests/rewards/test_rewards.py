@@ -54,6 +54,13 @@ def test_math_reward(response, label, reward):
     assert get_reward_fn("math")(response, label, {}) == reward
 
 
+def test_reward_kwargs():
+    assert get_reward_fn("math")("0.333", "1/3", {}, rel_tol=1e-2) == 1.0
+    assert get_reward_fn("exact_match")("Paris", "paris", {}, case_sensitive=True) == 0.0
+    s = [_sample(0, [3], "3.1")]
+    assert score_samples(s, get_reward_fn("math"), str, {"abs_tol": 0.2}) == [1.0]
+
+
 def test_math_boxed_strict_needs_box():
     fn = get_reward_fn("math_boxed_strict")
     assert fn("the answer is 7", "7", {}) == 0.0
