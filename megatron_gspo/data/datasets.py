@@ -125,7 +125,7 @@ class PromptDataset:
         path: str | Path,
         tokenizer: TokenizerLike,
         prompt_key: str = "prompt",
-        label_key: str | None = "label",
+        label_key: str | None = "answer",
         system_prompt: str | None = None,
         apply_chat_template: bool = True,
         max_prompt_length: int | None = None,

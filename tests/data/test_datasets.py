@@ -55,7 +55,7 @@ def test_raw_prompt_and_no_label(tmp_path):
 
 def test_parquet(tmp_path):
     p = tmp_path / "d.parquet"
-    pq.write_table(pa.table({"prompt": ["x", "yy", ""], "label": ["1", "2", "3"]}), p)
+    pq.write_table(pa.table({"prompt": ["x", "yy", ""], "answer": ["1", "2", "3"]}), p)
     with pytest.raises(DatasetError, match=r"d\.parquet row 2: empty prompt"):
         PromptDataset(p, TOK)
     ds = PromptDataset(p, TOK, skip_bad_rows=True)
@@ -63,21 +63,21 @@ def test_parquet(tmp_path):
 
 
 BAD_ROWS = [
-    ('{"prompt": "ok", "label": "1"', "line 1: invalid JSON"),
-    ({"label": "1"}, "line 1: missing key 'prompt'"),
-    ({"prompt": "ok"}, "line 1: missing key 'label'"),
-    ({"prompt": "ok", "label": None}, "line 1: label 'label' is null"),
-    ({"prompt": 5, "label": "1"}, "line 1: prompt must be a string or a non-empty list"),
-    ({"prompt": [{"role": "user"}], "label": "1"}, "line 1: prompt message 0 is not"),
-    ({"prompt": "   ", "label": "1"}, "line 1: empty prompt"),
+    ('{"prompt": "ok", "answer": "1"', "line 1: invalid JSON"),
+    ({"answer": "1"}, "line 1: missing key 'prompt'"),
+    ({"prompt": "ok"}, "line 1: missing key 'answer'"),
+    ({"prompt": "ok", "answer": None}, "line 1: label 'answer' is null"),
+    ({"prompt": 5, "answer": "1"}, "line 1: prompt must be a string or a non-empty list"),
+    ({"prompt": [{"role": "user"}], "answer": "1"}, "line 1: prompt message 0 is not"),
+    ({"prompt": "   ", "answer": "1"}, "line 1: empty prompt"),
     ([1, 2], "line 1: row must be a JSON object"),
-    ({"prompt": "x" * 50, "label": "1"}, "line 1: prompt has 70 tokens, more than"),
+    ({"prompt": "x" * 50, "answer": "1"}, "line 1: prompt has 70 tokens, more than"),
 ]
 
 
 @pytest.mark.parametrize("row,message", BAD_ROWS)
 def test_bad_row_error_names_file_and_row(tmp_path, row, message):
-    p = write_jsonl(tmp_path / "bad.jsonl", [row, {"prompt": "fine", "label": "2"}])
+    p = write_jsonl(tmp_path / "bad.jsonl", [row, {"prompt": "fine", "answer": "2"}])
     with pytest.raises(DatasetError) as e:
         PromptDataset(p, TOK, max_prompt_length=40)
     msg = str(e.value)
