@@ -231,3 +231,36 @@ def test_slurm_disaggregated_needs_rollout_nodes(fake_scontrol):
                                                       ROLLOUT_NODES="3"),
             path_prefix=fake_scontrol)
     assert r.returncode == 2 and "ROLLOUT_NODES" in r.stderr
+
+
+@pytest.mark.slow
+def test_two_node_rendezvous_runs_for_real(tmp_path):
+    """Two torchrun.sh "nodes" on this machine (2 processes each) meet at MASTER_ADDR and start
+    the program with the ranks torchrun assigns; the program is a probe that records them."""
+    import socket
+    import sys
+
+    probe = tmp_path / "probe.sh"
+    probe.write_text('#!/usr/bin/env bash\n'
+                     'echo "$RANK $WORLD_SIZE $LOCAL_RANK $GROUP_RANK $*" '
+                     '> "$PROBE_DIR/rank$RANK"\n')
+    probe.chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV}
+    base.update(NNODES="2", GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                TORCHRUN=str(Path(sys.executable).parent / "torchrun"), MEGATRON_GSPO=str(probe),
+                PROBE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    (tmp_path / "c.yaml").write_text("train: {}\n")
+    procs = [subprocess.Popen(["bash", str(LAUNCH / "torchrun.sh"), str(tmp_path / "c.yaml"),
+                               "train.seed=3"], env={**base, "NODE_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    seen = sorted((tmp_path / f"rank{r}").read_text().split() for r in range(4))
+    # RANK WORLD_SIZE LOCAL_RANK GROUP_RANK(node) then the program's arguments
+    assert [row[:4] for row in seen] == [["0", "4", "0", "0"], ["1", "4", "1", "0"],
+                                         ["2", "4", "0", "1"], ["3", "4", "1", "1"]]
+    assert all(row[4:] == ["train", str(tmp_path / "c.yaml"), "train.seed=3"] for row in seen)
