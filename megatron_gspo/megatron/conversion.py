@@ -72,8 +72,8 @@ def check_hf_to_mcore(hf_dir: str, out: str, force: bool) -> dict:
     """Validate inputs of `hf_to_mcore` without touching torch.distributed; returns the config."""
     if Path(out).exists() and not force:
         raise ConversionError(f"output directory {out} exists (pass --force to overwrite)")
+    adapter = get_adapter(read_config(hf_dir))
     reader = HFCheckpointReader(hf_dir)
-    adapter = get_adapter(reader.config)
     validate_hf_checkpoint(reader, adapter, adapter.dims(reader.config))
     return reader.config
 

@@ -1,0 +1,166 @@
+"""Bad input to tools/convert_checkpoint.py: one-line errors, exit code 1, no output left."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.hf_io import INDEX_NAME, save_hf_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+from convert_checkpoint import main  # noqa: E402
+
+
+def _copy_model(src: Path, dst: Path, edit=None) -> Path:
+    shutil.copytree(src, dst)
+    if edit is not None:
+        sd = load_file(dst / "model.safetensors")
+        edit(sd)
+        save_file(sd, str(dst / "model.safetensors"))
+    return dst
+
+
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    return rc, err
+
+
+def test_unknown_architecture(tiny_hf, tmp_path, capsys):
+    d = _copy_model(tiny_hf["Qwen3ForCausalLM"], tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["MistralForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    rc, err = _run(capsys, "hf-to-mcore", "--hf", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 1 and "MistralForCausalLM" in err and "Qwen3MoeForCausalLM" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_missing_tensor_named(tiny_hf, tmp_path, capsys):
+    d = _copy_model(
+        tiny_hf["LlamaForCausalLM"],
+        tmp_path / "m",
+        lambda sd: sd.pop("model.layers.3.self_attn.k_proj.weight"),
+    )
+    rc, err = _run(capsys, "hf-to-mcore", "--hf", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 1 and "'model.layers.3.self_attn.k_proj.weight'" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_shape_mismatch_named(tiny_hf, tmp_path, capsys):
+    def edit(sd):
+        sd["model.layers.0.mlp.experts.2.down_proj.weight"] = torch.zeros(3, 3)
+
+    d = _copy_model(tiny_hf["Qwen3MoeForCausalLM"], tmp_path / "m", edit)
+    rc, err = _run(capsys, "hf-to-mcore", "--hf", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 1 and "'model.layers.0.mlp.experts.2.down_proj.weight' has shape (3, 3)" in err
+
+
+def test_unmapped_tensor_named(tiny_hf, tmp_path, capsys):
+    def edit(sd):
+        sd["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(32)
+
+    d = _copy_model(tiny_hf["Qwen3ForCausalLM"], tmp_path / "m", edit)
+    rc, err = _run(capsys, "hf-to-mcore", "--hf", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 1 and "'model.layers.0.self_attn.o_proj.bias'" in err
+
+
+@pytest.mark.parametrize("damage", ["header", "truncated"])
+def test_corrupt_safetensors(tiny_hf, tmp_path, capsys, damage):
+    d = _copy_model(tiny_hf["Qwen2ForCausalLM"], tmp_path / "m")
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(b"\xff" * 16 + data[16:] if damage == "header" else data[: len(data) // 2])
+    rc, err = _run(capsys, "hf-to-mcore", "--hf", str(d), "--out", str(tmp_path / "o"))
+    assert rc == 1 and "corrupt safetensors file" in err and not (tmp_path / "o").exists()
+
+
+def test_output_exists_is_refused(tiny_hf, tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    rc, err = _run(
+        capsys, "hf-to-mcore", "--hf", str(tiny_hf["Qwen3ForCausalLM"]), "--out", str(out)
+    )
+    assert rc == 1 and "exists" in err and "--force" in err
+    assert (out / "keep.txt").read_text() == "x"
+    rc, err = _run(capsys, "mcore-to-hf", "--ckpt", str(tmp_path), "--out", str(out))
+    assert rc == 1 and "exists" in err
+
+
+def test_mcore_to_hf_rejects_non_checkpoint(tiny_hf, tmp_path, capsys):
+    rc, err = _run(
+        capsys,
+        "mcore-to-hf",
+        "--ckpt",
+        str(tiny_hf["Qwen3ForCausalLM"]),
+        "--out",
+        str(tmp_path / "o"),
+    )
+    assert rc == 1 and "not a megatron_gspo checkpoint" in err
+
+
+def test_bad_layout_and_dtype(tiny_hf, tmp_path, capsys):
+    hf = str(tiny_hf["Qwen3ForCausalLM"])
+    rc, err = _run(capsys, "hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"), "--tp", "0")
+    assert rc == 1 and "--tp" in err
+    rc, err = _run(
+        capsys, "hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"), "--dtype", "fp8"
+    )
+    assert rc == 1 and "unknown dtype 'fp8'" in err
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    def items():
+        yield "a", torch.zeros(4)
+        yield "b", torch.ones(4)
+        raise ConversionError("boom")
+
+    with pytest.raises(ConversionError, match="boom"):
+        save_hf_checkpoint(items(), tmp_path / "o", side_files_from=None, max_shard_bytes=16)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shards_are_bounded_and_indexed(tmp_path):
+    tensors = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(6)}  # 4..24 bytes
+    index = save_hf_checkpoint(
+        tensors.items(), tmp_path / "o", side_files_from=None, max_shard_bytes=32
+    )
+    files = sorted((tmp_path / "o").glob("*.safetensors"))
+    assert len(files) > 2 and (tmp_path / "o" / INDEX_NAME).is_file()
+    back = {}
+    for f in files:
+        assert f.stat().st_size < 32 + 400  # data bound + header
+        part = load_file(f)
+        assert sum(t.numel() * 4 for t in part.values()) <= 32
+        back.update(part)
+        assert all(index["weight_map"][k] == f.name for k in part)
+    assert all(torch.equal(back[k], v) for k, v in tensors.items()) and len(back) == 6
+    with pytest.raises(ConversionError, match="exists"):
+        save_hf_checkpoint(tensors.items(), tmp_path / "o", side_files_from=None)
+
+
+def test_exit_code_of_the_process(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "convert_checkpoint.py"),
+            "hf-to-mcore",
+            "--hf",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 1 and "unsupported architecture 'GPT2LMHeadModel'" in p.stderr
