@@ -59,22 +59,13 @@ def test_table_alignment_and_failed_exit_code(monkeypatch, capsys):
 def test_sglang_round_trip_against_a_server_with_sglangs_api(tmp_path):
     """The round-trip check launches a server with SGLang's flags, waits for /health, POSTs
     /generate and stops it; here the server is the project's stand-in (same endpoints, CPU)."""
-    import torch
-
-    from megatron_gspo.rollout.embedded import build_hf_model
-
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import gpu_selfcheck as sc
     finally:
         sys.path.pop(0)
-    torch.manual_seed(0)
-    build_hf_model(dict(model_type="qwen3", vocab_size=64, hidden_size=16, intermediate_size=32,
-                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                        head_dim=8, max_position_embeddings=64, eos_token_id=1,
-                        tie_word_embeddings=False)).save_pretrained(tmp_path / "m")
-    row = sc.check_sglang(str(tmp_path / "m"), timeout_s=90,
-                          module="megatron_gspo.rollout.standin_server")
+    # "tiny": the check builds its own random Qwen3 directory (no tokenizer, token ids only).
+    row = sc.check_sglang("tiny", timeout_s=90, module="megatron_gspo.rollout.standin_server")
     assert row.status == "ok", row
     assert "16 tokens + 16 logprobs" in row.detail
     bad = sc.check_sglang(str(tmp_path), timeout_s=5, module="megatron_gspo.rollout.standin_server")
