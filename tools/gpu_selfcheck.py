@@ -322,7 +322,10 @@ def check_sglang(model_dir: str | None, timeout_s: float,
     with os.fdopen(fd, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    return _sglang_round_trip(proc, f"http://127.0.0.1:{port}", log_path, timeout_s)
+    row = _sglang_round_trip(proc, f"http://127.0.0.1:{port}", log_path, timeout_s)
+    if row.status == "ok":
+        os.unlink(log_path)  # kept only when it explains a failure
+    return row
 
 
 def _sglang_round_trip(proc: subprocess.Popen, base: str, log: str, timeout_s: float) -> Row:
