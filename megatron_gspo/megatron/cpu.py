@@ -23,7 +23,8 @@ files:
    Megatron's RNG tracker forks and restores the CPU generator. `is_available()` stays False.
    Names already bound by `from torch.cuda import X` in imported Megatron modules are re-bound.
 4. `torch.distributed.all_to_all_single` accepts tensor split sizes (converted to lists, which
-   Megatron only does for CUDA tensors).
+   Megatron only does for CUDA tensors); `all_gather` accepts outputs of different sizes (the
+   MoE dispatcher gathers per-rank token counts under TP + EP; gloo needs equal sizes).
 5. `te_general_gemm`, referenced by the MoE router without Transformer Engine, is set to None.
 6. torch.compile is disabled (`torch._dynamo.config.disable`): Megatron compiles a few small
    helpers, which costs tens of seconds cold on a CPU and gains nothing there.
@@ -267,6 +268,26 @@ def _patch_all_to_all_single() -> None:
                     async_op=async_op)
 
     dist.all_to_all_single = all_to_all_single
+
+    orig_all_gather = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        # gloo needs equal sizes; Megatron's MoE dispatcher gathers per-rank token counts
+        # that differ (NCCL allows it). Pad the flattened tensors to the largest, then trim.
+        sizes = [t.numel() for t in tensor_list]
+        if len(set(sizes)) <= 1:
+            return orig_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        _trace("uneven all_gather")
+        width = max(sizes)
+        flat = tensor.new_zeros(width)
+        flat[: tensor.numel()] = tensor.reshape(-1)
+        bufs = [tensor.new_empty(width) for _ in tensor_list]
+        orig_all_gather(bufs, flat, group=group)
+        for out, buf, n in zip(tensor_list, bufs, sizes):
+            out.copy_(buf[:n].view(out.shape))
+        return None
+
+    dist.all_gather = all_gather
 
 
 def _patch_megatron() -> None:

@@ -108,9 +108,11 @@ class Learner:
     def _micro_batches(self, samples: list[Sample], old_logprobs) -> list[MicroBatch]:
         from megatron.core import parallel_state as ps
 
+        min_mbs = self.batching.num_microbatches or 1
+        if len(self.model) > 1:  # the interleaved schedule needs >= PP micro-batches
+            min_mbs = max(min_mbs, self.layout.pipeline)
         plan = plan_microbatches([len(s.prompt_ids) + len(s.response_ids) for s in samples],
-                                 self.dp_size,
-                                 num_microbatches=self.batching.num_microbatches,
+                                 self.dp_size, num_microbatches=min_mbs,
                                  max_tokens=self.batching.max_tokens_per_microbatch)
         cp = self.layout.context
         seq_mult = 2 * cp if cp > 1 else 1

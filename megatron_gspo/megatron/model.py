@@ -211,7 +211,8 @@ def build_model_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
-        variable_seq_lengths=True,
+        variable_seq_lengths=True,  # packed rows differ in length between micro-batches
+        moe_token_dispatcher_type="alltoall",  # the dispatcher that allows variable lengths
         deallocate_pipeline_outputs=True,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
@@ -233,7 +234,6 @@ def build_model_config(
             moe_router_pre_softmax=not norm_topk,
             moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=moe_aux_loss_coeff,
-            moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=use_te,
             moe_router_dtype="fp32",
         )
@@ -306,6 +306,9 @@ def _layer_spec(config: TransformerConfig, use_te: bool) -> ModuleSpec:
         sub = spec.submodules
         sub.input_layernorm = SequenceParallelRMSNorm
         sub.pre_mlp_layernorm = SequenceParallelRMSNorm
+        if config.qk_layernorm:  # the torch norm refuses SP even where it sees whole heads
+            sub.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
+            sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
     return spec
 
 

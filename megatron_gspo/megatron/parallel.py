@@ -81,9 +81,6 @@ def check_layout(layout: ParallelLayout, world_size: int, hf_config: dict | None
         errs.append("parallel.virtual_pipeline needs parallel.pipeline >= 2")
     if lay.sequence_parallel and lay.tensor < 2:
         errs.append("parallel.sequence_parallel needs parallel.tensor >= 2")
-    if lay.expert > 1 and lay.tensor > 1 and not lay.sequence_parallel and lay.expert_tensor is None:
-        errs.append("expert parallelism with tensor parallelism needs "
-                    "parallel.sequence_parallel=true (Megatron-Core requirement)")
     if hf_config is not None:
         errs += _model_errors(lay, hf_config)
     if errs:
@@ -108,6 +105,9 @@ def _model_errors(lay: ParallelLayout, hf: dict) -> list[str]:
         errs.append(f"num_hidden_layers={layers} not divisible by pipeline*virtual_pipeline "
                     f"= {chunks}")
     experts = hf.get("num_experts")
+    if experts is not None and lay.tensor > 1 and not lay.sequence_parallel:
+        errs.append("an MoE model with parallel.tensor > 1 needs parallel.sequence_parallel=true "
+                    "(Megatron-Core requirement)")
     if experts is None and lay.expert > 1:
         errs.append(f"parallel.expert={lay.expert} but the model has no experts")
     if experts is not None and int(experts) % lay.expert:
