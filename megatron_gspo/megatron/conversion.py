@@ -110,7 +110,10 @@ def hf_to_mcore(
     initialize(layout, hf_config=cfg)
     try:
         models = cio.build_rank_models(
-            cfg, params_dtype=dtype, sequence_parallel=layout.sequence_parallel
+            cfg,
+            params_dtype=dtype,
+            sequence_parallel=layout.sequence_parallel,
+            perform_initialization=False,  # every weight is overwritten
         )
         cio.load_hf_weights(models, reader, adapter, dims, progress=progress and _is_rank0())
         meta = {
@@ -182,7 +185,10 @@ def mcore_to_hf(
     initialize(layout, hf_config=cfg)
     try:
         models = cio.build_rank_models(
-            cfg, params_dtype=params_dtype, sequence_parallel=layout.sequence_parallel
+            cfg,
+            params_dtype=params_dtype,
+            sequence_parallel=layout.sequence_parallel,
+            perform_initialization=False,  # every weight is overwritten
         )
         cio.load_checkpoint(models, ckpt)
         buckets = export_hf_weights(

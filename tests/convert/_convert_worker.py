@@ -112,8 +112,10 @@ def run(hf_dirs: dict, refs_path: str, work: str) -> None:
                 expert_tensor=1 if moe else None,
                 sequence_parallel=moe,
             )
-            build_small = partial(cio.build_rank_models, cfg)
-            build_big = partial(cio.build_rank_models, cfg, sequence_parallel=moe)
+            build_small = partial(cio.build_rank_models, cfg, perform_initialization=False)
+            build_big = partial(
+                cio.build_rank_models, cfg, sequence_parallel=moe, perform_initialization=False
+            )
             # bound = largest tensor (embedding rows) -> several buckets
             bucket = dims.vocab_size * dims.hidden_size * 4
 
