@@ -1,0 +1,78 @@
+"""Multi-turn agent episodes: environments, tools, Qwen3-style chat, the episode runner.
+
+Typical use in the RL loop:
+
+    runner = build_runner(engine, tokenizer, environment="calculator", max_turns=4, ...)
+    samples = runner.run_batch_sync(rows, n_per_prompt=G)   # one Sample per episode
+    assign_multiturn_advantages(samples, mode="turn", gamma=0.9)   # algo.turn_advantages
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_gspo.agent.chat import QWEN3, ChatFormat, ToolCall, parse_action, render_messages
+from megatron_gspo.agent.env import (
+    Environment,
+    StepResult,
+    ToolEnvironment,
+    make_env_factory,
+    register_env,
+    resolve_env,
+)
+from megatron_gspo.agent.envs import CalculatorEnv
+from megatron_gspo.agent.runner import EngineBatcher, EpisodeLimits, EpisodeRunner, episode_metrics
+
+__all__ = [
+    "QWEN3", "CalculatorEnv", "ChatFormat", "EngineBatcher", "Environment", "EpisodeLimits",
+    "EpisodeRunner", "StepResult", "ToolCall", "ToolEnvironment", "build_runner",
+    "episode_metrics", "make_env_factory", "parse_action", "register_env", "render_messages",
+    "resolve_env",
+]
+
+
+def build_runner(
+    engine: Any,
+    tokenizer: Any,
+    *,
+    environment: str = "calculator",
+    env_kwargs: dict[str, Any] | None = None,
+    python_tool: bool = False,
+    sampling: Any = None,
+    max_turns: int = 4,
+    max_total_tokens: int = 2048,
+    max_new_tokens_per_turn: int = 512,
+    turn_timeout_s: float = 60.0,
+    episode_timeout_s: float = 600.0,
+    enable_thinking: bool = False,
+    stop_on_tool_call_end: bool = True,
+    max_concurrent: int = 256,
+) -> EpisodeRunner:
+    """An EpisodeRunner from plain settings (the `agent.*` config fields map one to one).
+
+    Args:
+        engine: RolloutEngine.
+        tokenizer: Hugging Face-style tokenizer of the policy.
+        environment: registered name, `package.module:Class` or `path/file.py:Class`.
+        env_kwargs: constructor arguments of the environment.
+        python_tool: pass `python_tool=True` to the environment (only when set).
+        sampling: SamplingParams of every turn (None: the engine's defaults).
+        max_turns, max_total_tokens, max_new_tokens_per_turn, turn_timeout_s,
+            episode_timeout_s: see EpisodeLimits.
+        enable_thinking, stop_on_tool_call_end, max_concurrent: see EpisodeRunner.
+    Returns:
+        the runner.
+    """
+    kwargs = dict(env_kwargs or {})
+    if python_tool:
+        kwargs["python_tool"] = True
+    limits = EpisodeLimits(
+        max_turns=max_turns, max_total_tokens=max_total_tokens,
+        max_new_tokens_per_turn=max_new_tokens_per_turn, turn_timeout_s=turn_timeout_s,
+        episode_timeout_s=episode_timeout_s,
+    )
+    return EpisodeRunner(
+        engine, tokenizer, make_env_factory(environment, kwargs), sampling=sampling,
+        limits=limits, enable_thinking=enable_thinking,
+        stop_on_tool_call_end=stop_on_tool_call_end, max_concurrent=max_concurrent,
+    )

@@ -11,8 +11,12 @@ One environment instance serves one episode:
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 from megatron_gspo.agent.chat import ParsedAction, parse_action
 from megatron_gspo.agent.tools.base import ToolSet
@@ -135,8 +139,27 @@ def register_env(name: str) -> Callable[[type], type]:
     return deco
 
 
+def _load_file_module(path: str) -> Any:
+    """Import a Python file by path (its directory is put on sys.path for sibling imports)."""
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise ImportError(f"no such file {path!r}")
+    name = f"_gspo_env_{file.stem}_{abs(hash(str(file)))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(file.parent) not in sys.path:
+        sys.path.insert(0, str(file.parent))
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path!r}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def resolve_env(spec: str) -> Callable[..., Any]:
-    """Environment class for a registered name or a `package.module:Class` path.
+    """Environment class for a registered name, `package.module:Class` or `path/file.py:Class`.
 
     Raises:
         ValueError: unknown name, module that does not import, or missing class.
@@ -148,9 +171,12 @@ def resolve_env(spec: str) -> Callable[..., Any]:
         raise ValueError(
             f"unknown environment {spec!r}: not registered (known: {known}) and not module:Class"
         )
-    mod_name, _, attr = spec.partition(":")
+    mod_name, _, attr = spec.rpartition(":")
     try:
-        mod = importlib.import_module(mod_name)
+        if mod_name.endswith(".py"):
+            mod = _load_file_module(mod_name)
+        else:
+            mod = importlib.import_module(mod_name)
     except ImportError as exc:
         raise ValueError(f"environment {spec!r}: cannot import module {mod_name!r}: {exc}") from exc
     cls = getattr(mod, attr, None)

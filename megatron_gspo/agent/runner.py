@@ -122,7 +122,7 @@ class EngineBatcher:
                 if not fut.done():
                     fut.set_exception(exc)
             return
-        for (_, fut), s in zip(batch, samples):
+        for (_, fut), s in zip(batch, samples, strict=False):
             if not fut.done():
                 fut.set_result(s)
 
@@ -253,7 +253,9 @@ class EpisodeRunner:
                     break
                 text = self.tokenizer.decode(gen, skip_special_tokens=False)
                 try:
-                    res = await asyncio.wait_for(env.step(text), max(deadline - time.monotonic(), 1e-3))
+                    res = await asyncio.wait_for(
+                        env.step(text), max(deadline - time.monotonic(), 1e-3)
+                    )
                 except asyncio.TimeoutError:
                     rewards.append(0.0)
                     finish, stop = "abort", "episode_timeout"
@@ -375,8 +377,11 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     n = max(len(samples), 1)
     keys: set[str] = set()
     for s in samples:
-        keys |= {k for k, v in s.metadata.items() if isinstance(v, (int, float))
-                 and not isinstance(v, bool)}
+        keys |= {
+            k
+            for k, v in s.metadata.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
     for k in sorted(keys):
         out[f"agent/{k}"] = sum(float(s.metadata.get(k, 0)) for s in samples) / n
     for s in samples:

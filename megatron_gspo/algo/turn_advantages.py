@@ -22,7 +22,9 @@ import torch
 NORMALIZATIONS = ("pooled", "per_turn")
 
 
-def discounted_returns(turn_rewards: torch.Tensor, turn_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+def discounted_returns(
+    turn_rewards: torch.Tensor, turn_mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
     """Return-to-go per turn.
 
     Args:
@@ -115,8 +117,12 @@ def turn_level_advantages(
     """
     returns = discounted_returns(turn_rewards, turn_mask, gamma)  # [B, K]
     return group_normalize(
-        returns, turn_mask, group_ids,
-        normalization=normalization, scale_by_std=scale_by_std, eps=eps,
+        returns,
+        turn_mask,
+        group_ids,
+        normalization=normalization,
+        scale_by_std=scale_by_std,
+        eps=eps,
     )
 
 
@@ -150,9 +156,7 @@ def expand_turn_advantages(
     """
     mask = loss_mask.bool()
     if mask.any() and (turn_ids[mask].min() < 0 or turn_ids[mask].max() >= turn_adv.shape[1]):
-        raise ValueError(
-            f"turn_ids out of range [0, {turn_adv.shape[1]}) on a model token"
-        )
+        raise ValueError(f"turn_ids out of range [0, {turn_adv.shape[1]}) on a model token")
     idx = torch.where(mask, turn_ids.long(), torch.zeros_like(turn_ids, dtype=torch.long))
     return torch.gather(turn_adv.float(), 1, idx) * mask.float()
 
@@ -200,10 +204,12 @@ def assign_multiturn_advantages(
             if s.reward is None:
                 raise ValueError(f"sample {s.index}: reward is missing")
         adv = episode_level_advantages(
-            torch.tensor([float(s.reward) for s in samples]), groups,
-            scale_by_std=scale_by_std, eps=eps,
+            torch.tensor([float(s.reward) for s in samples]),
+            groups,
+            scale_by_std=scale_by_std,
+            eps=eps,
         )
-        for s, a in zip(samples, adv.tolist()):
+        for s, a in zip(samples, adv.tolist(), strict=False):
             s.advantage = [a * m for m in s.loss_mask]
         return
     for s in samples:
@@ -211,8 +217,13 @@ def assign_multiturn_advantages(
             raise ValueError(f"sample {s.index}: turn mode needs turn_rewards and turn_ids")
     rewards, tmask = pad_turn_rewards([s.turn_rewards for s in samples])
     tadv = turn_level_advantages(
-        rewards, tmask, groups, gamma=gamma, normalization=normalization,
-        scale_by_std=scale_by_std, eps=eps,
+        rewards,
+        tmask,
+        groups,
+        gamma=gamma,
+        normalization=normalization,
+        scale_by_std=scale_by_std,
+        eps=eps,
     )
     for i, s in enumerate(samples):
         if not s.response_ids:

@@ -20,34 +20,43 @@ def run(sb, code):
 
 
 def test_runs_code_and_uses_its_temp_dir(sb):
-    rc, out, _, _ = run(sb, "import math, json, os\nopen('a.txt', 'w').write('hi')\n"
-                            "print(open('a.txt').read(), math.factorial(5), sorted(os.listdir('.')))")
+    rc, out, _, _ = run(
+        sb,
+        "import math, json, os\nopen('a.txt', 'w').write('hi')\n"
+        "print(open('a.txt').read(), math.factorial(5), sorted(os.listdir('.')))",
+    )
     assert rc == 0 and out.strip() == "hi 120 ['a.txt', 'main.py']"
     assert asyncio.run(sb({"code": "print(2 + 2)"})) == "4"
 
 
-@pytest.mark.parametrize("code", [
-    "print(open('/etc/passwd').read())",
-    "import pathlib; print(pathlib.Path('/etc/passwd').read_text())",
-    "import os; fd = os.open('/etc/passwd', os.O_RDONLY); print(os.read(fd, 100))",
-    "import os; print(os.listdir('/etc'))",
-    "open('../escape.txt', 'w').write('x')",
-    "import os; os.symlink('/etc/passwd', 'p'); print(open('p').read())",
-    "import os; os.link('/etc/passwd', 'p'); print(open('p').read())",
-    "import os; os.chdir('/'); print(open('etc/passwd').read())",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "print(open('/etc/passwd').read())",
+        "import pathlib; print(pathlib.Path('/etc/passwd').read_text())",
+        "import os; fd = os.open('/etc/passwd', os.O_RDONLY); print(os.read(fd, 100))",
+        "import os; print(os.listdir('/etc'))",
+        "open('../escape.txt', 'w').write('x')",
+        "import os; os.symlink('/etc/passwd', 'p'); print(open('p').read())",
+        "import os; os.link('/etc/passwd', 'p'); print(open('p').read())",
+        "import os; os.chdir('/'); print(open('etc/passwd').read())",
+    ],
+)
 def test_cannot_read_or_write_outside_temp_dir(sb, code):
     rc, out, err, _ = run(sb, code)
     assert rc != 0 and "root:" not in out and "sandbox:" in err
 
 
-@pytest.mark.parametrize("code", [
-    "import subprocess; subprocess.run(['cat', '/etc/passwd'])",
-    "import os; os.system('cat /etc/passwd')",
-    "import os; os.execv('/bin/cat', ['cat', '/etc/passwd'])",
-    "import ctypes",
-    "import os; os.fork()",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import subprocess; subprocess.run(['cat', '/etc/passwd'])",
+        "import os; os.system('cat /etc/passwd')",
+        "import os; os.execv('/bin/cat', ['cat', '/etc/passwd'])",
+        "import ctypes",
+        "import os; os.fork()",
+    ],
+)
 def test_no_processes_or_ctypes(sb, code):
     rc, out, err, _ = run(sb, code)
     assert rc != 0 and "root:" not in out and "sandbox:" in err

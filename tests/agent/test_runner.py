@@ -106,7 +106,7 @@ def test_closed_turn_gets_no_extra_end_marker():
     runner = make_runner(eng)
     runner.stop_token_ids = (TOK.ids["<|im_end|>"],)  # do not stop at </tool_call>
     s = runner.run_batch_sync(ROWS[:1])[0]
-    env_text = TOK.decode([t for t, m in zip(s.response_ids, s.loss_mask) if m == 0])
+    env_text = TOK.decode([t for t, m in zip(s.response_ids, s.loss_mask, strict=False) if m == 0])
     assert env_text.startswith("\n<|im_start|>user\n<tool_response>")
     assert s.reward == 1.25
 
@@ -167,7 +167,7 @@ def test_bad_tool_calls_are_observations_and_counted():
     assert md["tool_errors/timeout"] == 1 and md["tool_errors/tool_error"] == 1
     assert md["tool_outputs_truncated"] == 1
     assert s.turn_rewards == pytest.approx([-0.1, -0.1, -0.1, 0.0, -0.1, 1.0])
-    env_text = TOK.decode([t for t, m in zip(s.response_ids, s.loss_mask) if m == 0])
+    env_text = TOK.decode([t for t, m in zip(s.response_ids, s.loss_mask, strict=False) if m == 0])
     assert "Error: invalid JSON" in env_text and "unknown tool 'search'" in env_text
     assert "timed out" in env_text and "output truncated" in env_text
     assert "division by zero" in env_text

@@ -39,7 +39,9 @@ def run(coro):
 def test_toolset_errors_never_raise():
     ts = ToolSet([Calculator(), Slow(), Huge(), Buggy()], timeout_s=0.2, max_output_chars=50)
     r = run(ts.execute(ToolCall("nope", {})))
-    assert r.error == "unknown_tool" and "available tools: buggy, calculator, huge, slow" in r.content
+    assert (
+        r.error == "unknown_tool" and "available tools: buggy, calculator, huge, slow" in r.content
+    )
     assert run(ts.execute(ToolCall("slow", {}))).error == "timeout"
     r = run(ts.execute(ToolCall("huge", {})))
     assert r.error is None and r.truncated and "99950 more characters" in r.content
@@ -58,12 +60,18 @@ def test_calculator_env_step_metrics_and_reward():
     first = run(env.reset(row))
     assert first[0]["role"] == "system" and first[1] == {"role": "user", "content": "What is 6*7?"}
     assert env.tool_schemas()[0]["function"]["name"] == "calculator"
-    res = run(env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}'
-                       "</tool_call>"))
+    res = run(
+        env.step(
+            '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+        )
+    )
     assert isinstance(res, StepResult) and not res.done and res.reward == pytest.approx(0.1)
     assert res.observation == [{"role": "tool", "content": "42"}] and res.info["tool_calls"] == 1
-    res = run(env.step('<tool_call>{bad</tool_call><tool_call>{"name": "web", "arguments": {}}'
-                       "</tool_call>"))
+    res = run(
+        env.step(
+            '<tool_call>{bad</tool_call><tool_call>{"name": "web", "arguments": {}}</tool_call>'
+        )
+    )
     assert res.reward == pytest.approx(-0.1) and len(res.observation) == 2
     assert res.info["tool_errors/invalid_call"] == 1 and res.info["tool_errors/unknown_tool"] == 1
     assert res.observation[0]["content"].startswith("Error: invalid JSON")

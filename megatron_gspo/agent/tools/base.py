@@ -103,7 +103,9 @@ class ToolSet:
         except (TypeError, KeyError, ValueError) as exc:
             return ToolResult(f"Error: bad arguments for {call.name!r}: {exc}", "bad_arguments")
         except Exception as exc:  # noqa: BLE001  (a tool bug must not end the run)
-            return ToolResult(f"Error: tool {call.name!r} failed: {type(exc).__name__}", "tool_error")
+            return ToolResult(
+                f"Error: tool {call.name!r} failed: {type(exc).__name__}", "tool_error"
+            )
         if not isinstance(out, str):
             out = str(out)
         text, cut = truncate_output(out, self.max_output_chars)

@@ -1,0 +1,61 @@
+"""The multi-turn agent example: configs load, the environment resolves from its file path, and
+a reference episode replayed through the runner has exactly the pre-training token layout."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_gspo.agent import build_runner, resolve_env
+from megatron_gspo.config import load_config
+from megatron_gspo.rollout.base import SamplingParams
+from tests.agent.agent_helpers import ScriptedEngine
+
+EX = Path(__file__).resolve().parents[2] / "examples" / "multiturn_agent"
+sys.path.insert(0, str(EX))
+import task  # noqa: E402
+from pretrain import encode_episode  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return task.build_tokenizer()
+
+
+@pytest.mark.parametrize("name", ["config_cpu.yaml", "config_gpu.yaml"])
+def test_configs_load_and_environment_resolves(name):
+    cfg = load_config(EX / name)
+    assert cfg.agent.enabled and cfg.algorithm.loss == "gspo_token"
+    cls = resolve_env(str(EX / "env.py") + ":ArithmeticAgentEnv")
+    assert cls.__name__ == "ArithmeticAgentEnv"
+    if cfg.agent.environment == "calculator":
+        assert resolve_env("calculator").__name__ == "CalculatorEnv"
+
+
+def test_reference_episode_replay_matches_pretraining_layout(tok):
+    rows = [task.make_problem(random.Random(f"t{i}")) for i in range(3)]
+    by_prompt = {}
+    for row in rows:
+        pieces = [tok.encode(t, add_special_tokens=False) for t, m in task.reference_episode(row)
+                  if m]
+        by_prompt[row["prompt"]] = pieces
+
+    def script(prompt_ids, _n):
+        text = tok.decode(prompt_ids)
+        row_prompt = next(p for p in by_prompt if p in text)
+        turn = text.count("<|im_start|>assistant") - 1
+        return by_prompt[row_prompt][turn]
+
+    eng = ScriptedEngine(script)
+    runner = build_runner(
+        eng, tok, environment=f"{EX / 'env.py'}:ArithmeticAgentEnv",
+        sampling=SamplingParams(max_new_tokens=96), max_turns=3, max_total_tokens=320,
+        max_new_tokens_per_turn=96,
+    )
+    for row, s in zip(rows, runner.run_batch_sync(rows), strict=True):
+        ids, mask = encode_episode(tok, row)
+        assert s.tokens == ids
+        assert [0] * len(s.prompt_ids) + s.loss_mask == mask
+        assert s.turn_rewards == pytest.approx([0.1, 1.0]) and s.metadata["correct"] == 1
+        assert len(ids) <= 320
