@@ -47,6 +47,7 @@ def build_runner(
     enable_thinking: bool = False,
     stop_on_tool_call_end: bool = True,
     max_concurrent: int = 256,
+    batch_requests: bool | None = None,
 ) -> EpisodeRunner:
     """An EpisodeRunner from plain settings (the `agent.*` config fields map one to one).
 
@@ -60,6 +61,7 @@ def build_runner(
         max_turns, max_total_tokens, max_new_tokens_per_turn, turn_timeout_s,
             episode_timeout_s: see EpisodeLimits.
         enable_thinking, stop_on_tool_call_end, max_concurrent: see EpisodeRunner.
+        batch_requests: see EpisodeRunner; None batches only for the in-process engine.
     Returns:
         the runner.
     """
@@ -71,8 +73,13 @@ def build_runner(
         max_new_tokens_per_turn=max_new_tokens_per_turn, turn_timeout_s=turn_timeout_s,
         episode_timeout_s=episode_timeout_s,
     )
+    if batch_requests is None:
+        from megatron_gspo.rollout.embedded import EmbeddedEngine
+
+        batch_requests = isinstance(engine, EmbeddedEngine)
     return EpisodeRunner(
         engine, tokenizer, make_env_factory(environment, kwargs), sampling=sampling,
         limits=limits, enable_thinking=enable_thinking,
         stop_on_tool_call_end=stop_on_tool_call_end, max_concurrent=max_concurrent,
+        batch_requests=batch_requests,
     )

@@ -108,7 +108,7 @@ class EngineBatcher:
                 break
         batch, self._pending = self._pending, []
         self._flusher = None
-        if self._pending or not batch:
+        if not batch:
             return
         self.batch_sizes.append(len(batch))
         try:
@@ -141,6 +141,9 @@ class EpisodeRunner:
         stop_on_tool_call_end: end a turn at the tool-call closing token (one call per turn).
         enable_thinking: Qwen3 thinking on/off in the assistant turn openings.
         max_concurrent: most episodes in flight.
+        batch_requests: merge concurrent turns into engine batches (`EngineBatcher`; right for
+            the in-process engine); False sends each turn as its own request (right for HTTP
+            servers that batch by themselves, so a slow turn does not hold others back).
         batch_wait_s: see `EngineBatcher`.
     """
 
@@ -156,6 +159,7 @@ class EpisodeRunner:
         stop_on_tool_call_end: bool = True,
         enable_thinking: bool = False,
         max_concurrent: int = 256,
+        batch_requests: bool = True,
         batch_wait_s: float = 0.02,
     ):
         self.engine = engine
@@ -174,7 +178,16 @@ class EpisodeRunner:
             stops.add(self._single_token(fmt.tool_call_end))
         self.stop_token_ids = tuple(sorted(stops))
         self._live = 0
+        self.batch_requests = batch_requests
         self.batcher = EngineBatcher(engine, batch_wait_s, expected=lambda: self._live)
+
+    async def _generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Sample:
+        if self.batch_requests:
+            return await self.batcher.generate(prompt_ids, sampling)
+        out = await self.engine.agenerate([GenerateRequest(list(prompt_ids), sampling)])
+        if len(out) != 1:
+            raise RuntimeError(f"engine returned {len(out)} samples for 1 request")
+        return out[0]
 
     def _single_token(self, text: str) -> int:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -229,7 +242,7 @@ class EpisodeRunner:
                 )
                 try:
                     out = await asyncio.wait_for(
-                        self.batcher.generate(prompt_ids + resp, sp),
+                        self._generate(prompt_ids + resp, sp),
                         min(lim.turn_timeout_s, left),
                     )
                 except asyncio.TimeoutError:

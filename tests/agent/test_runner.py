@@ -101,6 +101,17 @@ def test_trajectory_tokens_masks_and_rewards():
     assert max(eng.batch_sizes) == 4  # the 4 concurrent episodes were batched
 
 
+def test_unbatched_requests_give_the_same_episodes():
+    eng = ScriptedEngine(script_from(GOOD))
+    runner = make_runner(eng)
+    runner.batch_requests = False
+    samples = runner.run_batch_sync(ROWS, n_per_prompt=2)
+    assert set(eng.batch_sizes) == {1} and len(eng.calls) == 8
+    ref = make_runner(ScriptedEngine(script_from(GOOD))).run_batch_sync(ROWS, n_per_prompt=2)
+    for a, b in zip(samples, ref, strict=True):
+        assert a.tokens == b.tokens and a.loss_mask == b.loss_mask and a.reward == b.reward
+
+
 def test_closed_turn_gets_no_extra_end_marker():
     eng = ScriptedEngine(script_from([CALL % "{a}*{b}" + "<|im_end|>", "{ab}<|im_end|>"]))
     runner = make_runner(eng)
