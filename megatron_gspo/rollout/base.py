@@ -222,10 +222,13 @@ class RolloutEngine(ABC):
         """Load HF-named weights from buckets, then switch to `version`."""
 
     async def arelease_memory(self) -> None:
-        """Free accelerator memory (weights, KV cache) while the learner trains (colocated)."""
+        """Free accelerator memory (weights, KV cache) while the learner trains (colocated).
+        Engines without accelerator memory of their own keep this no-op."""
+        return None
 
     async def aresume_memory(self) -> None:
         """Take the memory back before the next update / generation."""
+        return None
 
     @abstractmethod
     async def ahealth(self) -> bool:
@@ -233,6 +236,7 @@ class RolloutEngine(ABC):
 
     async def ashutdown(self) -> None:
         """Stop everything the engine started."""
+        return None
 
     # -------------------------------------------------------- sync wrappers
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:

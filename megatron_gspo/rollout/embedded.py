@@ -224,7 +224,7 @@ class EmbeddedEngine(RolloutEngine):
             ]
             with self._lock:
                 outs = self.sample_rows(rows)
-            for s, (ids, lps, reason) in zip(chunk, outs):
+            for s, (ids, lps, reason) in zip(chunk, outs, strict=True):
                 results[s.out_idx] = make_sample(
                     requests[s.request_idx], s.request_idx, s.out_idx, ids, lps, reason,
                     self._version,
@@ -254,7 +254,10 @@ class EmbeddedEngine(RolloutEngine):
                     f"{self.max_model_len}"
                 )
         width = max(lens)
-        budget = [min(sp.max_new_tokens, self.max_model_len - n) for (_, sp), n in zip(rows, lens)]
+        budget = [
+            min(sp.max_new_tokens, self.max_model_len - n)
+            for (_, sp), n in zip(rows, lens, strict=True)
+        ]
         steps = max(budget)
 
         ids = torch.zeros(bsz, width, dtype=torch.long, device=dev)  # [B, P] left-padded

@@ -146,6 +146,7 @@ class SGLangEngine(RolloutEngine):
         self._started = False
         self._closed = False
         self._batches = itertools.count()
+        self._tasks: set[asyncio.Future] = set()
         self._update_group: Any = None
         self._group_name = "weight_update_group"
         self.metrics = {"retries": 0, "requests": 0}
@@ -193,9 +194,11 @@ class SGLangEngine(RolloutEngine):
                 os.makedirs(spec.log_dir, exist_ok=True)
             argv = server_argv(spec, i, port)
             log.info("launching rollout server %d: %s", i, " ".join(argv))
-            self.procs.append(ServerProcess(argv, f"sglang server {i} (port {port})", spec.env, logp))
+            name = f"sglang server {i} (port {port})"
+            self.procs.append(ServerProcess(argv, name, spec.env, logp))
             self.urls.append(f"http://{spec.host}:{port}")
-        await asyncio.gather(*(self._wait_healthy(u, p) for u, p in zip(self.urls, self.procs)))
+        waits = [self._wait_healthy(u, p) for u, p in zip(self.urls, self.procs, strict=True)]
+        await asyncio.gather(*waits)
 
     async def _start_router(self) -> None:
         host = self.spec.host if self.spec else "127.0.0.1"
@@ -205,13 +208,16 @@ class SGLangEngine(RolloutEngine):
         self.router_url = f"http://{host}:{port}"
         await self._wait_healthy(self.router_url, self.router_proc, path="/health")
 
-    async def _wait_healthy(self, url: str, proc: ServerProcess | None, path: str = "/health_generate") -> None:
+    async def _wait_healthy(
+        self, url: str, proc: ServerProcess | None, path: str = "/health_generate"
+    ) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if proc is not None and not proc.alive():
                 raise RolloutError(f"{proc.describe()} before becoming healthy")
             try:
-                async with self._sess().get(url + path, timeout=aiohttp.ClientTimeout(total=30)) as r:
+                tmo = aiohttp.ClientTimeout(total=30)
+                async with self._sess().get(url + path, timeout=tmo) as r:
                     if r.status == 200:
                         return
             except (*_RETRYABLE, aiohttp.ClientError):
@@ -253,16 +259,21 @@ class SGLangEngine(RolloutEngine):
             )
 
         tasks = [asyncio.ensure_future(one(s)) for s in slots]
+        self._tasks.update(tasks)
         try:
             await asyncio.gather(*tasks)
         except BaseException as e:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._closed:
+                raise RolloutError("generation aborted: the rollout engine was shut down") from e
             if isinstance(e, RolloutError) and self.procs:
                 await self._stop_processes()
                 raise RolloutError(f"{e}; stopped the rollout servers this engine launched") from e
             raise
+        finally:
+            self._tasks.difference_update(tasks)
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             raise RolloutError(f"rollout lost samples {missing[:10]}")
@@ -305,9 +316,8 @@ class SGLangEngine(RolloutEngine):
                 if r.status >= 500:
                     raise _Retryable(f"HTTP {r.status}: {(await r.text())[:200]}")
                 if r.status != 200:
-                    raise RolloutError(
-                        f"{where}: {url}/generate answered HTTP {r.status}: {(await r.text())[:300]}"
-                    )
+                    text = (await r.text())[:300]
+                    raise RolloutError(f"{where}: {url}/generate answered HTTP {r.status}: {text}")
                 return await r.json(content_type=None)
         except _RETRYABLE as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from e
@@ -465,6 +475,9 @@ class SGLangEngine(RolloutEngine):
                     await self._post(u, "/abort_request", {"abort_all": True}, timeout=5.0)
                 except RolloutError:
                     pass
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.sleep(0)
         await self._stop_processes()
         if self._session is not None and not self._session.closed:
             await self._session.close()

@@ -216,13 +216,19 @@ class StandinServer:
         prompts = [ids] if single else ids
         sp = body.get("sampling_params") or {}
         sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+        if len(sps) != len(prompts):
+            return _bad(f"{len(sps)} sampling_params for {len(prompts)} prompts")
         try:
             params = [_params(d) for d in sps]
         except (TypeError, ValueError) as e:
             return _bad(str(e))
         if self.released:
             return _bad("memory is released; call /resume_memory_occupation first")
-        rows = [(list(p), s.with_n(1)) for p, s in zip(prompts, params) for _ in range(s.n)]
+        rows = [
+            (list(p), s.with_n(1))
+            for p, s in zip(prompts, params, strict=True)
+            for _ in range(s.n)
+        ]
         self.stats["generate_calls"] += 1
         rid = body.get("rid") or uuid.uuid4().hex
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -236,7 +242,7 @@ class StandinServer:
         if slow:
             await asyncio.sleep(f.delay_s)
         results = []
-        for i, ((prompt, _), (tok, lps, reason)) in enumerate(zip(rows, outs)):
+        for i, ((prompt, _), (tok, lps, reason)) in enumerate(zip(rows, outs, strict=True)):
             fr: dict[str, Any] = {"type": reason}
             if reason == "stop":
                 fr["matched"] = tok[-1]
@@ -251,7 +257,9 @@ class StandinServer:
                 "weight_version": self.weight_version,
             }
             if body.get("return_logprob"):
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, tok)]
+                meta["output_token_logprobs"] = [
+                    [lp, t, None] for lp, t in zip(lps, tok, strict=True)
+                ]
             results.append({"text": "", "output_ids": tok, "meta_info": meta})
         self.stats["samples"] += len(results)
         return web.json_response(results[0] if single and len(results) == 1 else results)
@@ -347,7 +355,7 @@ class StandinServer:
 
         def recv() -> list:
             out = []
-            for n, dt, shape in zip(b["names"], b["dtypes"], b["shapes"]):
+            for n, dt, shape in zip(b["names"], b["dtypes"], b["shapes"], strict=True):
                 t = torch.empty(shape, dtype=getattr(torch, dt))
                 dist.broadcast(t, src=0, group=self._groups[name])
                 out.append((n, t))
@@ -373,7 +381,9 @@ class StandinServer:
     async def update_weight_version(self, request: web.Request) -> web.Response:
         b = await request.json()
         self.weight_version = str(b.get("new_version", ""))
-        return web.json_response({"success": True, "message": "ok", "new_version": self.weight_version})
+        return web.json_response(
+            {"success": True, "message": "ok", "new_version": self.weight_version}
+        )
 
     async def release(self, request: web.Request) -> web.Response:
         self.released = True

@@ -114,7 +114,9 @@ def unflatten_bucket(payload: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def group_by_dtype(bucket: Iterable[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+def group_by_dtype(
+    bucket: Iterable[tuple[str, torch.Tensor]],
+) -> list[list[tuple[str, torch.Tensor]]]:
     """Split one bucket into per-dtype lists, keeping first-seen order."""
     groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for name, t in bucket:
@@ -166,7 +168,7 @@ def decode_tensor_update(body: dict[str, Any], tp_rank: int = 0) -> list[tuple[s
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """'bfloat16' for torch.bfloat16 (the dtype strings SGLang turns back with getattr(torch, .))."""
+    """'bfloat16' for torch.bfloat16 (SGLang turns it back with getattr(torch, name))."""
     return str(dtype).removeprefix("torch.")
 
 

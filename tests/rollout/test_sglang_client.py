@@ -158,3 +158,31 @@ def test_parse_generate_output_errors():
     with pytest.raises(RolloutError, match="finish_reason"):
         parse_generate_output({"meta_info": {"output_token_logprobs": [],
                                              "finish_reason": {"type": "weird"}}}, "s")
+
+
+def test_shutdown_aborts_a_running_generate(standin):
+    import threading
+
+    eng = SGLangEngine(server_urls=[standin.url], backoff_s=0.01)
+    standin.faults.slow, standin.faults.delay_s = 100, 1.0
+    errors = []
+
+    def run():
+        try:
+            eng.generate(_batch(n=2))
+        except Exception as e:  # noqa: BLE001 - recorded for the assertion
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    import time
+
+    deadline = time.monotonic() + 10
+    while standin.stats["generate_calls"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    eng.shutdown()
+    t.join(timeout=10)
+    standin.faults.slow = 0
+    assert not t.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], RolloutError)
+    assert "shut down" in str(errors[0])

@@ -73,8 +73,8 @@ def test_plain_named_tensors_and_errors():
     with pytest.raises(ValueError, match="empty"):
         flatten_bucket([])
     with pytest.raises(ValueError, match="one entry per TP rank"):
-        decode_tensor_update({"serialized_named_tensors": [bodies[0]["serialized_named_tensors"][0]]},
-                             tp_rank=1)
+        one = bodies[0]["serialized_named_tensors"][:1]
+        decode_tensor_update({"serialized_named_tensors": one}, tp_rank=1)
     bad = {"flattened_tensor": torch.zeros(3), "metadata": [
         FlattenedTensorMetadata("x", torch.Size([4]), torch.float32, 0, 4, 4)]}
     with pytest.raises(ValueError, match="bad index range for x"):
