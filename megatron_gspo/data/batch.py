@@ -227,6 +227,37 @@ def pack_microbatch(
     )
 
 
+def pad_microbatch(mb: MicroBatch, length: int, pad_id: int = 0) -> MicroBatch:
+    """Extend a packed row to `length` positions with one trailing padding segment (pipeline
+    schedules with fixed tensor shapes need equal lengths).
+
+    Args:
+        mb: the micro-batch.
+        length: new row length (>= mb.seq_len).
+        pad_id: padding token id.
+    Returns:
+        a new MicroBatch (the same one when no padding is needed).
+    """
+    extra = length - mb.seq_len
+    if extra < 0:
+        raise BatchError(f"cannot pad a row of {mb.seq_len} positions to {length}")
+    if extra == 0:
+        return mb
+
+    def ext(t, value):
+        return torch.cat([t, torch.full((1, extra), value, dtype=t.dtype)], dim=1)
+
+    return MicroBatch(
+        tokens=ext(mb.tokens, pad_id), position_ids=torch.cat(
+            [mb.position_ids, torch.arange(extra, dtype=torch.long)[None]], dim=1),
+        targets=ext(mb.targets, 0), loss_mask=ext(mb.loss_mask, 0.0),
+        old_logprobs=ext(mb.old_logprobs, 0.0), advantages=ext(mb.advantages, 0.0),
+        cu_seqlens=torch.cat([mb.cu_seqlens, torch.tensor([length], dtype=torch.int32)]),
+        max_seqlen=max(mb.max_seqlen, extra), seq_index=mb.seq_index, seq_valid=mb.seq_valid,
+        seq_advantages=mb.seq_advantages, sample_indices=list(mb.sample_indices),
+        token_advantages=mb.token_advantages)
+
+
 def cp_local_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Positions of a packed row kept by one context-parallel rank.
 

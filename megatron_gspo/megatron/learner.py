@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.data.batch import MicroBatch, pack_microbatch, plan_microbatches
+from megatron_gspo.data.batch import (MicroBatch, pack_microbatch, pad_microbatch,
+                                      plan_microbatches)
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.megatron import parallel, step, weights
 from megatron_gspo.megatron.model import build_gpt_model, build_model_config
@@ -118,15 +119,22 @@ class Learner:
         seq_mult = 2 * cp if cp > 1 else 1
         total_mult = seq_mult * (self.layout.tensor if self.config.sequence_parallel else 1)
         mine = plan[ps.get_data_parallel_rank(with_context_parallel=False)]
-        return [pack_microbatch(samples, idx, old_logprobs=old_logprobs, seq_multiple=seq_mult,
-                                total_multiple=total_mult, pad_id=self.batching.pad_id)
-                for idx in mine]
+        mbs = [pack_microbatch(samples, idx, old_logprobs=old_logprobs, seq_multiple=seq_mult,
+                               total_multiple=total_mult, pad_id=self.batching.pad_id)
+               for idx in mine]
+        if self.layout.pipeline > 1:
+            # Pipeline stages exchange fixed-shape activations: one row length per step,
+            # the same on every DP rank.
+            longest = torch.tensor([max(mb.seq_len for mb in mbs)], device=self.device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+            mbs = [pad_microbatch(mb, int(longest), self.batching.pad_id) for mb in mbs]
+        return mbs
 
     def _run(self, forward_step_func, data: list[dict], forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         iters = [iter(data) for _ in self.model] if len(self.model) > 1 else iter(data)
-        seq = max(int(d["tokens"].shape[1]) for d in data)
+        seq = max(int(d["seq_len"]) for d in data)  # full row (schedules divide by cp / tp)
         return get_forward_backward_func()(
             forward_step_func=forward_step_func, data_iterator=iters,
             model=self.model if len(self.model) > 1 else self.model[0],

@@ -156,6 +156,7 @@ def build_model_config(
         TransformerConfig.
     """
     arch = architecture_of(hf_config)
+    _rope_settings(hf_config)  # validate early; used by build_gpt_model
     use_te = te_available() if use_te is None else use_te
     hidden = int(_need(hf_config, "hidden_size"))
     heads = int(_need(hf_config, "num_attention_heads"))
@@ -211,8 +212,10 @@ def build_model_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
-        variable_seq_lengths=True,  # packed rows differ in length between micro-batches
-        moe_token_dispatcher_type="alltoall",  # the dispatcher that allows variable lengths
+        # Pipeline stages exchange fixed-shape activations (the learner pads the micro-batches
+        # of a step to one length): shape exchange deadlocks the interleaved schedule.
+        variable_seq_lengths=False,
+        moe_token_dispatcher_type="alltoall",
         deallocate_pipeline_outputs=True,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
