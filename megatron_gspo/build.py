@@ -173,16 +173,15 @@ def eval_prompts(cfg: Config, tok):
 
 def reward_scorer(cfg: Config, tok):
     """A callable that fills `Sample.reward` from the decoded response and the label."""
-    from megatron_gspo.rewards import get_reward_fn
+    from megatron_gspo.rewards import get_reward_fn, score_samples
 
     fn = get_reward_fn(cfg.reward.name)
     kwargs = dict(cfg.reward.kwargs)
 
+    def detok(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
     def score(samples) -> None:
-        for s in samples:
-            text = tok.decode(s.response_ids, skip_special_tokens=True)
-            s.reward = float(fn(text, s.label, dict(s.metadata), **kwargs))
+        score_samples(samples, fn, detok, kwargs)
 
     return score
-
-

@@ -36,6 +36,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean bad input (data rows, rewards, checkpoints, samples): one line, exit 2."""
+    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.data.datasets import DatasetError
+    from megatron_gspo.data.sample import SampleError
+    from megatron_gspo.rewards import RewardError
+
+    return (DatasetError, RewardError, ConversionError, SampleError, FileNotFoundError)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `megatron-gspo` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -62,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ConfigError as e:
         print(f"megatron-gspo: config error: {e}", file=sys.stderr)
+        return 2
+    except _input_errors() as e:
+        print(f"megatron-gspo: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("megatron-gspo: interrupted", file=sys.stderr)

@@ -1,0 +1,74 @@
+"""Plot a run's curves: reward, clip fraction, engine/learner mismatch and step time.
+
+    python tools/plot_metrics.py RUN_DIR [--out RUN_DIR/metrics.png]
+
+Reads RUN_DIR/metrics.jsonl (one JSON object per step) and writes one PNG with four panels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PANELS = [
+    ("reward", ["reward/mean", "eval/reward_mean"]),
+    ("clip fraction", ["clip_fraction", "clip_fraction_low", "clip_fraction_high"]),
+    ("engine vs learner mismatch", ["precision/seq_abs_mismatch_mean",
+                                    "precision/out_of_range_fraction",
+                                    "precision/token_abs_diff_mean"]),
+    ("step time (s)", ["time/step", "time/rollout", "time/train"]),
+]
+
+
+def plot(run_dir: Path, out: Path) -> Path:
+    """Write the PNG; returns its path. Raises SystemExit with a one-line message on bad input."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_gspo.metrics import read_metrics
+
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise SystemExit(f"plot_metrics: no metrics in {run_dir / 'metrics.jsonl'}")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    for ax, (title, keys) in zip(axes.flat, PANELS):
+        drawn = 0
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="." if len(pts) < 50 else None, label=k)
+                drawn += 1
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if drawn:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        if title.startswith("engine") and drawn:
+            ax.set_yscale("symlog", linthresh=1e-6)
+    fig.suptitle(str(run_dir))
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--out", type=Path, default=None, help="PNG path (default RUN_DIR/metrics.png)")
+    args = ap.parse_args(argv)
+    if not args.run_dir.is_dir():
+        raise SystemExit(f"plot_metrics: {args.run_dir} is not a directory")
+    out = plot(args.run_dir, args.out or args.run_dir / "metrics.png")
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
