@@ -363,8 +363,10 @@ class SGLangEngine(RolloutEngine):
         return list(await asyncio.gather(*(self._post(u, path, body, **kw) for u in self.urls)))
 
     # --------------------------------------------------------------- weights
-    async def pause_generation(self) -> None:
-        await self._all("/pause_generation")
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Pause the servers; mode "abort" (SGLang's default) returns running requests with
+        finish reason "abort", "retract" re-queues them, "in_place" keeps them."""
+        await self._all("/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
         await self._all("/continue_generation")

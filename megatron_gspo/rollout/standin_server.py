@@ -396,6 +396,13 @@ class StandinServer:
         return web.json_response(None)
 
     async def pause(self, request: web.Request) -> web.Response:
+        text = await request.text()
+        mode = (await request.json()).get("mode", "abort") if text.strip() else "abort"
+        if mode == "abort":  # requests not yet started come back with finish reason abort
+            for rows, fut, _ in self._queue:
+                if not fut.done():
+                    fut.set_result([([], [], "abort")] * len(rows))
+            self._queue = []
         self._paused = True
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
