@@ -188,7 +188,7 @@ def pack_microbatch(
         msk += z + [float(m) for m in s.loss_mask] + [0.0] * (padded - length + 1)
         olp += z + [float(x) for x in lp] + [0.0] * (padded - length + 1)
         adv += z + a_tok + [0.0] * (padded - length + 1)
-        trainable = [a for a, m in zip(a_tok, s.loss_mask) if m]
+        trainable = [a for a, m in zip(a_tok, s.loss_mask, strict=True) if m]
         seq_adv.append(sum(trainable) / len(trainable) if trainable else 0.0)
         spans.append((start, length))
         seg_lens.append(padded)
@@ -274,7 +274,7 @@ def cp_local_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torc
         return torch.arange(int(cu_seqlens[-1]))
     out = []
     bounds = cu_seqlens.tolist()
-    for b, e in zip(bounds[:-1], bounds[1:]):
+    for b, e in zip(bounds[:-1], bounds[1:], strict=False):
         n = e - b
         if n % (2 * cp_size):
             raise BatchError(f"segment of {n} tokens is not a multiple of 2*cp={2 * cp_size}")

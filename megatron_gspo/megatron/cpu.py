@@ -283,7 +283,7 @@ def _patch_all_to_all_single() -> None:
         flat[: tensor.numel()] = tensor.reshape(-1)
         bufs = [tensor.new_empty(width) for _ in tensor_list]
         orig_all_gather(bufs, flat, group=group)
-        for out, buf, n in zip(tensor_list, bufs, sizes):
+        for out, buf, n in zip(tensor_list, bufs, sizes, strict=True):
             out.copy_(buf[:n].view(out.shape))
         return None
 

@@ -170,7 +170,7 @@ class Learner:
         contribute = (self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
                       and ps.get_context_parallel_rank() == 0)
         if contribute:
-            for mb, res in zip(mbs, out):
+            for mb, res in zip(mbs, out, strict=True):
                 for i, k in enumerate(mb.sample_indices):
                     s = samples[k]
                     start = int(mb.seq_index[i, 0]) + len(s.prompt_ids) - 1
@@ -235,7 +235,7 @@ class Learner:
             if vec is None:
                 vec = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
             dist.broadcast(vec, src=last, group=pp_group)
-        res = dict(zip(keys, vec.tolist()))
+        res = dict(zip(keys, vec.tolist(), strict=True))
         res["micro_batches"] = float(n_mb)
         res["packed_tokens"] = float(local_tokens)
         return res

@@ -8,7 +8,9 @@ A "full" state dict uses the names of a TP=PP=EP=1 model (`decoder.layers.<globa
   - `tensor_model_parallel` parameters are split along `partition_dim` over the TP group (expert
     parameters over the expert-TP group); gated `linear_fc1` weights hold [gate; up] and are split
     per half so each rank keeps [gate_r; up_r];
-  - with tied embeddings and PP > 1, the last stage's `output_layer.weight` is the embedding.
+  - with tied embeddings and PP > 1, the last stage's `output_layer.weight` is the embedding;
+  - TE-spec names map to local-spec names (`canonical_name`), so one full state dict serves
+    both specs.
 Used to load the same weights into any layout (tests, HF import) and to gather full weights /
 gradients back (tests, exports of small models). Gathering uses object all-gather: meant for
 tests and small models, not for streaming large checkpoints.
@@ -47,6 +49,22 @@ def global_name(local_name: str, layer_offset: int, expert_offset: int) -> str:
     name = _EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + expert_offset}{m.group(3)}",
                        name)
     return _GROUPED.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + expert_offset}", name)
+
+
+_TE_TO_LOCAL = (
+    (re.compile(r"self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
+    (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
+    (re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$"),
+     r"mlp.experts.local_experts.\2.\1.weight"),
+)
+
+
+def canonical_name(name: str) -> str:
+    """Local-spec name of a (global) parameter name, so TE-spec models (fused layer norms,
+    grouped-GEMM experts) share the full-state-dict naming of the local spec."""
+    for pattern, repl in _TE_TO_LOCAL:
+        name = pattern.sub(repl, name)
+    return name
 
 
 def _is_gated_fc1(name: str, config) -> bool:
@@ -99,7 +117,7 @@ def _named_params(chunks):
     for vp, chunk in enumerate(chunks):
         lo, eo = _offsets(chunk, vp if len(chunks) > 1 else None)
         for name, p in chunk.named_parameters():
-            yield name, global_name(name, lo, eo), p, chunk.config
+            yield name, canonical_name(global_name(name, lo, eo)), p, chunk.config
 
 
 def load_full_state_dict(chunks: list, full: dict[str, torch.Tensor], tied: bool) -> None:

@@ -33,8 +33,8 @@ def launch(case: str, nprocs: int, outdir: Path, *, timeout: float = 240.0,
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
                    LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore",
-                   CUDA_VISIBLE_DEVICES="",  # CPU + gloo unless extra_env says otherwise
-                   **(extra_env or {}))
+                   CUDA_VISIBLE_DEVICES="")  # CPU + gloo unless extra_env says otherwise
+        env.update(extra_env or {})
         log = open(outdir / f"{case}.rank{rank}.log", "w")  # noqa: SIM115 - closed below
         procs.append((subprocess.Popen([sys.executable, str(WORKERS), case, str(outdir)],
                                        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT),

@@ -5,6 +5,8 @@ Cases:
                  micro-batch normalisation (M = 1, 2, 4) and packing in-process.
   par  (4 ranks) vocab-parallel log-probs (TP=2), the CP per-sequence reduction (CP=2), then
                  several TP / PP / VPP / EP / SP / DP layouts compared with the reference.
+                 Runs on CPU (gloo) or, with >= 4 visible GPUs, on NCCL.
+  gpu  (1 rank)  GPU / NCCL: local spec vs the CPU reference, TE spec (bf16) when installed.
 Each rank writes `<case>.rank<r>.json` = {"failures": [...], "info": {...}}.
 """
 
@@ -135,6 +137,11 @@ def case_ref(outdir: Path, chk: Checker, info: dict):
 
 
 # ----------------------------------------------------------------------------- par
+def _dev():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 def check_vocab_parallel(chk: Checker, group, rank: int, size: int):
     from megatron_gspo.algo.logprobs import token_logprobs
     from megatron_gspo.megatron.logprobs import vocab_parallel_logprobs
@@ -147,15 +154,16 @@ def check_vocab_parallel(chk: Checker, group, rank: int, size: int):
     ref_lp, ref_ent = token_logprobs(ref_in, tgt, temperature=0.7, return_entropy=True)
     (ref_lp * up).sum().backward()
     width = 128 // size
-    mine = full[:, rank * width:(rank + 1) * width].clone().requires_grad_(True)
-    lp, ent = vocab_parallel_logprobs(mine, tgt, temperature=0.7, vocab_start=rank * width,
-                                      vocab_size=100, group=group, chunk_size=8,
-                                      return_entropy=True)
-    (lp * up).sum().backward()
+    mine = full[:, rank * width:(rank + 1) * width].clone().to(_dev()).requires_grad_(True)
+    lp, ent = vocab_parallel_logprobs(mine, tgt.to(_dev()), temperature=0.7,
+                                      vocab_start=rank * width, vocab_size=100, group=group,
+                                      chunk_size=8, return_entropy=True)
+    (lp * up.to(_dev())).sum().backward()
+    lp, ent = lp.cpu(), ent.cpu()
     chk.close("vocab-parallel logprobs", lp, ref_lp, rtol=1e-6)
     chk.close("vocab-parallel entropy", ent, ref_ent, rtol=1e-5)
     ref_grad = torch.cat([ref_in.grad, torch.zeros(37, 28)], dim=1)
-    chk.close("vocab-parallel grad", mine.grad, ref_grad[:, rank * width:(rank + 1) * width],
+    chk.close("vocab-parallel grad", mine.grad.cpu(), ref_grad[:, rank * width:(rank + 1) * width],
               rtol=1e-6)
 
 
@@ -174,22 +182,23 @@ def check_context_parallel(chk: Checker, group, rank: int, size: int):
 
     def run(cp_size, cp_rank, cp_group):
         g = torch.Generator().manual_seed(11)
-        emb = torch.randn(128, 16, generator=g).requires_grad_(True)
-        w = torch.randn(16, 128, generator=g).mul_(0.3).requires_grad_(True)
+        emb = torch.randn(128, 16, generator=g).to(_dev()).requires_grad_(True)
+        w = torch.randn(16, 128, generator=g).mul_(0.3).to(_dev()).requires_grad_(True)
         ctx = step.ParallelContext(cp_group=cp_group, cp_size=cp_size, cp_rank=cp_rank,
                                    vocab_size=100)
-        data = step.device_batch(mb, torch.device("cpu"), ctx)
+        data = step.device_batch(mb, _dev(), ctx)
         logits = (emb[data["tokens"][0]] @ w)[None]  # [1, S/cp, V] toy model
         lp, _ = step.token_logprobs_full(logits, data, ctx, temperature=1.0)
         settings = step.LossSettings(kind="gspo", eps_low=0.02, eps_high=0.03)
         loss, stats = step.compute_loss(lp, data, settings, num_sequences=5.0, num_tokens=1.0)
         loss.backward()
         # per-sequence sums through the autograd all-reduce, from this rank's positions only
-        own = torch.zeros(mb.seq_len)
+        own = torch.zeros(mb.seq_len, device=_dev())
         own[data["local_index"]] = 1.0
         lr_tok = (lp.detach() - data["old_logprobs"]) * data["loss_mask"] * own
         sums = sequence_sums(lr_tok, data["seq_index"], data["seq_valid"], cp_group)
-        return loss.detach(), stats, emb.grad, w.grad, sums
+        stats = {k: v.cpu() for k, v in stats.items()}
+        return loss.detach().cpu(), stats, emb.grad, w.grad, sums
 
     loss1, st1, ge1, gw1, sums1 = run(1, 0, None)
     loss2, st2, ge2, gw2, sums2 = run(size, rank, group)
@@ -198,9 +207,9 @@ def check_context_parallel(chk: Checker, group, rank: int, size: int):
     chk.close("cp loss", loss2, loss1)
     chk.close("cp clip tokens", st2["clipped_tokens"], st1["clipped_tokens"])
     chk.close("cp ratio_mean (s_i)", st2["ratio_mean"], st1["ratio_mean"])
-    chk.close("cp per-sequence sums", sums2, sums1)
-    chk.close("cp grad emb", ge2, ge1)
-    chk.close("cp grad w", gw2, gw1)
+    chk.close("cp per-sequence sums", sums2.cpu(), sums1.cpu())
+    chk.close("cp grad emb", ge2.cpu(), ge1.cpu())
+    chk.close("cp grad w", gw2.cpu(), gw1.cpu())
     chk.close("cp ratio_min", st2["ratio_min"], st1["ratio_min"])
     chk.close("cp ratio_max", st2["ratio_max"], st1["ratio_max"])
     if loss1.abs() == 0 or st1["clipped_tokens"] == 0:
@@ -233,8 +242,9 @@ def case_par(outdir: Path, chk: Checker, info: dict):
         ("moe", "dp4-m2", PL(), {"mbs": 2}),
         ("moe", "tp2-sp-distopt", PL(tensor=2, sequence_parallel=True), {"distopt": True}),
         ("moe", "dp2-pp2-grpo-token-mean", PL(pipeline=2), {"grpo": True, "mbs": 2}),
-        ("dense", "tp2-pp2", PL(tensor=2, pipeline=2), {}),
+        ("dense", "tp2-pp2", PL(tensor=2, pipeline=2), {"ckpt_save": True}),
         ("dense", "tp2-sp-dp2", PL(tensor=2, sequence_parallel=True), {}),
+        ("dense", "ckpt-load-pp2-dp2", PL(pipeline=2), {"ckpt_load": True}),
     ]
     only = os.environ.get("MG_TEST_LAYOUTS")  # debugging aid: comma-separated names
     for model, name, layout, opts in layouts:
@@ -249,8 +259,16 @@ def case_par(outdir: Path, chk: Checker, info: dict):
                     optim=OptimSettings(lr=1e-3,
                                         use_distributed_optimizer=opts.get("distopt", False)),
                     batching=BatchSettings(num_microbatches=opts.get("mbs", 1)))
-        L.load_full_state_dict(R["full"])
         tag = f"{model}.{name}"
+        ckpt = outdir / "ckpt-dense"
+        if opts.get("ckpt_load"):  # torch_dist checkpoint saved under TP2 x PP2, loaded here
+            L.load_checkpoint(str(ckpt))
+            chk.dicts(f"{tag}.params", L.full_state_dict(), R["after"], atol=1e-7)
+            if L.steps != 1 or L.scheduler.num_steps != 1:
+                chk.failures.append(f"{tag}: steps {L.steps}, scheduler {L.scheduler.num_steps}")
+            info[tag] = round(time.perf_counter() - t0, 2)
+            continue
+        L.load_full_state_dict(R["full"])
         if opts.get("grpo"):
             m = L.forward_backward(samples, R["old"])
             chk.metrics(tag, m, R["grpo_metrics"])
@@ -266,7 +284,50 @@ def case_par(outdir: Path, chk: Checker, info: dict):
                 chk.dicts(f"{tag}.grad", L.full_grads(), R["grads"])
             L.optimizer_step()
             chk.dicts(f"{tag}.params-after-step", L.full_state_dict(), R["after"], atol=1e-6)
+            if opts.get("ckpt_save"):
+                L.save_checkpoint(str(ckpt))
         info[tag] = round(time.perf_counter() - t0, 2)
+
+
+# ----------------------------------------------------------------------------- gpu (1 rank)
+def case_gpu(outdir: Path, chk: Checker, info: dict):
+    """One GPU, NCCL: the local spec against the CPU reference (TF32 off), then the TE spec
+    (THD packed attention) in bf16 against the same reference with a loose tolerance."""
+    from megatron_gspo.megatron.learner import Learner
+    from megatron_gspo.megatron.model import te_available
+    from megatron_gspo.megatron.optimizer import OptimSettings
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ref = torch.load(outdir / "ref.pt", weights_only=False)
+    samples = make_samples()
+    info["te_available"] = te_available()
+    specs = [("local", False, torch.float32)]
+    if te_available():
+        specs.append(("te", True, torch.bfloat16))
+    for model, hf in MODELS.items():
+        R = ref[model]
+        for spec, use_te, dtype in specs:
+            tag = f"{model}.{spec}"
+            L = Learner(hf, optim=OptimSettings(lr=1e-3), use_te=use_te, params_dtype=dtype,
+                        seed=5)
+            L.load_full_state_dict(R["full"])
+            lps = L.forward_logprobs(samples)
+            diff = max(abs(a - b) for x, y in zip(lps, R["lps"], strict=True)
+                       for a, b in zip(x, y, strict=True))
+            info[f"{tag}.max_logprob_diff"] = diff
+            m = L.forward_backward(samples, R["old"])
+            info[f"{tag}.loss"] = (m["loss"], R["metrics"]["loss"])
+            if dtype == torch.float32:
+                chk.close(f"{tag}.logprobs", [x for y in lps for x in y],
+                          [x for y in R["lps"] for x in y], rtol=1e-5)
+                chk.metrics(tag, m, R["metrics"])
+                chk.dicts(f"{tag}.grad", L.full_grads(), R["grads"], rtol=1e-4, atol=1e-6)
+                L.optimizer_step()
+                chk.dicts(f"{tag}.params-after-step", L.full_state_dict(), R["after"],
+                          rtol=1e-4, atol=1e-5)
+            elif not diff < 0.1:
+                chk.failures.append(f"{tag}: max |logprob - reference| = {diff:.3f} >= 0.1")
 
 
 def main():
@@ -279,7 +340,7 @@ def main():
         faulthandler.dump_traceback_later(float(os.environ["MG_TEST_DUMP_AFTER"]), exit=True)
     chk, info = Checker(), {}
     try:
-        {"ref": case_ref, "par": case_par}[case](outdir, chk, info)
+        {"ref": case_ref, "par": case_par, "gpu": case_gpu}[case](outdir, chk, info)
     except Exception:
         chk.failures.append("exception:\n" + traceback.format_exc())
     (outdir / f"{case}.rank{rank}.json").write_text(json.dumps(
