@@ -74,14 +74,15 @@ class EngineBatcher:
         self.expected = expected or (lambda: 1)
         self._pending: list[tuple[GenerateRequest, asyncio.Future]] = []
         self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._flusher: asyncio.Task | None = None
         self.batch_sizes: list[int] = []
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Sample:
         """Generate one response (n=1) for `prompt_ids`."""
         loop = asyncio.get_running_loop()
-        if self._wake is None:
-            self._wake = asyncio.Event()
+        if self._wake is None or self._loop is not loop:  # first use, or a new event loop
+            self._wake, self._loop = asyncio.Event(), loop
         fut: asyncio.Future = loop.create_future()
         self._pending.append((GenerateRequest(list(prompt_ids), sampling), fut))
         self._wake.set()

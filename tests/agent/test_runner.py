@@ -112,6 +112,14 @@ def test_unbatched_requests_give_the_same_episodes():
         assert a.tokens == b.tokens and a.loss_mask == b.loss_mask and a.reward == b.reward
 
 
+def test_runner_reusable_across_event_loops():
+    eng = ScriptedEngine(script_from(GOOD))
+    runner = make_runner(eng)
+    first = asyncio.run(runner.run_batch(ROWS, 2))
+    second = asyncio.run(runner.run_batch(ROWS, 2))
+    assert [s.tokens for s in first] == [s.tokens for s in second]
+
+
 def test_closed_turn_gets_no_extra_end_marker():
     eng = ScriptedEngine(script_from([CALL % "{a}*{b}" + "<|im_end|>", "{ab}<|im_end|>"]))
     runner = make_runner(eng)
