@@ -105,6 +105,10 @@ class SGLangEngine(RolloutEngine):
         backoff_s: first retry delay (doubles, capped at 10 s).
         startup_timeout_s: how long launched servers may take to become healthy.
         default_sampling: for requests without sampling params.
+        weight_sync: what `update_weights` uses: "tensor" (colocated, flattened CUDA buckets)
+            or "distributed" (NCCL broadcast; connects on first use to dist_master).
+        dist_master: (address, port) of the learner's weight-update group (distributed mode).
+        dist_backend: backend of that group ("nccl"; "gloo" for CPU tests).
     """
 
     def __init__(
@@ -121,6 +125,9 @@ class SGLangEngine(RolloutEngine):
         max_retries: int = 3,
         backoff_s: float = 0.5,
         startup_timeout_s: float = 900.0,
+        weight_sync: str = "tensor",
+        dist_master: tuple[str, int] | None = None,
+        dist_backend: str = "nccl",
         default_sampling: SamplingParams | None = None,
     ) -> None:
         super().__init__(default_sampling)
@@ -137,6 +144,13 @@ class SGLangEngine(RolloutEngine):
         self.max_concurrency, self.request_timeout_s = max_concurrency, request_timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.startup_timeout_s = startup_timeout_s
+        if weight_sync not in ("tensor", "distributed"):
+            raise ValueError(f"rollout.weight_sync must be 'tensor' or 'distributed', got "
+                             f"{weight_sync!r}")
+        if weight_sync == "distributed" and dist_master is None:
+            raise ValueError("rollout.weight_sync='distributed' needs dist_master (address, port)")
+        self.weight_sync, self.dist_master, self.dist_backend = (
+            weight_sync, dist_master, dist_backend)
         self.procs: list[ServerProcess] = []
         self.router_proc: ServerProcess | None = None
         self._version = 0
@@ -375,6 +389,16 @@ class SGLangEngine(RolloutEngine):
         await self._all("/flush_cache")
 
     async def aupdate_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Update all servers by the configured `weight_sync` path."""
+        if self.weight_sync == "distributed":
+            if self._update_group is None:
+                assert self.dist_master is not None
+                await self.aconnect_distributed(*self.dist_master, backend=self.dist_backend)
+            await self.aupdate_weights_distributed(buckets, version)
+        else:
+            await self.aupdate_weights_from_tensor(buckets, version)
+
+    async def aupdate_weights_from_tensor(self, buckets: Iterable[Bucket], version: int) -> None:
         """Colocated update: every bucket through /update_weights_from_tensor (flattened)."""
         await self.pause_generation()
         try:

@@ -38,6 +38,8 @@ def test_server_argv_matches_sglang_flags():
         LaunchSpec(model_path="m", mem_fraction_static=1.5)
     with pytest.raises(ValueError, match="server_urls"):
         SGLangEngine()
+    with pytest.raises(ValueError, match="dist_master"):
+        SGLangEngine(server_urls=["http://x:1"], weight_sync="distributed")
 
 
 def test_server_that_dies_at_startup_fails_clearly(tmp_path):
@@ -80,8 +82,9 @@ def test_launched_servers_generate_update_and_crash(tiny_model_dir, tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        eng.sync(eng.aconnect_distributed("127.0.0.1", port, backend="gloo"))
-        eng.sync(eng.aupdate_weights_distributed([list(weights.items())], version=2))
+        eng.weight_sync, eng.dist_backend = "distributed", "gloo"
+        eng.dist_master = ("127.0.0.1", port)
+        eng.update_weights([list(weights.items())], version=2)  # connects, then broadcasts
         back = eng.generate(greedy)
         assert [s.weight_version for s in back] == [2, 2]
         assert [s.response_ids for s in back] == [s.response_ids for s in base]
