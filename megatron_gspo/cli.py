@@ -53,7 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_gspo.convert.cli import main as convert_main
 
         return convert_main(argv[1:])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)  # overrides may follow --run-dir
+    bad = [a for a in extra if "=" not in a or a.startswith("-")]
+    if bad or (extra and args.command not in ("train", "config")):
+        parser.error(f"unrecognized arguments: {' '.join(bad or extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     from megatron_gspo.config import ConfigError, describe, load_config, to_dict
     from megatron_gspo.config import Config
 
