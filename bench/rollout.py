@@ -3,7 +3,8 @@ re-runs the whole sequence every step (no cache), for a tiny and a small Qwen3-s
 
 Usage: python bench/rollout.py [--models tiny,small] [--batch-sizes 1,4,16,64]
        [--new-tokens 32] [--prompt-len 16] [--device cpu] [--dtype float32] [--threads N]
-Prints one table.
+Prints one table: throughput by wall-clock time and by this process's CPU time (the latter is
+the meaningful one on a shared, loaded machine; run with --threads 1 for it).
 """
 
 from __future__ import annotations
@@ -50,22 +51,23 @@ def naive_generate(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: in
     return ids
 
 
-def bench(name: str, batch: int, args: argparse.Namespace) -> tuple[float, float]:
+def bench(name: str, batch: int, args: argparse.Namespace) -> tuple[float, float, float, float]:
     torch.manual_seed(0)
     eng = EmbeddedEngine(_config(name), dtype=args.dtype, device=args.device, seed=0)
     sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
     prompt = [int(t) for t in torch.randint(1, 200, (args.prompt_len,))]
     reqs = [GenerateRequest(prompt, sp) for _ in range(batch)]
     eng.generate(reqs[:1])  # warm-up
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = eng.generate(reqs)
-    t_kv = time.perf_counter() - t0
+    t_kv, c_kv = time.perf_counter() - t0, time.process_time() - c0
     ntok = sum(len(s.response_ids) for s in out)
     ids = torch.tensor([prompt] * batch, device=args.device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     naive_generate(eng.model, ids, args.new_tokens, torch.Generator(args.device).manual_seed(0))
-    t_naive = time.perf_counter() - t0
-    return ntok / t_kv, batch * args.new_tokens / t_naive
+    t_naive, c_naive = time.perf_counter() - t0, time.process_time() - c0
+    nn = batch * args.new_tokens
+    return ntok / t_kv, nn / t_naive, ntok / c_kv, nn / c_naive
 
 
 def main() -> None:
@@ -82,14 +84,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"prompt={args.prompt_len} new_tokens={args.new_tokens}")
-    print(f"{'model':<6} {'params':>8} {'batch':>5} {'kv tok/s':>10} {'naive tok/s':>12} "
-          f"{'speedup':>8}")
+    print(f"{'model':<6} {'params':>8} {'batch':>5} {'kv tok/s':>9} {'naive tok/s':>11} "
+          f"{'kv tok/cpu-s':>12} {'naive tok/cpu-s':>15} {'speedup(cpu)':>12}")
     for name in args.models.split(","):
         n_params = sum(p.numel() for p in EmbeddedEngine(_config(name)).model.parameters())
         for b in (int(x) for x in args.batch_sizes.split(",")):
-            kv, naive = bench(name, b, args)
-            print(f"{name:<6} {n_params / 1e6:>7.2f}M {b:>5} {kv:>10.1f} {naive:>12.1f} "
-                  f"{kv / naive:>7.2f}x", flush=True)
+            kv, naive, kv_c, naive_c = bench(name, b, args)
+            print(f"{name:<6} {n_params / 1e6:>7.2f}M {b:>5} {kv:>9.1f} {naive:>11.1f} "
+                  f"{kv_c:>12.1f} {naive_c:>15.1f} {kv_c / naive_c:>11.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ SMALL = dict(
     model_type="qwen3", vocab_size=2048, hidden_size=256, intermediate_size=512,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
     max_position_embeddings=2048, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False,
-    torch_dtype="bfloat16",
 )
 
 
