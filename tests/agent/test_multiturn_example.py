@@ -59,3 +59,38 @@ def test_reference_episode_replay_matches_pretraining_layout(tok):
         assert [0] * len(s.prompt_ids) + s.loss_mask == mask
         assert s.turn_rewards == pytest.approx([0.1, 1.0]) and s.metadata["correct"] == 1
         assert len(ids) <= 320
+
+
+def test_loop_glue_rollout_and_turn_advantages(tok):
+    from megatron_gspo.agent.loop import fill_turn_advantages, rollout_episodes
+    from megatron_gspo.rollout.base import GenerateRequest
+
+    cfg = load_config(EX / "config_cpu.yaml", ["train.prompts_per_step=2", "rollout.group_size=3",
+                                               f"agent.environment={EX / 'env.py'}:"
+                                               "ArithmeticAgentEnv"])
+    rows = [task.make_problem(random.Random(f"g{i}")) for i in range(3)]
+    reqs = iter([GenerateRequest(prompt_ids=[1], prompt=r["prompt"], label=r["label"],
+                                 metadata={"row": i}) for i, r in enumerate(rows)])
+
+    def script(prompt_ids, call_no):
+        text = tok.decode(prompt_ids)
+        row = next(r for r in rows if r["prompt"] in text)
+        pieces = [tok.encode(t, add_special_tokens=False)
+                  for t, m in task.reference_episode(row) if m]
+        if text.count("<|im_start|>assistant") == 1:
+            return pieces[0]
+        return pieces[1] if call_no % 2 else tok.encode("0<|im_end|>", add_special_tokens=False)
+
+    samples, metrics = rollout_episodes(cfg, ScriptedEngine(script), reqs, tok, step=0)
+    assert len(samples) == 6 and [s.group_index for s in samples] == [0, 0, 0, 1, 1, 1]
+    assert [s.index for s in samples] == list(range(6))
+    assert next(reqs).metadata["row"] == 2  # only prompts_per_step requests were taken
+    assert {round(s.reward, 6) for s in samples} == {0.1, 1.1}
+    assert metrics["agent/tool_calls"] == 1.0 and 0 < metrics["agent/correct"] < 1
+    fill_turn_advantages(cfg, samples)
+    for s in samples:
+        assert len(s.advantage) == len(s.response_ids)
+        assert all(a == 0.0 for a, m in zip(s.advantage, s.loss_mask, strict=True) if m == 0)
+    bad = load_config(EX / "config_cpu.yaml", ["data.apply_chat_template=true"])
+    with pytest.raises(ValueError, match="data.apply_chat_template"):
+        rollout_episodes(bad, ScriptedEngine(script), iter([]), tok, step=0)

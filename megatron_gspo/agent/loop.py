@@ -1,0 +1,89 @@
+"""Glue between the RL loop and the agent package: episode rollouts and turn-level advantages
+from the run configuration (`agent.*`, `rollout.*`, `algorithm.*`).
+
+`rollout_episodes` plays `rollout.group_size` episodes for each of `train.prompts_per_step`
+prompts (one Sample per episode, groups contiguous); `fill_turn_advantages` fills per-token
+turn-level advantages for GSPO-token.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
+from megatron_gspo.agent import build_runner
+from megatron_gspo.agent.runner import episode_metrics
+from megatron_gspo.algo.turn_advantages import assign_multiturn_advantages
+from megatron_gspo.data.sample import Sample
+
+
+def _item(req: Any) -> dict[str, Any]:
+    """The environment's view of one prompt request: {"prompt", "label", ...}."""
+    meta = dict(getattr(req, "metadata", None) or {})
+    return {**meta, "prompt": req.prompt, "label": req.label}
+
+
+def _check(cfg: Any) -> None:
+    if cfg.data.apply_chat_template:
+        raise ValueError("data.apply_chat_template: must be false with agent.enabled (the "
+                         "environment renders the chat from the raw prompt)")
+
+
+def make_runner(cfg: Any, engine: Any, tok: Any):
+    """EpisodeRunner configured from `agent.*` and `rollout.*`."""
+    from megatron_gspo.build import sampling_params
+
+    _check(cfg)
+    a = cfg.agent
+    return build_runner(
+        engine, tok, environment=a.environment, python_tool=a.python_tool,
+        sampling=sampling_params(cfg, tok).with_n(1), max_turns=a.max_turns,
+        max_total_tokens=a.max_total_tokens, max_new_tokens_per_turn=cfg.rollout.max_new_tokens,
+        turn_timeout_s=a.turn_timeout, episode_timeout_s=a.episode_timeout,
+    )
+
+
+def rollout_episodes(
+    cfg: Any, engine: Any, requests: Iterable[Any], tok: Any, step: int
+) -> tuple[list[Sample], dict[str, float]]:
+    """Play `rollout.group_size` episodes for each of `train.prompts_per_step` prompts.
+
+    Args:
+        cfg: the run Config.
+        engine: the RolloutEngine.
+        requests: GenerateRequest-like objects (prompt text, label, metadata); the first
+            `train.prompts_per_step` are used.
+        tok: the policy tokenizer.
+        step: RL step (for error messages).
+    Returns:
+        (samples, metrics): samples grouped by prompt (group_index = prompt position), with
+        reward = sum of turn rewards; metrics prefixed `agent/`.
+    """
+    _check(cfg)
+    items = [_item(r) for r in itertools.islice(requests, cfg.train.prompts_per_step)]
+    if not items:
+        raise RuntimeError(f"step {step}: no prompts for the agent rollout")
+    runner = make_runner(cfg, engine, tok)
+    samples = runner.run_batch_sync(items, n_per_prompt=cfg.rollout.group_size)
+    metrics = episode_metrics(samples)
+    if cfg.rollout.drop_zero_variance_groups:
+        g = cfg.rollout.group_size
+        keep: list[Sample] = []
+        for start in range(0, len(samples), g):
+            group = samples[start : start + g]
+            if len({float(s.reward) for s in group}) > 1:
+                keep.extend(group)
+        metrics["agent/dropped_groups"] = float((len(samples) - len(keep)) // g)
+        samples = keep
+    for i, s in enumerate(samples):
+        s.index = i
+    return samples, metrics
+
+
+def fill_turn_advantages(cfg: Any, samples: list[Sample]) -> None:
+    """Per-token turn-level advantages (discount `agent.turn_discount`, group-normalised)."""
+    assign_multiturn_advantages(
+        samples, mode="turn", gamma=cfg.agent.turn_discount,
+        scale_by_std=cfg.algorithm.advantage_scale == "std", eps=cfg.algorithm.advantage_eps,
+    )
