@@ -222,6 +222,7 @@ class EpisodeRunner:
         versions: list[int] = []
         finish, stop = "length", "max_turns"
         prompt_ids: list[int] = []
+        engine_lps = True  # False once a turn came back without log-probs
         try:
             messages = await asyncio.wait_for(env.reset(item), lim.episode_timeout_s)
             prompt_text = render_messages(
@@ -254,6 +255,8 @@ class EpisodeRunner:
                 except Exception as exc:  # engine failures end the run, not just the episode
                     raise _EngineFailure(exc) from exc
                 gen = list(out.response_ids)
+                if out.rollout_logprobs is None:
+                    engine_lps = False
                 glp = list(out.rollout_logprobs or [0.0] * len(gen))
                 versions.append(out.weight_version)
                 resp += gen
@@ -263,7 +266,12 @@ class EpisodeRunner:
                 if out.finish_reason != "stop":
                     rewards.append(0.0)
                     finish = out.finish_reason
-                    stop = "turn_length" if out.finish_reason == "length" else "engine_abort"
+                    if out.finish_reason != "length":
+                        stop = "engine_abort"
+                    elif budget < lim.max_new_tokens_per_turn:
+                        stop = "max_total_tokens"
+                    else:
+                        stop = "turn_length"
                     break
                 text = self.tokenizer.decode(gen, skip_special_tokens=False)
                 try:
@@ -322,7 +330,7 @@ class EpisodeRunner:
             prompt_ids=prompt_ids,
             response_ids=resp,
             loss_mask=mask,
-            rollout_logprobs=lps,
+            rollout_logprobs=lps if engine_lps else None,
             turn_ids=tids,
             reward=float(sum(rewards)),
             turn_rewards=rewards,

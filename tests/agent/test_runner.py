@@ -143,6 +143,24 @@ def test_max_turns_and_max_total_tokens():
     assert len(s.turn_rewards) == max(s.turn_ids) + 1
 
 
+def test_total_budget_truncation_and_missing_logprobs():
+    eng = ScriptedEngine(script_from(GOOD))
+    runner = make_runner(eng)
+    prompt_len = len(runner.run_batch_sync(ROWS[:1])[0].prompt_ids)
+    s = make_runner(eng, max_total_tokens=prompt_len + 12).run_batch_sync(ROWS[:1])[0]
+    assert s.metadata["stop_reason"] == "max_total_tokens" and len(s.response_ids) == 12
+
+    class NoLogprobs(ScriptedEngine):
+        async def agenerate(self, requests):
+            out = await super().agenerate(requests)
+            for o in out:
+                o.rollout_logprobs = None
+            return out
+
+    s = make_runner(NoLogprobs(script_from(GOOD))).run_batch_sync(ROWS[:1])[0]
+    assert s.rollout_logprobs is None and s.reward == 1.25
+
+
 def test_turn_truncated_by_max_new_tokens():
     eng = ScriptedEngine(script_from(GOOD))
     s = make_runner(eng, max_new_tokens_per_turn=10).run_batch_sync(ROWS[:1])[0]
