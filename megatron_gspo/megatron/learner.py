@@ -48,12 +48,14 @@ class Learner:
         seed: model-init / RNG seed.
         use_te: force the TE (True) / local (False) layer spec; None = TE when importable.
         recompute: full activation recompute.
+        model_kwargs: extra `build_model_config` arguments (e.g. moe_aux_loss_coeff).
     """
 
     def __init__(self, hf_config: dict, *, layout: parallel.ParallelLayout | None = None,
                  optim: OptimSettings | None = None, loss: step.LossSettings | None = None,
                  batching: BatchSettings | None = None, params_dtype: torch.dtype = torch.float32,
-                 seed: int = 1234, use_te: bool | None = None, recompute: bool = False):
+                 seed: int = 1234, use_te: bool | None = None, recompute: bool = False,
+                 model_kwargs: dict | None = None):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.transformer.module import Float16Module
@@ -75,7 +77,7 @@ class Learner:
                 lay.virtual_pipeline if (lay.virtual_pipeline or 1) > 1 else None),
             expert_parallel=lay.expert, expert_tensor_parallel=lay.expert_tensor,
             context_parallel=lay.context, sequence_parallel=lay.sequence_parallel,
-            recompute=recompute, use_te=use_te)
+            recompute=recompute, use_te=use_te, **(model_kwargs or {}))
         n_chunks = max(1, lay.virtual_pipeline or 1)
         self.chunks = []
         for vp in range(n_chunks):
@@ -296,8 +298,8 @@ class Learner:
     def sharded_state_dict(self) -> dict:
         """Model + optimizer + scheduler state for `megatron.core.dist_checkpointing`."""
         sd = {}
-        for i, m in enumerate(self.model):
-            key = f"model{i}" if len(self.model) > 1 else "model"
+        for i, m in enumerate(self.chunks):  # unwrapped GPTModels: no DDP "module." prefix
+            key = f"model{i}" if len(self.chunks) > 1 else "model"
             sd[key] = m.sharded_state_dict()
         return sd
 
@@ -332,9 +334,10 @@ class Learner:
         sd = self._full_sharded_sd(True)
         with torch.no_grad():
             loaded = dist_checkpointing.load(sd, path)
-        for i, m in enumerate(self.model):
-            key = f"model{i}" if len(self.model) > 1 else "model"
+        for i, m in enumerate(self.chunks):
+            key = f"model{i}" if len(self.chunks) > 1 else "model"
             m.load_state_dict(loaded[key])
+        self._refresh_main_params()
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps = int(loaded["steps"])
