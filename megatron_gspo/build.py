@@ -7,6 +7,7 @@ The RL loop (`train.py`) calls these once at start-up and the phases in `phases.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -18,8 +19,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def is_rank0() -> bool:
-    """True on global rank 0 (or without torch.distributed)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """True on global rank 0 (torchrun's RANK before torch.distributed starts)."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def resolve_run_dir(run_dir: str | None, config_path: str | None) -> Path:

@@ -26,13 +26,13 @@ def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None)
     """Train according to `cfg`; returns the run directory."""
     run_dir = build.resolve_run_dir(run_dir, config_path)
     hf_config = build.read_hf_config(cfg.model.path)
-    learner = build.learner(cfg, hf_config)  # starts torch.distributed + Megatron parallel state
     rank0 = build.is_rank0()
-    tokenizer = build.tokenizer(cfg)
+    tokenizer = build.tokenizer(cfg)  # inputs are checked before the expensive parts
     prompts = build.prompt_stream(cfg, tokenizer) if rank0 else None
     reward = build.reward_scorer(cfg, tokenizer) if rank0 else None
-    engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 else None
     evals = build.eval_prompts(cfg, tokenizer) if rank0 else None
+    learner = build.learner(cfg, hf_config)  # starts torch.distributed + Megatron parallel state
+    engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 else None
     controller = ToleranceController(cfg.precision.old_logprobs, cfg.precision.audit_fraction,
                                      cfg.precision.tolerance, cfg.precision.recheck_interval)
     ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)

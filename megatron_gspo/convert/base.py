@@ -151,7 +151,9 @@ def to_mcore_tensor(
     pm: ParamMap, tensors: list[torch.Tensor], dims: ModelDims, padded_vocab: int
 ) -> torch.Tensor:
     """Build the full (unsharded) Megatron-Core tensor of `pm` from its HF tensors."""
-    for name, t, shape in zip(pm.hf, tensors, pm.shapes):
+    if len(tensors) != len(pm.hf):
+        raise ConversionError(f"{pm.mcore}: got {len(tensors)} tensors for {len(pm.hf)} names")
+    for name, t, shape in zip(pm.hf, tensors, pm.shapes or [t.shape for t in tensors], strict=True):
         if tuple(t.shape) != tuple(shape):
             raise ConversionError(
                 f"tensor '{name}' has shape {tuple(t.shape)}, expected {tuple(shape)}"
@@ -380,7 +382,7 @@ class StateDictAdapter:
             name = self.spell(pm.mcore, dims, spec)
             if name not in mcore_sd:
                 raise ConversionError(f"Megatron state dict is missing tensor '{name}'")
-            out.update(zip(pm.hf, to_hf_tensors(pm, mcore_sd[name], dims)))
+            out.update(zip(pm.hf, to_hf_tensors(pm, mcore_sd[name], dims), strict=True))
         return out
 
     def spell(self, canonical: str, dims: ModelDims, spec: str) -> str:

@@ -284,7 +284,7 @@ def validate_hf_checkpoint(reader: HFCheckpointReader, adapter, dims) -> None:
     """
     used = set()
     for pm in adapter.param_maps(dims):
-        for name, shape in zip(pm.hf, pm.shapes or [None] * len(pm.hf)):
+        for name, shape in zip(pm.hf, pm.shapes or [None] * len(pm.hf), strict=True):
             used.add(name)
             got = reader.shape(name)
             if shape is not None and got != tuple(shape):

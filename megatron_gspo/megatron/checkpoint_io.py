@@ -120,7 +120,9 @@ def _tp_rank_size(pm: ParamMap) -> tuple[int, int]:
 
 def _check_partition(entry: ParamEntry, pm: ParamMap, size: int) -> None:
     p = entry.param
-    dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+    if not hasattr(p, "tensor_model_parallel"):
+        return  # attributes are only set when Megatron initialises weights itself
+    dim = p.partition_dim if p.tensor_model_parallel else None
     if size > 1 and dim != pm.tp_dim:
         raise ConversionError(
             f"parameter '{entry.local}' is partitioned on dim {dim}, mapping expects {pm.tp_dim}"
@@ -171,10 +173,29 @@ def load_hf_weights(
     return n
 
 
+def _moe_norm_keys_as_te(sharded: dict, model: torch.nn.Module) -> None:
+    """Store MoE layers' pre-MLP norm under the Transformer Engine spec's key.
+
+    The local spec maps ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_`` for every
+    layer, but the TE spec keeps a separate ``pre_mlp_layernorm`` in MoE layers; renaming here
+    makes checkpoints written with either spec load with the other.
+    """
+    if not getattr(model.config, "num_moe_experts", None):
+        return
+    for name, sh in sharded.items():
+        key = getattr(sh, "key", None)
+        if ".pre_mlp_layernorm." in name and key and "mlp.linear_fc1.layer_norm_" in key:
+            sh.key = key.replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")
+
+
 def _sharded_state_dict(models: list[torch.nn.Module]) -> dict:
-    if len(models) == 1:
-        return {"model": unwrap(models[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap(m).sharded_state_dict() for i, m in enumerate(models)}
+    out = {}
+    for i, m in enumerate(models):
+        m = unwrap(m)
+        sd = m.sharded_state_dict()
+        _moe_norm_keys_as_te(sd, m)
+        out["model" if len(models) == 1 else f"model{i}"] = sd
+    return out
 
 
 def _rank() -> int:
@@ -259,7 +280,7 @@ def load_checkpoint(models: list[torch.nn.Module], ckpt_dir: str | os.PathLike) 
     sharded = _sharded_state_dict(models)
     state = dist_checkpointing.load(sharded, str(ckpt_dir))
     keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
-    for key, m in zip(keys, models):
+    for key, m in zip(keys, models, strict=True):
         unwrap(m).load_state_dict(state[key], strict=True)
 
 

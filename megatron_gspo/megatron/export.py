@@ -67,7 +67,7 @@ def _stage_tensors(
     for entry in entries:
         for canonical, full in _full_tensors(entry, num_local_experts):
             pm = maps[canonical]
-            for name, t in zip(pm.hf, to_hf_tensors(pm, full, dims)):
+            for name, t in zip(pm.hf, to_hf_tensors(pm, full, dims), strict=True):
                 yield name, (t if dtype is None else t.to(dtype))
 
 
@@ -84,7 +84,7 @@ def _stage_meta(entries, maps, dims, dtype, num_local_experts, ep_size) -> list:
             ]
         for c in names:
             pm = maps[c]
-            for name, shape in zip(pm.hf, pm.shapes):
+            for name, shape in zip(pm.hf, pm.shapes, strict=True):
                 out.append((name, tuple(shape), dtype or entry.param.dtype))
     return out
 

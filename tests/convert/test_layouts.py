@@ -71,9 +71,17 @@ def layout_run(tiny_hf, tmp_path_factory):
 def test_logits_and_cross_layout_loading(layout_run):
     p, work, _ = layout_run
     assert p.returncode == 0, p.stderr[-3000:]
+    from torch.distributed.checkpoint import FileSystemReader
+
     for arch in ARCHS:
         assert (work / f"{arch}_A" / "megatron_gspo_checkpoint.json").is_file()
         assert (work / f"{arch}_B" / "hf_config" / "tokenizer_config.json").is_file()
+        keys = set(FileSystemReader(str(work / f"{arch}_B")).read_metadata().state_dict_metadata)
+        # pre-MLP norm keys follow the Transformer Engine spec (fused into fc1 unless MoE)
+        fused = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+        separate = "decoder.layers.pre_mlp_layernorm.weight"
+        moe = arch == "Qwen3MoeForCausalLM"
+        assert (separate in keys, fused in keys) == ((True, False) if moe else (False, True))
 
 
 def _assert_hf_dir_equal(out: Path, src: Path):
