@@ -323,7 +323,7 @@ def enable(trace: bool = False) -> bool:
     """
     if torch.cuda.is_available():
         return False
-    _state["trace"] = trace
+    _state["trace"] = _state["trace"] or trace  # a later plain enable() keeps tracing on
     if _state["enabled"]:
         return True
     _check_versions()

@@ -17,7 +17,12 @@ DECAY_STYLES = ("constant", "cosine", "linear")
 
 @dataclass(frozen=True)
 class OptimSettings:
-    """Optimizer / schedule knobs (one optimizer step per `train_step`)."""
+    """Optimizer / schedule knobs (one optimizer step per `train_step`).
+
+    The LR follows Megatron's schedule: with `warmup_steps` > 0, optimizer step k (from 0) uses
+    lr * k / warmup_steps (so the very first step has lr 0), then decays to `min_lr` at
+    `total_steps` ("cosine" / "linear") or stays at `lr` ("constant").
+    """
 
     lr: float = 1e-6
     min_lr: float = 0.0

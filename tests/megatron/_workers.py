@@ -96,6 +96,19 @@ def case_ref(outdir: Path, chk: Checker, info: dict):
     from megatron_gspo.megatron.optimizer import OptimSettings
     from megatron_gspo.megatron.step import LossSettings
 
+    import logging
+
+    from megatron_gspo.megatron import cpu
+
+    seen: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logging.getLogger(cpu.__name__).addHandler(Grab())
+    if not cpu.enable(trace=True):
+        chk.failures.append("cpu.enable() did not activate on a CPU-only process")
     samples = make_samples()
     ref = {}
     for name, hf in MODELS.items():
@@ -134,6 +147,11 @@ def case_ref(outdir: Path, chk: Checker, info: dict):
             entry["grpo_grads"] = L.full_grads()
         ref[name] = entry
     torch.save(ref, outdir / "ref.pt")
+    # the trace names Megatron call sites (file:line) of the CUDA -> CPU rewrites
+    sites = [m for m in seen if "megatron/core/" in m and ".py:" in m]
+    info["cpu_trace_sites"] = len(sites)
+    if not sites:
+        chk.failures.append(f"cpu trace logged no Megatron call site ({seen[:3]})")
 
 
 # ----------------------------------------------------------------------------- par

@@ -31,6 +31,7 @@ def test_reference_microbatch_split_and_packing(reports):
     assert _fails(ref[0]) == []
     # the data really exercises the GSPO clip (neither none nor all sequences clipped)
     assert 0.0 < ref[0]["info"]["moe.clip_fraction"] < 1.0
+    assert ref[0]["info"]["cpu_trace_sites"] > 0  # cpu.enable(trace=True) names call sites
 
 
 def test_vocab_parallel_logprobs_tp2(reports):
