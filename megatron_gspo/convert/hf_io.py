@@ -254,10 +254,11 @@ def save_hf_checkpoint(
             copy_side_files(side_files_from, tmp)
             if dtype is not None and (tmp / "config.json").is_file():
                 cfg = json.loads((tmp / "config.json").read_text())
-                cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(dtype).removeprefix(
-                    "torch."
-                )
-                (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+                key = "dtype" if "dtype" in cfg else "torch_dtype"
+                name = str(dtype).removeprefix("torch.")
+                if cfg.get(key) != name:
+                    cfg[key] = name
+                    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         commit_output_dir(tmp, out_dir)
         return index
     except BaseException:

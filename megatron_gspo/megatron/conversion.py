@@ -205,7 +205,7 @@ def mcore_to_hf(
                 out,
                 side_files_from=hf_config_dir,
                 max_shard_bytes=max_shard_bytes,
-                dtype=dtype,
+                dtype=out_dtype,
                 force=force,
             )
         else:

@@ -88,6 +88,20 @@ def _check_export(models, cfg, reader, bucket_bytes, what, save_to=None):
         torch.save(seen, save_to)
 
 
+def _check_stage_export(models, cfg, reader, bucket_bytes, what):
+    """gather_pipeline=False: each stage yields its own tensors; stages partition the model."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_gspo.megatron.export import export_hf_weights
+
+    buckets = export_hf_weights(models, cfg, bucket_bytes=bucket_bytes, gather_pipeline=False)
+    mine = [n for b in buckets for n, _ in b]
+    stages = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, mine, group=ps.get_pipeline_model_parallel_group())
+    flat = [n for s in stages for n in s]
+    assert len(flat) == len(set(flat)) and sorted(flat) == sorted(reader.keys()), what
+
+
 def run(hf_dirs: dict, refs_path: str, work: str) -> None:
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
@@ -146,6 +160,7 @@ def run(hf_dirs: dict, refs_path: str, work: str) -> None:
                 f"{arch} {big} export",
                 save_to=work / f"{arch}_export.pt",
             )
+            _check_stage_export(models, cfg, reader, bucket, f"{arch} {big} per-stage export")
 
             initialize(small, hf_config=cfg)
             models = build_small()
