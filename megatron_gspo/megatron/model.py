@@ -39,8 +39,8 @@ ep_rank * num_experts / ep_size). Shapes are per TP rank.
       with tied embeddings the last stage holds a copy of the embedding under this name when
       PP > 1, kept in sync by Megatron)
 
-The vocabulary is padded to `padded_vocab_size(V)` rows (zeros in converted checkpoints); the
-learner's log-probs mask the padded columns out.
+The vocabulary is padded to `padded_vocab_size(V, 128, tp)` rows, a multiple of lcm(128, tp)
+(zeros in converted checkpoints); the learner's log-probs mask the padded columns out.
 """
 
 from __future__ import annotations
@@ -90,10 +90,13 @@ def architecture_of(hf_config: dict) -> str:
     return archs[0]
 
 
-def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
-    """Vocabulary rows of the embedding / output layer: `vocab_size` rounded up to `multiple`
-    (the same for every TP size dividing `multiple`)."""
-    return int(math.ceil(vocab_size / multiple) * multiple)
+def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE,
+                      tensor_parallel: int = 1) -> int:
+    """Vocabulary rows of the embedding / output layer: `vocab_size` rounded up to a multiple
+    of lcm(`multiple`, `tensor_parallel`) -- the same for every TP size dividing `multiple`, so
+    full weights and checkpoints do not depend on the layout."""
+    m = math.lcm(int(multiple), int(tensor_parallel))
+    return int(math.ceil(vocab_size / m) * m)
 
 
 def _need(hf_config: dict, key: str) -> Any:
@@ -324,6 +327,7 @@ def build_gpt_model(
     config: TransformerConfig | None = None,
     use_te: bool | None = None,
     max_sequence_length: int | None = None,
+    vocab_multiple: int = VOCAB_PAD_MULTIPLE,
     **config_kwargs: Any,
 ) -> GPTModel:
     """GPTModel for one pipeline stage (or virtual chunk) of the HF architecture.
@@ -336,6 +340,7 @@ def build_gpt_model(
             `config_kwargs` when None).
         use_te: force the TE (True) or local (False) spec; None = TE if importable.
         max_sequence_length: rotary table size (default max_position_embeddings).
+        vocab_multiple: pad the vocabulary to a multiple of lcm(this, TP).
     Returns:
         GPTModel (unwrapped, fp32/bf16 params as configured).
     """
@@ -358,7 +363,8 @@ def build_gpt_model(
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=padded_vocab_size(int(_need(hf_config, "vocab_size"))),
+        vocab_size=padded_vocab_size(int(_need(hf_config, "vocab_size")), vocab_multiple,
+                                     config.tensor_model_parallel_size),
         max_sequence_length=int(max_sequence_length
                                 or hf_config.get("max_position_embeddings", 4096)),
         pre_process=pre_process,

@@ -42,7 +42,8 @@ class LossSettings:
     """Which policy loss and its knobs.
 
     kind: "gspo" | "gspo_token" | "grpo"; eps_low / eps_high: clip range; grpo_aggregation:
-    "seq-mean-token-mean" | "token-mean"; temperature: sampling temperature of the rollouts.
+    "seq-mean-token-mean" | "token-mean"; temperature: sampling temperature of the rollouts;
+    logratio_bound: bound on log-ratios before exp.
     """
 
     kind: str = "gspo"
@@ -50,6 +51,7 @@ class LossSettings:
     eps_high: float = 4e-4
     grpo_aggregation: str = "seq-mean-token-mean"
     temperature: float = 1.0
+    logratio_bound: float = losses.LOGRATIO_BOUND
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -139,14 +141,17 @@ def compute_loss(lp_full: torch.Tensor, data: dict, settings: LossSettings, *,
         if data["token_advantages"]:
             raise ValueError("per-token advantages need loss kind gspo_token or grpo")
         return losses.gspo_loss(lp, old, data["seq_advantages"], mask, eps_low=settings.eps_low,
-                                eps_high=settings.eps_high, num_sequences=num_sequences)
+                                eps_high=settings.eps_high, num_sequences=num_sequences,
+                                logratio_bound=settings.logratio_bound)
     adv = _rows(data["advantages"], data)  # [n, L]
     if settings.kind == "gspo_token":
         return losses.gspo_token_loss(lp, old, adv, mask, eps_low=settings.eps_low,
-                                      eps_high=settings.eps_high, num_sequences=num_sequences)
+                                      eps_high=settings.eps_high, num_sequences=num_sequences,
+                                      logratio_bound=settings.logratio_bound)
     return losses.grpo_loss(lp, old, adv, mask, eps_low=settings.eps_low,
                             eps_high=settings.eps_high, aggregation=settings.grpo_aggregation,
-                            num_sequences=num_sequences, num_tokens=num_tokens)
+                            num_sequences=num_sequences, num_tokens=num_tokens,
+                            logratio_bound=settings.logratio_bound)
 
 
 def loss_func(data: dict, settings: LossSettings, ctx: ParallelContext, num_sequences: float,

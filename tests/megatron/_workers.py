@@ -262,6 +262,7 @@ def case_par(outdir: Path, chk: Checker, info: dict):
         ("moe", "dp2-pp2-grpo-token-mean", PL(pipeline=2), {"grpo": True, "mbs": 2}),
         ("dense", "tp2-pp2", PL(tensor=2, pipeline=2), {"ckpt_save": True}),
         ("dense", "tp2-sp-dp2", PL(tensor=2, sequence_parallel=True), {}),
+        ("dense", "tp2-dp2", PL(tensor=2), {"mbs": 2}),
         ("dense", "ckpt-load-pp2-dp2", PL(pipeline=2), {"ckpt_load": True}),
     ]
     only = os.environ.get("MG_TEST_LAYOUTS")  # debugging aid: comma-separated names

@@ -53,5 +53,6 @@ def test_parallel_layouts_match_single_process(reports):
     ran = set(par[0]["info"])
     for tag in ("moe.tp2-sp", "moe.pp2", "moe.ep2", "moe.tp2-ep2-sp", "moe.pp2-vpp2",
                 "moe.dp4-m2", "moe.tp2-sp-distopt", "moe.dp2-pp2-grpo-token-mean",
-                "dense.tp2-pp2", "dense.tp2-sp-dp2", "dense.ckpt-load-pp2-dp2"):
+                "dense.tp2-pp2", "dense.tp2-sp-dp2", "dense.tp2-dp2",
+                "dense.ckpt-load-pp2-dp2"):
         assert tag in ran, f"layout {tag} did not run"

@@ -53,6 +53,7 @@ def test_bad_configs_are_named():
     with pytest.raises(ModelConfigError, match="num_experts"):
         build_model_config(cfg("Qwen3MoeForCausalLM"))
     assert padded_vocab_size(1000) == 1024 and padded_vocab_size(1024) == 1024
+    assert padded_vocab_size(1000, 128, 2) == 1024 and padded_vocab_size(1000, 128, 3) == 1152
 
 
 def test_layout_errors_reported_together():
