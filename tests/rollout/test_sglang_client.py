@@ -186,3 +186,22 @@ def test_shutdown_aborts_a_running_generate(standin):
     assert not t.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], RolloutError)
     assert "shut down" in str(errors[0])
+
+
+def test_router_url_gets_generation_workers_get_weights(engine, tiny_model_dir):
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+    from megatron_gspo.rollout.standin_server import StandinServer
+
+    worker = StandinServer(engine).start_in_thread()
+    router = StandinServer(EmbeddedEngine(tiny_model_dir, seed=2)).start_in_thread()
+    eng = SGLangEngine(server_urls=[worker.url], router_url=router.url + "/")
+    try:
+        samples = eng.generate(_batch(n=2))
+        assert {s.metadata["server"] for s in samples} == {router.url}
+        assert worker.stats["generate_calls"] == 0
+        eng.update_weights([[(k, v.clone()) for k, v in engine.model.state_dict().items()]], 4)
+        assert worker.stats["weight_updates"] == 1 and router.stats["weight_updates"] == 0
+    finally:
+        eng.shutdown()
+        worker.stop_thread()
+        router.stop_thread()
