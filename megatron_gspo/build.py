@@ -67,7 +67,7 @@ def learner(cfg: Config, hf_config: dict):
                           total_steps=total, decay_style=o.lr_decay_style,
                           use_distributed_optimizer=o.distributed_optimizer)
     loss = LossSettings(kind=a.loss, eps_low=lo, eps_high=hi, grpo_aggregation=a.grpo_aggregation,
-                        temperature=cfg.rollout.temperature)
+                        temperature=cfg.rollout.temperature, logratio_bound=a.logratio_bound)
     use_te = {"auto": None, "local": False, "transformer_engine": True}[cfg.model.transformer_impl]
     return Learner(hf_config, layout=layout, optim=optim, loss=loss,
                    batching=BatchSettings(max_tokens_per_microbatch=a.micro_batch_tokens,
