@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -264,14 +264,6 @@ def save_hf_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def iter_hf_tensors(
-    reader: HFCheckpointReader, names: Iterable[str]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for the given names, loaded one at a time."""
-    for n in names:
-        yield n, reader.get(n)
 
 
 def validate_hf_checkpoint(reader: HFCheckpointReader, adapter, dims) -> None:

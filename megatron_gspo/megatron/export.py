@@ -62,7 +62,7 @@ def _full_tensors(entry: ParamEntry, num_local_experts: int) -> list[tuple[str, 
 
 
 def _stage_tensors(
-    entries: list[ParamEntry], maps, dims, adapter, dtype, num_local_experts: int
+    entries: list[ParamEntry], maps, dims, dtype, num_local_experts: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for entry in entries:
         for canonical, full in _full_tensors(entry, num_local_experts):
@@ -130,7 +130,7 @@ def export_hf_weights(
     pp_size = ps.get_pipeline_model_parallel_world_size()
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        own = _stage_tensors(entries, maps, dims, adapter, dtype, nle)
+        own = _stage_tensors(entries, maps, dims, dtype, nle)
         if pp_size == 1 or not gather_pipeline:
             yield from own
             return
