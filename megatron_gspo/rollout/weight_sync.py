@@ -16,6 +16,7 @@ same rendezvous the server uses (TCP store, key prefix = group name).
 from __future__ import annotations
 
 import base64
+import importlib
 import io
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,12 +48,13 @@ def _sglang_classes() -> tuple[Any, Any] | None:
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
     except ImportError:
         return None
-    try:  # makes CUDA IPC handles device-independent; absent in some versions
-        from sglang.srt.patch_torch import monkey_patch_torch_reductions
-
-        monkey_patch_torch_reductions()
-    except ImportError:
-        pass
+    for mod in ("sglang.srt.utils.patch_torch", "sglang.srt.patch_torch"):
+        try:  # makes CUDA IPC handles device-independent (module moved between versions)
+            patch = importlib.import_module(mod).monkey_patch_torch_reductions
+        except (ImportError, AttributeError):
+            continue
+        patch()
+        break
     return MultiprocessingSerializer, FlattenedTensorBucket
 
 
