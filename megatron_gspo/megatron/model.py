@@ -276,9 +276,21 @@ class PackedDotProductAttention(DotProductAttention):
             raise ValueError(f"packed qkv_format {packed_seq_params.qkv_format!r} unsupported")
         # [t, np, hn] -> [t, 1, np, hn] (sq, b, np, hn)
         q, k, v = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        mask = block_causal_mask(packed_seq_params.cu_seqlens_q, q.shape[0], q.device)
+        mask = _cached_block_causal_mask(packed_seq_params.cu_seqlens_q, q.shape[0], q.device)
         return super().forward(q, k, v, mask, attn_mask_type=attn_mask_type,
                                attention_bias=attention_bias, **kwargs)
+
+
+_MASK_CACHE: dict = {}
+
+
+def _cached_block_causal_mask(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
+    """`block_causal_mask`, built once per micro-batch and shared by all layers."""
+    key = (tuple(cu_seqlens.tolist()), total, str(device))
+    if key not in _MASK_CACHE:
+        _MASK_CACHE.clear()
+        _MASK_CACHE[key] = block_causal_mask(cu_seqlens, total, device)
+    return _MASK_CACHE[key]
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
