@@ -145,6 +145,12 @@ def test_shards_are_bounded_and_indexed(tmp_path):
     assert all(torch.equal(back[k], v) for k, v in tensors.items()) and len(back) == 6
     with pytest.raises(ConversionError, match="exists"):
         save_hf_checkpoint(tensors.items(), tmp_path / "o", side_files_from=None)
+    save_hf_checkpoint([("x", torch.ones(2))], tmp_path / "o", side_files_from=None, force=True)
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [
+        INDEX_NAME,
+        "model-00001-of-00001.safetensors",
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["o"]  # no temp / old dirs left
 
 
 def test_exit_code_of_the_process(tmp_path):
