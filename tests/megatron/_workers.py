@@ -140,6 +140,17 @@ def case_ref(outdir: Path, chk: Checker, info: dict):
                 alone = L.forward_logprobs([samples[k]])[0]
                 chk.close(f"packing sample {k}", packed[k], alone, rtol=1e-6)
             chk.close("forward_logprobs reproducible", packed[0], lps[0], rtol=1e-6)
+            # GSPO-token with A_it = A_i through packing: same loss and gradient as GSPO
+            import copy
+
+            tok = copy.deepcopy(samples)
+            for s in tok:
+                s.advantage = [s.advantage] * len(s.response_ids)
+            L.load_full_state_dict(full)
+            L.loss_settings = LossSettings(kind="gspo_token")
+            mt = L.forward_backward(tok, old)
+            chk.close("gspo_token loss", mt["loss"], m1["loss"])
+            chk.dicts("gspo_token grad", L.full_grads(), g1)
             # token-mean GRPO reference for the DP / micro-batch check
             L.loss_settings = LossSettings(kind="grpo", eps_low=0.2, eps_high=0.28,
                                            grpo_aggregation="token-mean")
