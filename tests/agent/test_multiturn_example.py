@@ -94,3 +94,20 @@ def test_loop_glue_rollout_and_turn_advantages(tok):
     bad = load_config(EX / "config_cpu.yaml", ["data.apply_chat_template=true"])
     with pytest.raises(ValueError, match="data.apply_chat_template"):
         rollout_episodes(bad, ScriptedEngine(script), iter([]), tok, step=0)
+
+
+def test_shipped_base_tokenizer_and_config():
+    import json as _json
+
+    from transformers import AutoTokenizer
+
+    base = EX / "base"
+    shipped = AutoTokenizer.from_pretrained(base)
+    fresh = task.build_tokenizer()
+    text = task.reference_episode(task.make_problem(random.Random("b")))[1][0]
+    assert shipped.encode(text, add_special_tokens=False) == fresh.encode(
+        text, add_special_tokens=False)
+    for special in ("<tool_call>", "</tool_call>", "<|im_end|>"):
+        assert len(shipped.encode(special, add_special_tokens=False)) == 1
+    cfg = _json.loads((base / "config.json").read_text())
+    assert cfg["vocab_size"] == task.VOCAB_SIZE and cfg["max_position_embeddings"] >= 320
