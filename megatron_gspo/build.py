@@ -139,9 +139,44 @@ def rollout_engine(cfg: Config, hf_config: dict, tok):
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return EmbeddedEngine(dict(hf_config), dtype=r.dtype, device=device, seed=cfg.train.seed,
                               default_sampling=sampling_params(cfg, tok))
-    from megatron_gspo.rollout.sglang import engine_from_config
+    return sglang_engine(cfg, sampling_params(cfg, tok))
 
-    return engine_from_config(cfg, default_sampling=sampling_params(cfg, tok))
+
+def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None):
+    """SGLang servers from `rollout.*`: attached by URL, or launched (colocated or not)."""
+    from megatron_gspo.rollout.sglang import SGLangEngine
+    from megatron_gspo.rollout.sglang_launch import LaunchSpec
+
+    r = cfg.rollout
+    sync = r.weight_sync if r.weight_sync != "auto" else ("tensor" if r.colocate else
+                                                          "distributed")
+    master = None
+    if sync == "distributed":
+        if r.weight_sync_master:
+            host, _, port = r.weight_sync_master.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"rollout.weight_sync_master: expected host:port, got "
+                                  f"{r.weight_sync_master!r}")
+            master = (host, int(port))
+        else:
+            from megatron_gspo.megatron.parallel import free_port
+
+            master = (os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port())
+    launch = None
+    if not r.server_urls:
+        launch = LaunchSpec(model_path=str(cfg.model.path), num_servers=r.num_servers,
+                            tp_size=r.tp_size, host=r.host, base_port=r.base_port,
+                            mem_fraction_static=r.mem_fraction, colocated=r.colocate,
+                            seed=cfg.train.seed, dtype=cfg.model.dtype,
+                            extra_args=tuple(r.extra_server_args),
+                            log_dir=r.server_log_dir or log_dir)
+    return SGLangEngine(server_urls=list(r.server_urls) or None, launch=launch,
+                        router_url=r.router_url, launch_router=r.launch_router,
+                        router_policy=r.router_policy, tp_size=r.tp_size,
+                        max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout,
+                        max_retries=r.max_retries, backoff_s=r.backoff,
+                        startup_timeout_s=r.startup_timeout, weight_sync=sync,
+                        dist_master=master, default_sampling=default_sampling)
 
 
 def prompt_stream(cfg: Config, tok):

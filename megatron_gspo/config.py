@@ -33,14 +33,15 @@ DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 
 
 @dataclass
 class ModelConfig:
-    path: str | None = option(None, "Hugging Face model directory (config.json, weights, tokenizer)")
+    path: str | None = option(None, "Hugging Face model directory (config.json, weights, "
+                               "tokenizer)")
     tokenizer: str | None = option(None, "tokenizer directory; default: model.path")
     dtype: str = option("bfloat16", "learner parameter dtype",
                         choices=("float32", "bfloat16", "float16"))
     transformer_impl: str = option("auto", "layer spec: TE when importable (auto), or forced",
                                    choices=("auto", "local", "transformer_engine"))
-    make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this x TP",
-                                               ge=1)
+    make_vocab_size_divisible_by: int = option(
+        128, "pad the vocabulary to a multiple of lcm(this, TP)", ge=1)
     recompute_activations: bool = option(False, "full activation recomputation in the learner")
     load_checkpoint: str | None = option(
         None, "Megatron dist checkpoint to initialise from instead of the HF weights")
@@ -97,15 +98,24 @@ class RolloutConfig:
     mem_fraction: float = option(0.7, "SGLang --mem-fraction-static", gt=0, le=1)
     host: str = option("127.0.0.1", "host SGLang servers bind to")
     base_port: int = option(30000, "first port for launched servers", ge=1, le=65535)
-    use_router: bool = option(False, "route requests through sglang-router")
     extra_server_args: list[str] = option([], "extra command-line arguments for SGLang servers")
     max_concurrency: int = option(256, "in-flight HTTP requests per server", ge=1)
     request_timeout: float = option(600.0, "seconds before a generate request is retried", gt=0)
     max_retries: int = option(5, "retries per request on connection errors and 5xx", ge=0)
     startup_timeout: float = option(900.0, "seconds to wait for a launched server to be healthy",
                                     gt=0)
-    weight_sync: str = option("auto", "how weights reach the engine",
-                              choices=("auto", "tensor", "distributed", "disk"))
+    weight_sync: str = option("auto", "how weights reach SGLang: tensor (colocated, CUDA IPC), "
+                              "distributed (NCCL broadcast); auto picks by rollout.colocate",
+                              choices=("auto", "tensor", "distributed"))
+    weight_sync_master: str | None = option(
+        None, "host:port of the learner's NCCL weight-update group (distributed sync); default "
+        "MASTER_ADDR and a free port")
+    router_url: str | None = option(None, "send generation through this running sglang-router")
+    launch_router: bool = option(False, "start an sglang-router over the launched servers")
+    router_policy: str = option("cache_aware", "sglang-router load-balancing policy")
+    server_log_dir: str | None = option(None, "where launched servers write their logs; default "
+                                        "RUN_DIR/sglang")
+    backoff: float = option(0.5, "first retry delay in seconds (doubles, capped at 10 s)", ge=0)
     bucket_bytes: int = option(512 * 2**20, "size bound of one weight-sync bucket", ge=1)
 
 

@@ -56,6 +56,9 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int):
         m = {f"rollout/{k}": v for k, v in gm.items()}
     if not samples:
         raise RuntimeError(f"step {step}: the rollout produced no complete group")
+    if _colocated_sglang(cfg):  # hand the GPUs to the learner until the next weight sync
+        engine.release_memory()
+        engine.memory_released = True
     rewards = torch.tensor([float(s.reward) for s in samples])
     lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
     m.update({
@@ -72,6 +75,10 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int):
         "rollout/weight_version": float(min(s.weight_version for s in samples)),
     })
     return samples, m
+
+
+def _colocated_sglang(cfg: Config) -> bool:
+    return cfg.rollout.engine == "sglang" and cfg.rollout.colocate
 
 
 def broadcast(samples):
@@ -91,7 +98,7 @@ def fill_advantages(cfg: Config, samples: list[Sample]) -> None:
         return
     adv = group_advantages(torch.tensor([float(s.reward) for s in samples]),
                            cfg.rollout.group_size, scale=a.advantage_scale, eps=a.advantage_eps)
-    for s, v in zip(samples, adv.tolist()):
+    for s, v in zip(samples, adv.tolist(), strict=True):
         s.advantage = [v] * len(s.response_ids) if a.loss == "gspo_token" else v
 
 
@@ -193,6 +200,9 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int) ->
         DTYPES[cfg.model.dtype]
     buckets = export_hf_weights(learner.chunks, hf_config, bucket_bytes=cfg.rollout.bucket_bytes,
                                 dtype=dtype)
+    if engine is not None and getattr(engine, "memory_released", False):
+        engine.resume_memory()
+        engine.memory_released = False
     if engine is None:
         for _ in buckets:  # other ranks take part in the gathers
             pass
