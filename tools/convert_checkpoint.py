@@ -4,84 +4,15 @@
   mcore-to-hf --ckpt DIR [--hf-config DIR] --out DIR [--dtype ...] [--max-shard-size GB]
               [--tp N --pp N --ep N] [--force]
 
-Without torchrun the needed local processes are started here; under torchrun the launcher's
-ranks are used (WORLD_SIZE must be a multiple of what the layout needs). Exit code 0 on
-success, 1 on bad input (one-line error) with no output directory left behind.
+Thin wrapper over `megatron_gspo.convert.cli` (also `megatron-gspo convert ...`).
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron-Core dist checkpoint")
-    a.add_argument("--hf", required=True, help="HF model directory")
-    a.add_argument("--out", required=True, help="checkpoint directory to create")
-    a.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (default fp32)")
-    b = sub.add_parser("mcore-to-hf", help="Megatron-Core dist checkpoint -> HF safetensors")
-    b.add_argument("--ckpt", required=True, help="distributed checkpoint directory")
-    b.add_argument(
-        "--hf-config",
-        default=None,
-        help="directory with config.json/tokenizer (default: CKPT/hf_config)",
-    )
-    b.add_argument("--out", required=True, help="HF directory to create")
-    b.add_argument("--dtype", default=None, help="output dtype (default: checkpoint's)")
-    b.add_argument("--max-shard-size", type=float, default=5.0, help="GB per safetensors shard")
-    for s in (a, b):
-        s.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-        s.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-        s.add_argument("--ep", type=int, default=1, help="expert parallel size")
-        s.add_argument("--force", action="store_true", help="replace an existing --out")
-        s.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from megatron_gspo.convert.base import ConversionError
-
-    try:
-        from megatron_gspo.megatron import conversion as conv
-
-        world = conv.conversion_world_size(args.tp, args.pp, args.ep)
-        dtype = conv.parse_dtype(args.dtype)
-        common = {
-            "tp": args.tp,
-            "pp": args.pp,
-            "ep": args.ep,
-            "force": args.force,
-            "progress": not args.no_progress,
-        }
-        if args.cmd == "hf-to-mcore":
-            conv.check_hf_to_mcore(args.hf, args.out, args.force)
-            conv.launch(
-                conv.hf_to_mcore, world, hf_dir=args.hf, out=args.out, dtype=dtype, **common
-            )
-        else:
-            if args.max_shard_size <= 0:
-                raise ConversionError(f"--max-shard-size must be > 0, got {args.max_shard_size}")
-            cfg_dir = conv.check_mcore_to_hf(args.ckpt, args.hf_config, args.out, args.force)
-            conv.launch(
-                conv.mcore_to_hf,
-                world,
-                ckpt=args.ckpt,
-                hf_config_dir=cfg_dir,
-                out=args.out,
-                dtype=dtype,
-                max_shard_bytes=int(args.max_shard_size * 2**30),
-                **common,
-            )
-    except (ConversionError, ValueError) as e:
-        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
-        return 1
-    print(f"convert_checkpoint: wrote {args.out}")
-    return 0
-
+from megatron_gspo.convert.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
