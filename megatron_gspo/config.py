@@ -190,6 +190,14 @@ class AgentConfig:
                             choices=("episode", "turn"))
     turn_discount: float = option(1.0, "discount of later-turn rewards", ge=0, le=1)
     python_tool: bool = option(False, "enable the sandboxed Python tool")
+    env_kwargs: dict[str, Any] = option({}, "constructor arguments of the environment (tool "
+                                        "timeouts, output caps, sandbox limits, ...)")
+    turn_normalization: str = option("pooled", "turn-level advantages: normalise all turns of a "
+                                     "group together, or per turn index",
+                                     choices=("pooled", "per_turn"))
+    enable_thinking: bool = option(False, "Qwen3 chat template with thinking enabled")
+    stop_on_tool_call_end: bool = option(True, "end a model turn at the tool-call end token")
+    max_concurrent: int = option(256, "episodes in flight at once", ge=1)
 
 
 @dataclass

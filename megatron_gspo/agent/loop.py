@@ -37,7 +37,9 @@ def make_runner(cfg: Any, engine: Any, tok: Any):
     _check(cfg)
     a = cfg.agent
     return build_runner(
-        engine, tok, environment=a.environment, python_tool=a.python_tool,
+        engine, tok, environment=a.environment, env_kwargs=dict(a.env_kwargs),
+        python_tool=a.python_tool, enable_thinking=a.enable_thinking,
+        stop_on_tool_call_end=a.stop_on_tool_call_end, max_concurrent=a.max_concurrent,
         sampling=sampling_params(cfg, tok).with_n(1), max_turns=a.max_turns,
         max_total_tokens=a.max_total_tokens, max_new_tokens_per_turn=cfg.rollout.max_new_tokens,
         turn_timeout_s=a.turn_timeout, episode_timeout_s=a.episode_timeout,
@@ -85,5 +87,6 @@ def fill_turn_advantages(cfg: Any, samples: list[Sample]) -> None:
     """Per-token turn-level advantages (discount `agent.turn_discount`, group-normalised)."""
     assign_multiturn_advantages(
         samples, mode="turn", gamma=cfg.agent.turn_discount,
+        normalization=cfg.agent.turn_normalization,
         scale_by_std=cfg.algorithm.advantage_scale == "std", eps=cfg.algorithm.advantage_eps,
     )
