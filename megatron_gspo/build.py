@@ -179,33 +179,32 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None):
                         dist_master=master, default_sampling=default_sampling)
 
 
-def prompt_stream(cfg: Config, tok):
-    """Endless, seeded, resumable stream of prompts from `data.train_path`."""
-    from megatron_gspo.data.datasets import PromptDataset, PromptIterator
+def _dataset(cfg: Config, tok, path: str):
+    from megatron_gspo.data.datasets import PromptDataset
 
     d = cfg.data
-    if not d.train_path:
+    return PromptDataset.from_file(path, tok, prompt_key=d.prompt_key, label_key=d.label_key,
+                                   system_prompt=d.system_prompt,
+                                   apply_chat_template=d.apply_chat_template,
+                                   max_prompt_length=d.max_prompt_length,
+                                   skip_bad_rows=d.skip_bad_rows)
+
+
+def prompt_stream(cfg: Config, tok):
+    """Endless, seeded, resumable stream of prompts from `data.train_path`."""
+    from megatron_gspo.data.datasets import PromptIterator
+
+    if not cfg.data.train_path:
         raise ConfigError("data.train_path: required")
-    ds = PromptDataset.from_file(d.train_path, tok, prompt_key=d.prompt_key,
-                                 label_key=d.label_key, system_prompt=d.system_prompt,
-                                 apply_chat_template=d.apply_chat_template,
-                                 max_prompt_length=d.max_prompt_length,
-                                 skip_bad_rows=d.skip_bad_rows)
-    return PromptIterator(ds, seed=cfg.train.seed, shuffle=d.shuffle)
+    return PromptIterator(_dataset(cfg, tok, cfg.data.train_path), seed=cfg.train.seed,
+                          shuffle=cfg.data.shuffle)
 
 
 def eval_prompts(cfg: Config, tok):
     """The first `train.eval_prompts` rows of `data.eval_path` (None when not configured)."""
-    from megatron_gspo.data.datasets import PromptDataset
-
-    d = cfg.data
-    if not d.eval_path:
+    if not cfg.data.eval_path:
         return None
-    ds = PromptDataset.from_file(d.eval_path, tok, prompt_key=d.prompt_key,
-                                 label_key=d.label_key, system_prompt=d.system_prompt,
-                                 apply_chat_template=d.apply_chat_template,
-                                 max_prompt_length=d.max_prompt_length,
-                                 skip_bad_rows=d.skip_bad_rows)
+    ds = _dataset(cfg, tok, cfg.data.eval_path)
     return [ds[i] for i in range(min(len(ds), cfg.train.eval_prompts))]
 
 
