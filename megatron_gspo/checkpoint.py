@@ -21,7 +21,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -49,10 +48,6 @@ def rng_state() -> dict:
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    if "megatron.core.tensor_parallel" in sys.modules:  # a learner lives in this process
-        from megatron.core import tensor_parallel
-
-        state["megatron_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
     return state
 
 
@@ -63,10 +58,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    if "megatron_tracker" in state:
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 
 class Checkpointer:
@@ -114,7 +105,10 @@ class Checkpointer:
             tmp.mkdir()
         _barrier()
         learner.save_checkpoint(str(tmp / "model"))
-        torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
+        rng = rng_state()
+        if hasattr(learner, "rng_state"):  # the learner's own generators (model-parallel RNG)
+            rng["learner"] = learner.rng_state()
+        torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
         if _rank() == 0:
             torch.save(trainer_state, tmp / "trainer.pt")
         _barrier()
@@ -143,7 +137,10 @@ class Checkpointer:
         learner.load_checkpoint(str(path / "model"))
         rng = path / f"rng_rank{_rank()}.pt"
         if rng.is_file():
-            set_rng_state(torch.load(rng, weights_only=False))
+            state = torch.load(rng, weights_only=False)
+            set_rng_state(state)
+            if "learner" in state:
+                learner.load_rng_state(state["learner"])
         return torch.load(path / "trainer.pt", weights_only=False)
 
     def clean_partial(self) -> None:

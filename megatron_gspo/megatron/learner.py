@@ -342,6 +342,18 @@ class Learner:
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps = int(loaded["steps"])
 
+    def rng_state(self) -> dict:
+        """States of Megatron's model-parallel RNG tracker (dropout etc.) on this rank."""
+        from megatron.core import tensor_parallel
+
+        return tensor_parallel.get_cuda_rng_tracker().get_states()
+
+    def load_rng_state(self, state: dict) -> None:
+        """Restore what `rng_state` returned."""
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().set_states(state)
+
     def shutdown(self) -> None:
         """Release the process groups."""
         parallel.shutdown()
