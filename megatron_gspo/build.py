@@ -6,7 +6,6 @@ The RL loop (`train.py`) calls these once at start-up and the phases in `phases.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -35,16 +34,16 @@ def resolve_run_dir(run_dir: str | None, config_path: str | None) -> Path:
 
 
 def read_hf_config(model_path: str | None) -> dict:
-    """The model's Hugging Face config.json as a dict (one-line errors)."""
+    """The model's Hugging Face config.json as a dict (one-line errors naming model.path)."""
+    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.hf_io import read_config
+
     if not model_path:
         raise ConfigError("model.path: required (a Hugging Face model directory)")
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"model.path: {model_path} has no config.json")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model.path: {path} is not valid JSON ({e})") from None
+        return read_config(model_path)
+    except ConversionError as e:
+        raise ConfigError(f"model.path: {model_path} has no usable config.json ({e})") from None
 
 
 def learner(cfg: Config, hf_config: dict):
