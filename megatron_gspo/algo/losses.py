@@ -67,6 +67,19 @@ def sequence_log_ratio(logprobs, old_logprobs, loss_mask):
     return log_ratio.sum(-1) / count.clamp(min=1.0), count
 
 
+def _bounded_seq_log_ratio(log_ratio, count, valid, bound):
+    """Mean log-ratio per row bounded to [-bound, bound], and how many valid rows hit the bound.
+
+    Args:
+        log_ratio: `[B, T]` (zero where masked); count: `[B]` trainable tokens; valid: `[B]`.
+    Returns:
+        (`[B]` bounded mean log-ratio, float32 hit count).
+    """
+    raw = log_ratio.sum(-1) / count.clamp(min=1.0)  # [B]
+    hits = (raw.detach().abs() > bound)[valid].sum().to(torch.float32)
+    return raw.clamp(-bound, bound), hits
+
+
 def _clip_masks(ratio, adv, eps_low, eps_high):
     """Where the clipped branch of min(rA, clip(r)A) is active and differs from rA."""
     high = (adv > 0) & (ratio > 1.0 + eps_high)
@@ -154,9 +167,7 @@ def gspo_loss(
     adv = advantages.to(torch.float32).reshape(-1)  # [B]
     if adv.shape[0] != log_ratio.shape[0]:
         raise ValueError(f"advantages has {adv.shape[0]} rows for {log_ratio.shape[0]} sequences")
-    seq_lr_raw = log_ratio.sum(-1) / count.clamp(min=1.0)  # [B]
-    hits = (seq_lr_raw.detach().abs() > logratio_bound)[valid].sum().to(torch.float32)
-    seq_lr = seq_lr_raw.clamp(-logratio_bound, logratio_bound)  # [B]
+    seq_lr, hits = _bounded_seq_log_ratio(log_ratio, count, valid, logratio_bound)  # [B]
     ratio = torch.exp(seq_lr)  # [B]
     per_seq = torch.where(valid, _surrogate(ratio, adv, eps_low, eps_high), 0.0)  # [B]
     n = valid.sum().clamp(min=1) if num_sequences is None else num_sequences
@@ -206,9 +217,8 @@ def gspo_token_loss(
         raise ValueError(f"advantages shape {tuple(adv.shape)} != loss_mask {tuple(mask.shape)}")
     count = mask.sum(-1)  # [B]
     valid = count > 0
-    seq_lr_raw = (log_ratio.sum(-1) / count.clamp(min=1.0)).detach()  # [B]
-    hits = (seq_lr_raw.abs() > logratio_bound)[valid].sum().to(torch.float32)
-    seq_lr = seq_lr_raw.clamp(-logratio_bound, logratio_bound)  # [B]
+    seq_lr, hits = _bounded_seq_log_ratio(log_ratio, count, valid, logratio_bound)
+    seq_lr = seq_lr.detach()  # [B]; the gradient flows through the token factor below
     lp = torch.where(on, logprobs.float(), 0.0)  # [B, T]
     tok_log_s = seq_lr[:, None] + lp - lp.detach()  # [B, T], value = log s_i
     ratio = torch.exp(tok_log_s)  # [B, T]
