@@ -24,7 +24,7 @@ from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.data.sample import Sample
 
 
-def _requests(prompts, group_size_hint=None):
+def _requests(prompts):
     from megatron_gspo.rollout.base import GenerateRequest
 
     for item in prompts:
@@ -58,7 +58,6 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int):
         raise RuntimeError(f"step {step}: the rollout produced no complete group")
     if _colocated_sglang(cfg):  # hand the GPUs to the learner until the next weight sync
         engine.release_memory()
-        engine.memory_released = True
     rewards = torch.tensor([float(s.reward) for s in samples])
     lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
     m.update({
@@ -200,9 +199,8 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int) ->
         DTYPES[cfg.model.dtype]
     buckets = export_hf_weights(learner.chunks, hf_config, bucket_bytes=cfg.rollout.bucket_bytes,
                                 dtype=dtype)
-    if engine is not None and getattr(engine, "memory_released", False):
-        engine.resume_memory()
-        engine.memory_released = False
+    if engine is not None:
+        engine.resume_memory()  # no-op unless released after the rollout
     if engine is None:
         for _ in buckets:  # other ranks take part in the gathers
             pass

@@ -204,6 +204,7 @@ class RolloutEngine(ABC):
 
     def __init__(self, default_sampling: SamplingParams | None = None) -> None:
         self.default_sampling = default_sampling or SamplingParams()
+        self.memory_released = False  # set by release_memory, cleared by resume_memory
         self._loop_thread: _LoopThread | None = None
         self._loop_lock = threading.Lock()
 
@@ -254,12 +255,15 @@ class RolloutEngine(ABC):
         self._run(self.aupdate_weights(buckets, version))
 
     def release_memory(self) -> None:
-        """Synchronous `arelease_memory`."""
+        """Synchronous `arelease_memory`; sets `memory_released`."""
         self._run(self.arelease_memory())
+        self.memory_released = True
 
     def resume_memory(self) -> None:
-        """Synchronous `aresume_memory`."""
-        self._run(self.aresume_memory())
+        """Synchronous `aresume_memory`; no-op unless the memory was released."""
+        if self.memory_released:
+            self._run(self.aresume_memory())
+            self.memory_released = False
 
     def health(self) -> bool:
         """Synchronous `ahealth`."""
