@@ -209,6 +209,8 @@ class TrainConfig:
     prompts_per_step: int = option(32, "prompts per rollout batch", ge=1)
     eval_interval: int = option(0, "evaluate every N steps (0 disables)", ge=0)
     eval_prompts: int = option(64, "prompts per evaluation", ge=1)
+    eval_temperature: float = option(
+        0.0, "evaluation sampling temperature: 0 = greedy, > 0 = one sample per prompt", ge=0.0)
     deterministic: bool = option(False, "deterministic algorithms (slower; for reproducibility)")
 
 

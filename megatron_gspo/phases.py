@@ -211,14 +211,16 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int) ->
 
 
 def evaluate(cfg: Config, engine, tok, score, prompts) -> dict:
-    """Greedy reward on the evaluation prompts."""
+    """Reward on the evaluation prompts: greedy, or one sample per prompt at
+    `train.eval_temperature` (top-p/top-k of the rollouts)."""
     from dataclasses import replace
 
     from megatron_gspo.build import sampling_params
 
     if not prompts:
         return {}
-    sp = replace(sampling_params(cfg, tok, greedy=True), n=1)
+    sp = replace(sampling_params(cfg, tok, greedy=True), n=1,
+                 temperature=cfg.train.eval_temperature)
     reqs = list(_requests(prompts))
     samples = engine.generate([replace(r, sampling=sp) for r in reqs])
     score(samples)

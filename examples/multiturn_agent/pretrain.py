@@ -26,16 +26,16 @@ import task  # noqa: E402
 from env import ArithmeticAgentEnv  # noqa: E402
 
 MODEL = dict(
-    hidden_size=64,
-    intermediate_size=192,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
     head_dim=16,
     max_position_embeddings=320,
     rope_theta=10000.0,
     rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
+    tie_word_embeddings=False,
 )
 
 
@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--label-smoothing", type=float, default=0.0,
+                    help="share of each target's probability spread over the vocabulary")
     ap.add_argument("--eval-every", type=int, default=0, help="0: evaluate only at the end")
     ap.add_argument("--eval-rows", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1234)
@@ -127,7 +129,10 @@ def main() -> None:
     t0 = time.time()
     for step in range(1, args.steps + 1):
         ids, labels = make_batch(tok, rng, args.batch_size)
-        loss = model(input_ids=ids, labels=labels).loss
+        logits = model(input_ids=ids).logits[:, :-1]  # [B, T-1, V]
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+            ignore_index=-100, label_smoothing=args.label_smoothing)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -81,18 +81,25 @@ def test_prompt_files_match_generator(tok):
     assert ds[0].prompt.endswith("<|im_start|>assistant\n")
 
 
-def test_base_model_sometimes_right(model, tok):
-    task = _task_module()
-    rows = task.demo_rows("eval", 64)
+def _accuracy(model, tok, rows, **generate_kwargs) -> tuple[float, float]:
+    """(math reward mean, share of answers that end with <|im_end|>)."""
     prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
                                        add_generation_prompt=True, tokenize=False) for r in rows]
     ids = torch.tensor([tok.encode(p, add_special_tokens=False) for p in prompts])  # [B, T]
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=6)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                             pad_token_id=tok.pad_token_id, **generate_kwargs)
     new = out[:, ids.shape[1]:]
-    assert (new == tok.eos_token_id).any(dim=1).float().mean() > 0.9  # answers end
     texts = tok.batch_decode(new, skip_special_tokens=True)
     reward = get_reward_fn("math")
     acc = sum(reward(t, r["answer"], {}) for t, r in zip(texts, rows, strict=True)) / len(rows)
-    assert 0.2 <= acc <= 0.95, acc  # RL has something to learn, and a signal to learn from
+    return acc, (new == tok.eos_token_id).any(dim=1).float().mean().item()
+
+
+def test_base_model_knows_answers_but_samples_are_noisy(model, tok):
+    rows = _task_module().demo_rows("eval", 128)
+    greedy, ends = _accuracy(model, tok, rows, do_sample=False)
+    assert ends > 0.9 and greedy > 0.9, (greedy, ends)
+    torch.manual_seed(0)
+    sampled, _ = _accuracy(model, tok, rows, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    assert 0.15 <= sampled <= 0.6, sampled  # RL has something to learn, and a signal to learn from

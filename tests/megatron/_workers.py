@@ -293,7 +293,8 @@ def case_par(outdir: Path, chk: Checker, info: dict):
         ckpt = outdir / "ckpt-dense"
         if opts.get("ckpt_load"):  # torch_dist checkpoint saved under TP2 x PP2, loaded here
             L.load_checkpoint(str(ckpt))
-            chk.dicts(f"{tag}.params", L.full_state_dict(), R["after"], atol=1e-7)
+            saved = torch.load(outdir / "ckpt-dense-params.pt")  # what the saving layout held
+            chk.dicts(f"{tag}.params", L.full_state_dict(), saved, rtol=0.0, atol=0.0)
             if L.steps != 1 or L.scheduler.num_steps != 1:
                 chk.failures.append(f"{tag}: steps {L.steps}, scheduler {L.scheduler.num_steps}")
             info[tag] = round(time.perf_counter() - t0, 2)
@@ -313,8 +314,14 @@ def case_par(outdir: Path, chk: Checker, info: dict):
             if not opts.get("distopt"):
                 chk.dicts(f"{tag}.grad", L.full_grads(), R["grads"])
             L.optimizer_step()
-            chk.dicts(f"{tag}.params-after-step", L.full_state_dict(), R["after"], atol=1e-6)
+            # Adam's first step moves an element by lr*g/(|g|+eps): where |g| is near eps, the
+            # last-bit gradient differences of another summation order move it by up to
+            # lr*|dg|/eps (seen: 4.6e-6); an element updated from the wrong shard is off by ~lr.
+            after = L.full_state_dict()
+            chk.dicts(f"{tag}.params-after-step", after, R["after"], atol=1e-5)
             if opts.get("ckpt_save"):
+                if int(os.environ.get("RANK", "0")) == 0:
+                    torch.save(after, outdir / "ckpt-dense-params.pt")
                 L.save_checkpoint(str(ckpt))
         info[tag] = round(time.perf_counter() - t0, 2)
 
