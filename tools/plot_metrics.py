@@ -36,12 +36,12 @@ def plot(run_dir: Path, out: Path) -> Path:
     if not rows:
         raise SystemExit(f"plot_metrics: no metrics in {run_dir / 'metrics.jsonl'}")
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    for ax, (title, keys) in zip(axes.flat, PANELS):
+    for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
         drawn = 0
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
             if pts:
-                xs, ys = zip(*pts)
+                xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, marker="." if len(pts) < 50 else None, label=k)
                 drawn += 1
         ax.set_title(title)

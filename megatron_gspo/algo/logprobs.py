@@ -93,7 +93,8 @@ def token_logprobs(
         return_entropy: also return the entropy of each token's distribution (detached; a
             metric, not differentiated).
     Returns:
-        `[...]` float32 log-probs (float64 for float64 logits), or `(logprobs, entropy)` when return_entropy.
+        `[...]` float32 log-probs (float64 for float64 logits), or `(logprobs, entropy)`
+        when return_entropy.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")

@@ -190,7 +190,7 @@ def check_engine_logprobs(index, engine_logprobs, loss_mask, num_response_tokens
     if len(engine_logprobs) != num_response_tokens or len(loss_mask) != num_response_tokens:
         raise ValueError(f"sample {index}: {len(engine_logprobs)} engine log-probs and "
                          f"{len(loss_mask)} mask entries for {num_response_tokens} response tokens")
-    for t, (lp, m) in enumerate(zip(engine_logprobs, loss_mask)):
+    for t, (lp, m) in enumerate(zip(engine_logprobs, loss_mask, strict=True)):
         if m and not (math.isfinite(lp) and lp <= 1e-4):
             raise ValueError(f"sample {index}: engine log-prob {lp} at trained token {t} is not a "
                              "log-probability")

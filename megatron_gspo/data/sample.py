@@ -85,7 +85,7 @@ class Sample:
                     f"rollout_logprobs has {len(self.rollout_logprobs)} entries for {n} "
                     "response tokens"
                 )
-            for t, (lp, m) in enumerate(zip(self.rollout_logprobs, self.loss_mask)):
+            for t, (lp, m) in enumerate(zip(self.rollout_logprobs, self.loss_mask, strict=True)):
                 if m and (not math.isfinite(lp) or lp > 1e-4):
                     self._fail(f"rollout_logprobs[{t}] = {lp} is not a valid log-probability")
         if self.turn_ids is not None and len(self.turn_ids) != n:
