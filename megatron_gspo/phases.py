@@ -212,13 +212,18 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int) ->
 
 def evaluate(cfg: Config, engine, tok, score, prompts) -> dict:
     """Reward on the evaluation prompts: greedy, or one sample per prompt at
-    `train.eval_temperature` (top-p/top-k of the rollouts)."""
+    `train.eval_temperature` (top-p/top-k of the rollouts); one episode per prompt in agent
+    mode."""
     from dataclasses import replace
 
     from megatron_gspo.build import sampling_params
 
     if not prompts:
         return {}
+    if cfg.agent.enabled:
+        from megatron_gspo.agent.loop import evaluate_episodes
+
+        return evaluate_episodes(cfg, engine, _requests(prompts), tok)
     sp = replace(sampling_params(cfg, tok, greedy=True), n=1,
                  temperature=cfg.train.eval_temperature)
     reqs = list(_requests(prompts))

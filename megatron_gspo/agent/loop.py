@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from megatron_gspo.agent import build_runner
@@ -30,17 +31,21 @@ def _check(cfg: Any) -> None:
                          "environment renders the chat from the raw prompt)")
 
 
-def make_runner(cfg: Any, engine: Any, tok: Any):
-    """EpisodeRunner configured from `agent.*` and `rollout.*`."""
+def make_runner(cfg: Any, engine: Any, tok: Any, temperature: float | None = None):
+    """EpisodeRunner configured from `agent.*` and `rollout.*` (`temperature` overrides
+    `rollout.temperature`, e.g. for evaluation; 0 is greedy)."""
     from megatron_gspo.build import sampling_params
 
     _check(cfg)
+    sampling = sampling_params(cfg, tok).with_n(1)
+    if temperature is not None:
+        sampling = replace(sampling, temperature=temperature)
     a = cfg.agent
     return build_runner(
         engine, tok, environment=a.environment, env_kwargs=dict(a.env_kwargs),
         python_tool=a.python_tool, enable_thinking=a.enable_thinking,
         stop_on_tool_call_end=a.stop_on_tool_call_end, max_concurrent=a.max_concurrent,
-        sampling=sampling_params(cfg, tok).with_n(1), max_turns=a.max_turns,
+        sampling=sampling, max_turns=a.max_turns,
         max_total_tokens=a.max_total_tokens, max_new_tokens_per_turn=cfg.rollout.max_new_tokens,
         turn_timeout_s=a.turn_timeout, episode_timeout_s=a.episode_timeout,
     )
@@ -81,6 +86,23 @@ def rollout_episodes(
     for i, s in enumerate(samples):
         s.index = i
     return samples, metrics
+
+
+def evaluate_episodes(cfg: Any, engine: Any, requests: Iterable[Any], tok: Any) -> dict:
+    """One episode per evaluation prompt at `train.eval_temperature` (0: greedy).
+
+    Returns:
+        {"eval/reward_mean", "eval/prompts", "eval/agent/<metric>" ...}
+    """
+    items = [_item(r) for r in requests]
+    if not items:
+        return {}
+    runner = make_runner(cfg, engine, tok, temperature=cfg.train.eval_temperature)
+    samples = runner.run_batch_sync(items, n_per_prompt=1)
+    out = {f"eval/{k}": v for k, v in episode_metrics(samples).items()}
+    out["eval/reward_mean"] = sum(float(s.reward or 0.0) for s in samples) / len(samples)
+    out["eval/prompts"] = float(len(samples))
+    return out
 
 
 def fill_turn_advantages(cfg: Any, samples: list[Sample]) -> None:

@@ -111,3 +111,38 @@ def test_shipped_base_tokenizer_and_config():
         assert len(shipped.encode(special, add_special_tokens=False)) == 1
     cfg = _json.loads((base / "config.json").read_text())
     assert cfg["vocab_size"] == task.VOCAB_SIZE and cfg["max_position_embeddings"] >= 320
+
+
+def test_evaluation_plays_one_episode_per_prompt(tok):
+    from megatron_gspo import phases
+    from megatron_gspo.data.datasets import PromptItem
+
+    cfg = load_config(EX / "config_cpu.yaml", ["train.eval_temperature=0.5",
+                                               f"agent.environment={EX / 'env.py'}:"
+                                               "ArithmeticAgentEnv"])
+    rows = [task.make_problem(random.Random(f"e{i}")) for i in range(4)]
+    temps = []
+
+    def script(prompt_ids, call_no):
+        text = tok.decode(prompt_ids)
+        row = next(r for r in rows if r["prompt"] in text)
+        pieces = [tok.encode(t, add_special_tokens=False)
+                  for t, m in task.reference_episode(row) if m]
+        if text.count("<|im_start|>assistant") == 1:
+            return pieces[0]
+        # rows 0 and 1 answer right, rows 2 and 3 wrong
+        return pieces[1] if rows.index(row) < 2 else tok.encode("0<|im_end|>",
+                                                                add_special_tokens=False)
+
+    class Recording(ScriptedEngine):
+        async def agenerate(self, requests):
+            temps.extend(r.sampling.temperature for r in requests)
+            return await super().agenerate(requests)
+
+    prompts = [PromptItem(prompt=r["prompt"], prompt_ids=[1], label=r["label"], row=i)
+               for i, r in enumerate(rows)]
+    m = phases.evaluate(cfg, Recording(script), tok, None, prompts)
+    assert m["eval/prompts"] == 4.0
+    assert m["eval/reward_mean"] == pytest.approx((1.1 + 1.1 + 0.1 + 0.1) / 4)
+    assert m["eval/agent/correct"] == 0.5
+    assert temps and set(temps) == {0.5}
