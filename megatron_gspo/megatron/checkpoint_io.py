@@ -173,7 +173,7 @@ def load_hf_weights(
     return n
 
 
-def _moe_norm_keys_as_te(sharded: dict, model: torch.nn.Module) -> None:
+def moe_norm_keys_as_te(sharded: dict, model: torch.nn.Module) -> None:
     """Store MoE layers' pre-MLP norm under the Transformer Engine spec's key.
 
     The local spec maps ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_`` for every
@@ -193,7 +193,7 @@ def _sharded_state_dict(models: list[torch.nn.Module]) -> dict:
     for i, m in enumerate(models):
         m = unwrap(m)
         sd = m.sharded_state_dict()
-        _moe_norm_keys_as_te(sd, m)
+        moe_norm_keys_as_te(sd, m)
         out["model" if len(models) == 1 else f"model{i}"] = sd
     return out
 

@@ -297,10 +297,13 @@ class Learner:
     # ----------------------------------------------------------------------------- checkpoints
     def sharded_state_dict(self) -> dict:
         """Model + optimizer + scheduler state for `megatron.core.dist_checkpointing`."""
+        from megatron_gspo.megatron.checkpoint_io import moe_norm_keys_as_te
+
         sd = {}
         for i, m in enumerate(self.chunks):  # unwrapped GPTModels: no DDP "module." prefix
             key = f"model{i}" if len(self.chunks) > 1 else "model"
             sd[key] = m.sharded_state_dict()
+            moe_norm_keys_as_te(sd[key], m)  # MoE checkpoints load under either layer spec
         return sd
 
     def _full_sharded_sd(self, is_loading: bool) -> dict:

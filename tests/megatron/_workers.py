@@ -133,6 +133,18 @@ def case_ref(outdir: Path, chk: Checker, info: dict):
         after = L.full_state_dict()
         entry = dict(full=full, lps=lps, old=old, metrics=m1, grads=g1, after=after)
         if name == "moe":
+            # run checkpoint: MoE pre-MLP norms stored under the TE spec's key; exact reload
+            from torch.distributed.checkpoint import FileSystemReader
+
+            L.save_checkpoint(str(outdir / "ckpt-moe"))
+            keys = set(FileSystemReader(str(outdir / "ckpt-moe")).read_metadata()
+                       .state_dict_metadata)
+            if ("decoder.layers.pre_mlp_layernorm.weight" not in keys
+                    or "decoder.layers.mlp.linear_fc1.layer_norm_weight" in keys):
+                chk.failures.append(f"moe checkpoint norm keys: {sorted(keys)[:12]}")
+            L.load_full_state_dict(full)
+            L.load_checkpoint(str(outdir / "ckpt-moe"))
+            chk.dicts("moe checkpoint reload", L.full_state_dict(), after, rtol=0.0, atol=0.0)
             # packing: each sample alone gives the same log-probs as packed with others
             L.load_full_state_dict(full)
             packed = L.forward_logprobs(samples)
