@@ -169,6 +169,12 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None):
                             seed=cfg.train.seed, dtype=cfg.model.dtype,
                             extra_args=tuple(r.extra_server_args),
                             log_dir=r.server_log_dir or log_dir)
+        from megatron_gspo.rollout.sglang_launch import check_local_gpus
+
+        try:
+            check_local_gpus(launch, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return SGLangEngine(server_urls=list(r.server_urls) or None, launch=launch,
                         router_url=r.router_url, launch_router=r.launch_router,
                         router_policy=r.router_policy, tp_size=r.tp_size,

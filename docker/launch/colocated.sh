@@ -8,7 +8,10 @@
 # Environment (besides torchrun.sh's NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT):
 #   ROLLOUT_TP            tensor-parallel size of each SGLang server      (default 1)
 #   ROLLOUT_MEM_FRACTION  SGLang --mem-fraction-static while generating   (default 0.5)
-# One server per ROLLOUT_TP GPUs: rollout.num_servers = NNODES * GPUS_PER_NODE / ROLLOUT_TP.
+# One server per ROLLOUT_TP GPUs of the first node: rollout.num_servers = GPUS_PER_NODE / ROLLOUT_TP.
+# The learner's rank 0 launches the servers on its own node and updates them through CUDA IPC,
+# so with NNODES > 1 the rollouts use the first node's GPUs only (every node still trains);
+# to generate on several nodes, use disaggregated.sh.
 # Overrides given on the command line win over the ones this script sets.
 set -euo pipefail
 here=$(dirname "${BASH_SOURCE[0]}")
@@ -34,11 +37,14 @@ require_int ROLLOUT_TP "$tp" 1 "$gpus"
 mem=${ROLLOUT_MEM_FRACTION:-0.5}
 [[ "$mem" =~ ^0?\.[0-9]+$ ]] || die "ROLLOUT_MEM_FRACTION must be a fraction in (0, 1), got '$mem'"
 
+if (( nnodes > 1 )) && [[ "${NODE_RANK:-0}" == 0 ]]; then
+    echo "colocated.sh: $nnodes nodes: rollout servers run on the first node's $gpus GPUs" >&2
+fi
 export GPUS_PER_NODE=$gpus
 exec "$here/torchrun.sh" "${dry[@]}" "$config" "${RUN_DIR_ARGS[@]}" \
     rollout.engine=sglang \
     rollout.colocate=true \
     "rollout.tp_size=$tp" \
-    "rollout.num_servers=$(( nnodes * gpus / tp ))" \
+    "rollout.num_servers=$(( gpus / tp ))" \
     "rollout.mem_fraction=$mem" \
     "${OVERRIDE_ARGS[@]}"

@@ -68,6 +68,26 @@ class LaunchSpec:
             )
 
 
+def check_local_gpus(spec: LaunchSpec, visible: int) -> None:
+    """Fail before launching when the servers need more GPUs than this node has.
+
+    Launched servers run on the node of the process that launches them (the learner's rank 0),
+    GPUs base_gpu_id .. base_gpu_id + num_servers * tp_size - 1.
+
+    Args:
+        spec: the launch.
+        visible: GPUs visible on this node (0 on a machine without CUDA: nothing to check,
+            e.g. the CPU stand-in server).
+    """
+    need = spec.base_gpu_id + spec.num_servers * spec.tp_size
+    if visible and need > visible:
+        raise ValueError(
+            f"rollout.num_servers={spec.num_servers} x rollout.tp_size={spec.tp_size} (from GPU "
+            f"{spec.base_gpu_id}) needs {need} GPUs on this node, which has {visible}: launched "
+            "servers run on the learner's first node; for rollouts on several nodes start the "
+            "servers there and pass rollout.server_urls")
+
+
 def server_argv(spec: LaunchSpec, index: int, port: int) -> list[str]:
     """The command line of server `index` listening on `port`."""
     argv = [

@@ -128,7 +128,7 @@ def test_colocated_two_nodes():
     assert program[:5] == ["megatron-gspo", "train", "cfg.yaml", "--run-dir", "runs/b"]
     assert overrides_of(program) == [
         "rollout.engine=sglang", "rollout.colocate=true", "rollout.tp_size=2",
-        "rollout.num_servers=8", "rollout.mem_fraction=0.5", "rollout.mem_fraction=0.6"]
+        "rollout.num_servers=4", "rollout.mem_fraction=0.5", "rollout.mem_fraction=0.6"]
     assert_valid_overrides(program)
     assert load_config(None, [*overrides_of(program), "model.path=/m"]).rollout.mem_fraction == 0.6
 

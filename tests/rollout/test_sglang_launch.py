@@ -10,7 +10,8 @@ import torch
 
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.sglang import SGLangEngine
-from megatron_gspo.rollout.sglang_launch import LaunchSpec, router_argv, server_argv
+from megatron_gspo.rollout.sglang_launch import (LaunchSpec, check_local_gpus, router_argv,
+                                                 server_argv)
 
 STANDIN = "megatron_gspo.rollout.standin_server"
 
@@ -40,6 +41,16 @@ def test_server_argv_matches_sglang_flags():
         SGLangEngine()
     with pytest.raises(ValueError, match="dist_master"):
         SGLangEngine(server_urls=["http://x:1"], weight_sync="distributed")
+
+
+def test_launch_must_fit_on_the_node():
+    check_local_gpus(LaunchSpec(model_path="m", num_servers=4, tp_size=2), 8)
+    check_local_gpus(LaunchSpec(model_path="m", num_servers=64), 0)  # no CUDA: stand-in servers
+    with pytest.raises(ValueError, match=r"num_servers=8 x rollout.tp_size=2 .* needs 16 GPUs "
+                                         r"on this node, which has 8"):
+        check_local_gpus(LaunchSpec(model_path="m", num_servers=8, tp_size=2), 8)
+    with pytest.raises(ValueError, match="needs 9 GPUs"):
+        check_local_gpus(LaunchSpec(model_path="m", num_servers=1, base_gpu_id=8), 8)
 
 
 def test_server_that_dies_at_startup_fails_clearly(tmp_path):
