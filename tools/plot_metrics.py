@@ -8,6 +8,7 @@ Reads RUN_DIR/metrics.jsonl (one JSON object per step) and writes one PNG with f
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -37,12 +38,13 @@ def plot(run_dir: Path, out: Path) -> Path:
         raise SystemExit(f"plot_metrics: no metrics in {run_dir / 'metrics.jsonl'}")
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
     for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
-        drawn = 0
+        drawn, values = 0, []
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
             if pts:
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, marker="." if len(pts) < 50 else None, label=k)
+                values += [abs(y) for y in ys if y]
                 drawn += 1
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -50,8 +52,8 @@ def plot(run_dir: Path, out: Path) -> Path:
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
-        if title.startswith("engine") and drawn:
-            ax.set_yscale("symlog", linthresh=1e-6)
+        if title.startswith("engine") and values:  # mismatch spans decades (fp32 ~1e-7, bf16 ~1e-2)
+            ax.set_yscale("symlog", linthresh=10.0 ** math.floor(math.log10(min(values))))
     fig.suptitle(str(run_dir))
     fig.savefig(out, dpi=110)
     plt.close(fig)
