@@ -61,6 +61,24 @@ def test_reference_episode_replay_matches_pretraining_layout(tok):
         assert len(ids) <= 320
 
 
+def _reference_script(tok, rows, answers_right):
+    """ScriptedEngine policy: the reference tool call on the first turn; then the reference
+    answer where answers_right(row, call_no), else "0"."""
+
+    def script(prompt_ids, call_no):
+        text = tok.decode(prompt_ids)
+        row = next(r for r in rows if r["prompt"] in text)
+        pieces = [tok.encode(t, add_special_tokens=False)
+                  for t, m in task.reference_episode(row) if m]
+        if text.count("<|im_start|>assistant") == 1:
+            return pieces[0]
+        if answers_right(row, call_no):
+            return pieces[1]
+        return tok.encode("0<|im_end|>", add_special_tokens=False)
+
+    return script
+
+
 def test_loop_glue_rollout_and_turn_advantages(tok):
     from megatron_gspo.agent.loop import fill_turn_advantages, rollout_episodes
     from megatron_gspo.rollout.base import GenerateRequest
@@ -72,14 +90,7 @@ def test_loop_glue_rollout_and_turn_advantages(tok):
     reqs = iter([GenerateRequest(prompt_ids=[1], prompt=r["prompt"], label=r["label"],
                                  metadata={"row": i}) for i, r in enumerate(rows)])
 
-    def script(prompt_ids, call_no):
-        text = tok.decode(prompt_ids)
-        row = next(r for r in rows if r["prompt"] in text)
-        pieces = [tok.encode(t, add_special_tokens=False)
-                  for t, m in task.reference_episode(row) if m]
-        if text.count("<|im_start|>assistant") == 1:
-            return pieces[0]
-        return pieces[1] if call_no % 2 else tok.encode("0<|im_end|>", add_special_tokens=False)
+    script = _reference_script(tok, rows, answers_right=lambda row, call_no: call_no % 2)
 
     samples, metrics = rollout_episodes(cfg, ScriptedEngine(script), reqs, tok, step=0)
     assert len(samples) == 6 and [s.group_index for s in samples] == [0, 0, 0, 1, 1, 1]
@@ -123,16 +134,8 @@ def test_evaluation_plays_one_episode_per_prompt(tok):
     rows = [task.make_problem(random.Random(f"e{i}")) for i in range(4)]
     temps = []
 
-    def script(prompt_ids, call_no):
-        text = tok.decode(prompt_ids)
-        row = next(r for r in rows if r["prompt"] in text)
-        pieces = [tok.encode(t, add_special_tokens=False)
-                  for t, m in task.reference_episode(row) if m]
-        if text.count("<|im_start|>assistant") == 1:
-            return pieces[0]
-        # rows 0 and 1 answer right, rows 2 and 3 wrong
-        return pieces[1] if rows.index(row) < 2 else tok.encode("0<|im_end|>",
-                                                                add_special_tokens=False)
+    # rows 0 and 1 answer right, rows 2 and 3 wrong
+    script = _reference_script(tok, rows, answers_right=lambda row, _: rows.index(row) < 2)
 
     class Recording(ScriptedEngine):
         async def agenerate(self, requests):
