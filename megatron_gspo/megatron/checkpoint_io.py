@@ -31,7 +31,7 @@ from megatron_gspo.convert.base import (
     from_te_name,
     to_mcore_tensor,
 )
-from megatron_gspo.convert.hf_io import HFCheckpointReader, copy_side_files
+from megatron_gspo.convert.hf_io import HFCheckpointReader, commit_output_dir, copy_side_files
 from megatron_gspo.convert.sharding import expert_index, layer_index, rename_indices, tp_shard
 
 META_NAME = "megatron_gspo_checkpoint.json"
@@ -245,13 +245,7 @@ def save_checkpoint(
             if hf_side_files is not None:
                 (tmp / HF_SIDE_DIR).mkdir()
                 copy_side_files(hf_side_files, tmp / HF_SIDE_DIR)
-            if out.exists():
-                old = out.parent / f".{out.name}.old"
-                out.rename(old)
-                tmp.rename(out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(out)
+            commit_output_dir(tmp, out)
         _barrier()
     except BaseException:
         if _rank() == 0:
