@@ -83,14 +83,19 @@ class HFCheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def get(self, name: str) -> torch.Tensor:
-        """Load one tensor (ConversionError naming it when missing or unreadable)."""
+    def _handle(self, name: str):
+        """(file name, open safetensors handle) holding tensor `name`."""
         f = self.weight_map.get(name)
         if f is None:
             raise ConversionError(f"checkpoint {self.dir} has no tensor '{name}'")
         h = self._handles.get(f)
         if h is None:
             h = self._handles[f] = self._open(f)
+        return f, h
+
+    def get(self, name: str) -> torch.Tensor:
+        """Load one tensor (ConversionError naming it when missing or unreadable)."""
+        f, h = self._handle(name)
         try:
             return h.get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -98,13 +103,7 @@ class HFCheckpointReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of one tensor from the file header (no data read)."""
-        f = self.weight_map.get(name)
-        if f is None:
-            raise ConversionError(f"checkpoint {self.dir} has no tensor '{name}'")
-        h = self._handles.get(f)
-        if h is None:
-            h = self._handles[f] = self._open(f)
-        return tuple(h.get_slice(name).get_shape())
+        return tuple(self._handle(name)[1].get_slice(name).get_shape())
 
     def close(self) -> None:
         """Drop open file handles."""
