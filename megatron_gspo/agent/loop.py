@@ -100,8 +100,7 @@ def evaluate_episodes(cfg: Any, engine: Any, requests: Iterable[Any], tok: Any) 
     runner = make_runner(cfg, engine, tok, temperature=cfg.train.eval_temperature)
     samples = runner.run_batch_sync(items, n_per_prompt=1)
     out = {f"eval/{k}": v for k, v in episode_metrics(samples).items()}
-    out["eval/reward_mean"] = sum(float(s.reward or 0.0) for s in samples) / len(samples)
-    out["eval/prompts"] = float(len(samples))
+    out.update({"eval/reward_mean": out["eval/agent/reward"], "eval/prompts": float(len(samples))})
     return out
 
 
