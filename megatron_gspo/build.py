@@ -119,13 +119,13 @@ def _stop_ids(cfg: Config, tok) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def sampling_params(cfg: Config, tok, *, greedy: bool = False):
-    """Sampling parameters of the rollouts (or greedy for evaluation)."""
+def sampling_params(cfg: Config, tok):
+    """Sampling parameters of the rollouts."""
     from megatron_gspo.rollout.base import SamplingParams
 
     r = cfg.rollout
     return SamplingParams(max_new_tokens=r.max_new_tokens,
-                          temperature=0.0 if greedy else r.temperature, top_p=r.top_p,
+                          temperature=r.temperature, top_p=r.top_p,
                           top_k=r.top_k, n=r.group_size, stop_token_ids=_stop_ids(cfg, tok))
 
 

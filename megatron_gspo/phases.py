@@ -224,8 +224,7 @@ def evaluate(cfg: Config, engine, tok, score, prompts) -> dict:
         from megatron_gspo.agent.loop import evaluate_episodes
 
         return evaluate_episodes(cfg, engine, _requests(prompts), tok)
-    sp = replace(sampling_params(cfg, tok, greedy=True), n=1,
-                 temperature=cfg.train.eval_temperature)
+    sp = replace(sampling_params(cfg, tok), n=1, temperature=cfg.train.eval_temperature)
     reqs = list(_requests(prompts))
     samples = engine.generate([replace(r, sampling=sp) for r in reqs])
     score(samples)
