@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -25,7 +24,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 import task  # noqa: E402
+from demo_pretrain import save_demo_model, sft  # noqa: E402
 from env import ArithmeticAgentEnv  # noqa: E402
 
 MODEL = dict(
@@ -103,7 +104,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
 
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
@@ -118,45 +119,21 @@ def main() -> None:
     config = Qwen3Config(vocab_size=task.VOCAB_SIZE, bos_token_id=None,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **MODEL)
     model = Qwen3ForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = max(1, args.steps // 20)
-
-    def lr_factor(s: int) -> float:  # linear warm-up, then cosine decay to 10%
-        if s < warmup:
-            return (s + 1) / warmup
-        progress = (s - warmup) / max(1, args.steps - warmup)
-        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     rng = random.Random(args.seed)
     t0 = time.time()
-    for step in range(1, args.steps + 1):
-        ids, labels = make_batch(tok, rng, args.batch_size)
-        logits = model(input_ids=ids).logits[:, :-1]  # [B, T-1, V]
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-            ignore_index=-100, label_smoothing=args.label_smoothing)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+
+    def report(step: int, loss: float) -> None:
         if args.eval_every and step % args.eval_every == 0:
             ev = evaluate_episodes(model, tok, eval_rows[: args.eval_rows])
-            print(f"step {step:5d} loss {loss.item():.4f} {ev} ({time.time() - t0:.0f}s)",
-                  flush=True)
+            print(f"step {step:5d} loss {loss:.4f} {ev} ({time.time() - t0:.0f}s)", flush=True)
 
+    loss = sft(model, lambda: make_batch(tok, rng, args.batch_size), steps=args.steps,
+               lr=args.lr, label_smoothing=args.label_smoothing, on_step=report)
     ev = evaluate_episodes(model, tok, eval_rows[: args.eval_rows])
-    print(json.dumps({"steps": args.steps, "loss": round(loss.item(), 4), **ev,
+    print(json.dumps({"steps": args.steps, "loss": round(loss, 4), **ev,
                       "seconds": round(time.time() - t0, 1)}))
-
-    out = Path(args.out)
-    model.generation_config = GenerationConfig(eos_token_id=[tok.eos_token_id],
-                                               pad_token_id=tok.pad_token_id)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    task.finalize_tokenizer_files(out)
-
+    save_demo_model(model, tok, Path(args.out), eos_token_ids=[tok.eos_token_id],
+                    chat_template=task.CHAT_TEMPLATE)
 
 if __name__ == "__main__":
     main()

@@ -122,18 +122,3 @@ def build_tokenizer():
     if len(hf) != VOCAB_SIZE:
         raise RuntimeError(f"tokenizer has {len(hf)} tokens, expected {VOCAB_SIZE}")
     return hf
-
-
-def finalize_tokenizer_files(model_dir: Path) -> None:
-    """Make the saved tokenizer_config.json loadable by transformers 4.x and 5.x."""
-    cfg_path = Path(model_dir) / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.pop("backend", None)
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    if "extra_special_tokens" in cfg:
-        cfg["additional_special_tokens"] = cfg.pop("extra_special_tokens")
-    cfg["chat_template"] = CHAT_TEMPLATE
-    jinja = Path(model_dir) / "chat_template.jinja"
-    if jinja.exists():
-        jinja.unlink()
-    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -24,7 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import task  # noqa: E402
+from demo_pretrain import save_demo_model, sft  # noqa: E402
 
 from megatron_gspo.rewards import get_reward_fn  # noqa: E402
 
@@ -114,7 +115,7 @@ def main() -> None:
                     help="only measure the accuracy of the model in --out")
     args = ap.parse_args()
 
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if args.evaluate_only:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -141,54 +142,24 @@ def main() -> None:
         **MODEL,
     )
     model = Qwen3ForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
-                            betas=(0.9, 0.98))
-    warmup = max(1, args.steps // 20)
-    def lr_factor(s: int) -> float:  # linear warm-up, then cosine decay to 10%
-        if s < warmup:
-            return (s + 1) / warmup
-        progress = (s - warmup) / max(1, args.steps - warmup)
-        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     rng = random.Random(args.seed)
     t0 = time.time()
-    for step in range(1, args.steps + 1):
-        ids, labels = make_batch(tok, rng, args.batch_size)
-        logits = model(input_ids=ids).logits[:, :-1]  # [B, T-1, V]
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-            ignore_index=-100, label_smoothing=args.label_smoothing)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+
+    def report(step: int, loss: float) -> None:
         if args.eval_every and step % args.eval_every == 0:
             acc = accuracy(model, tok, eval_rows, do_sample=True)
-            print(f"step {step:5d} loss {loss.item():.4f} sampled-acc {acc:.3f} "
+            print(f"step {step:5d} loss {loss:.4f} sampled-acc {acc:.3f} "
                   f"({time.time() - t0:.0f}s)", flush=True)
 
+    loss = sft(model, lambda: make_batch(tok, rng, args.batch_size), steps=args.steps,
+               lr=args.lr, label_smoothing=args.label_smoothing, on_step=report)
     greedy = accuracy(model, tok, eval_rows, do_sample=False)
     sampled = accuracy(model, tok, eval_rows * 2, do_sample=True)
-    print(json.dumps({"steps": args.steps, "loss": round(loss.item(), 4),
+    print(json.dumps({"steps": args.steps, "loss": round(loss, 4),
                       "greedy_acc": greedy, "sampled_acc_t1": sampled,
                       "seconds": round(time.time() - t0, 1)}))
-
-    out = Path(args.out)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")],
-        pad_token_id=tok.pad_token_id,
-    )
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    task.finalize_tokenizer_files(out)
-    # readers built on transformers 4.x (e.g. inference servers) look for a top-level rope_theta
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["rope_theta"] = MODEL["rope_theta"]
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
+    save_demo_model(model, tok, Path(args.out), chat_template=task.CHAT_TEMPLATE,
+                    eos_token_ids=[tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")])
 
 if __name__ == "__main__":
     main()

@@ -88,24 +88,5 @@ def build_tokenizer():
     return hf
 
 
-def finalize_tokenizer_files(model_dir: Path) -> None:
-    """Rewrite the saved tokenizer_config.json so that transformers 4.x and 5.x both load it.
-
-    Names the class PreTrainedTokenizerFast and stores the chat template inline.
-    """
-    model_dir = Path(model_dir)
-    cfg_path = model_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.pop("backend", None)
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    if "extra_special_tokens" in cfg:
-        cfg["additional_special_tokens"] = cfg.pop("extra_special_tokens")
-    cfg["chat_template"] = CHAT_TEMPLATE
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.exists():
-        jinja.unlink()
-    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-
-
 if __name__ == "__main__":
     write_demo_data(Path(__file__).resolve().parent / "data")
