@@ -28,20 +28,22 @@ def group_advantages(rewards, group_size, *, scale="std", eps=1e-6):
         rewards: `[N]` rewards ordered group by group (N = P * group_size).
         group_size: G, responses per prompt.
         scale: "std" divides by the group's unbiased std + eps; "none" only subtracts the mean.
-        eps: added to the std.
+        eps: added to the std (a group with unequal rewards has std > 0, so eps = 0 is safe).
     Returns:
-        `[N]` float32 advantages; a group with equal rewards (or G = 1) gets zeros.
+        `[N]` float32 advantages; a group with equal rewards (or G = 1) gets exact zeros,
+        never NaN.
     """
-    r = _groups(rewards, group_size)  # [P, G]
-    centred = r - r.mean(dim=1, keepdim=True)
-    if scale == "none":
-        return centred.reshape(-1)
-    if scale != "std":
+    if scale not in ("std", "none"):
         raise ValueError(f"scale: expected 'std' or 'none', got {scale!r}")
-    if group_size == 1:
-        return torch.zeros_like(centred).reshape(-1)
+    r = _groups(rewards, group_size)  # [P, G]
+    # all-equal groups carry no signal: exactly 0 (the float mean of equal values may differ
+    # from them in the last bit, and 0 / (0 + eps) is NaN when eps = 0)
+    flat = (r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values)  # [P, 1]
+    centred = torch.where(flat, torch.zeros_like(r), r - r.mean(dim=1, keepdim=True))
+    if scale == "none" or group_size == 1:
+        return centred.reshape(-1)
     std = r.std(dim=1, unbiased=True, keepdim=True)  # [P, 1]
-    return (centred / (std + eps)).reshape(-1)
+    return torch.where(flat, centred, centred / (std + eps)).reshape(-1)
 
 
 def zero_variance_groups(rewards, group_size, *, tol=0.0):
