@@ -5,36 +5,60 @@ Layout under the checkpoint root:
 
     step_00000012/            a complete checkpoint (has the COMPLETE marker)
         model/                torch_dist checkpoint written by the learner (collective)
-        trainer.pt            loop state from rank 0
-        rng_rank{r}.pt        RNG states of each rank
-        COMPLETE              written last, after every rank finished
+        trainer.json          loop state from rank 0
+        rng_rank{r}.pt        RNG states of each rank (tensors and plain types only)
+        COMPLETE              written last: step, world size, size + sha256 of every file
     .tmp_step_00000014/       a save in progress (or killed): never taken for a checkpoint
+    damaged_step_00000010/    a checkpoint that failed verification, kept for inspection
 
 A save writes into the `.tmp_` folder, renames it, and only then writes COMPLETE, so a crash
-at any point leaves nothing that looks complete. `latest()` returns the newest complete one.
+at any point leaves nothing that looks complete. Loading verifies every file against COMPLETE:
+`resume_point()` (resume: auto) moves a damaged newest checkpoint aside and falls back to the
+previous one, with an event line; an explicitly named damaged checkpoint is a CheckpointError.
+A checkpoint is never written while any parameter is NaN or infinite.
+
+Trust: our own files load with `torch.load(weights_only=True)` (no pickle). The `model/` folder
+is PyTorch distributed checkpointing (Megatron's torch_dist format), whose `.metadata` file
+is read with `pickle.load`: load run directories only from sources you trust. The checksums
+detect damage, not tampering (whoever can edit the files can edit COMPLETE too).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["Checkpointer", "rng_state", "set_rng_state"]
+from megatron_gspo import faults
+from megatron_gspo.rundir import RunError
+
+__all__ = ["Checkpointer", "CheckpointError", "ResumePoint", "rng_state", "set_rng_state"]
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
+FORMAT = 2
+
+
+class CheckpointError(RunError, ValueError):
+    """A checkpoint that cannot be written or loaded safely (names the checkpoint and file)."""
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -42,9 +66,22 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _from_rank0(obj):
+    """Rank 0's `obj` on every rank."""
+    if _world() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
 def rng_state() -> dict:
-    """Python, numpy and torch RNG states of this process (and CUDA's when present)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    """Python, numpy and torch RNG states of this process (and CUDA's when present), as
+    tensors and plain types (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                       float(gauss)],
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -53,24 +90,113 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Restore what `rng_state` captured."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def _manifest(folder: Path, checksums: bool) -> dict[str, list]:
+    """{relative path: [size, sha256 or None]} of every file under `folder`."""
+    names = [n for n in _files(folder) if n != "COMPLETE"]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(lambda n: _sha256(folder / n) if checksums else None, names))
+    return {n: [(folder / n).stat().st_size, d] for n, d in zip(names, digests, strict=True)}
+
+
+def read_marker(path: Path) -> dict:
+    """The COMPLETE marker of checkpoint `path` (CheckpointError if unreadable)."""
+    try:
+        marker = json.loads((path / "COMPLETE").read_text())
+        assert isinstance(marker, dict)
+        return marker
+    except (OSError, ValueError, AssertionError):
+        raise CheckpointError(f"checkpoint {path}: COMPLETE marker missing or unreadable") \
+            from None
+
+
+def verify(path: str | os.PathLike) -> str | None:
+    """Check every file of checkpoint `path` against its COMPLETE marker.
+
+    Returns:
+        None when intact, else what is wrong (one line naming the file).
+    """
+    path = Path(path)
+    try:
+        marker = read_marker(path)
+    except CheckpointError as e:
+        return str(e)
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return f"checkpoint {path}: COMPLETE lists no files (written by an older version)"
+    for name, (size, digest) in files.items():
+        p = path / name
+        if not p.is_file():
+            return f"checkpoint {path}: {name} is missing"
+        if p.stat().st_size != size:
+            return f"checkpoint {path}: {name} has {p.stat().st_size} bytes, COMPLETE says {size}"
+        if digest is not None and _sha256(p) != digest:
+            return f"checkpoint {path}: {name} does not match its sha256 in COMPLETE"
+    return None
+
+
+@dataclass
+class ResumePoint:
+    """Where `resume: auto` continues: the checkpoint, its step, and event lines to log."""
+
+    step: int
+    path: Path
+    events: list[str] = field(default_factory=list)
+
+
+def nonfinite_parameters(learner) -> list[str]:
+    """Names of this rank's parameters (of `learner.chunks`) holding NaN or inf."""
+    bad = []
+    for i, chunk in enumerate(getattr(learner, "chunks", [])):
+        for name, p in chunk.named_parameters():
+            if not torch.isfinite(p.detach()).all():
+                bad.append(f"chunk{i}.{name}")
+    return bad
+
+
+def _count_all_ranks(n: int, learner) -> int:
+    if _world() == 1:
+        return n
+    device = getattr(learner, "device", None) or torch.device("cpu")
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 class Checkpointer:
-    """Saves and finds run checkpoints.
+    """Saves, verifies and finds run checkpoints.
 
     Args:
         root: checkpoint directory (shared by all ranks).
         keep_last: complete checkpoints kept; older ones are deleted after a save.
+        checksums: store and verify sha256 of every file (False: sizes only).
     """
 
-    def __init__(self, root: str | os.PathLike, keep_last: int = 2):
+    def __init__(self, root: str | os.PathLike, keep_last: int = 2, checksums: bool = True):
         self.root = Path(root)
         self.keep_last = max(1, int(keep_last))
+        self.checksums = checksums
+        self.events: list[str] = []  # lines for the run's event log (fallbacks, RNG notes)
 
     def complete(self) -> list[tuple[int, Path]]:
         """(step, path) of every complete checkpoint, oldest first."""
@@ -83,7 +209,7 @@ class Checkpointer:
         return sorted(out)
 
     def latest(self) -> tuple[int, Path] | None:
-        """The newest complete checkpoint, or None."""
+        """The newest complete checkpoint (not verified), or None."""
         done = self.complete()
         return done[-1] if done else None
 
@@ -92,11 +218,18 @@ class Checkpointer:
 
         Args:
             step: number of completed RL steps.
-            learner: object with `save_checkpoint(path)` (collective).
-            trainer_state: the loop's state (rank 0's is written).
+            learner: object with `save_checkpoint(path)` (collective) and `chunks`.
+            trainer_state: the loop's state, JSON-serialisable (rank 0's is written).
         Returns:
-            the final checkpoint path.
+            the final checkpoint path; CheckpointError (nothing written) when a parameter is
+            NaN or infinite on any rank.
         """
+        bad = nonfinite_parameters(learner)
+        if _count_all_ranks(len(bad), learner):
+            raise CheckpointError(
+                f"refusing to write checkpoint step {step}: non-finite parameters"
+                + (f" (rank {_rank()}: {', '.join(bad[:3])})" if bad else "")
+                + f"; the newest complete checkpoint is {self.latest()}")
         name = f"step_{step:08d}"
         tmp, final = self.root / f".tmp_{name}", self.root / name
         if _rank() == 0:
@@ -110,42 +243,109 @@ class Checkpointer:
             rng["learner"] = learner.rng_state()
         torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
         if _rank() == 0:
-            torch.save(trainer_state, tmp / "trainer.pt")
+            (tmp / "trainer.json").write_text(json.dumps(trainer_state))
         _barrier()
         if _rank() == 0:
-            shutil.rmtree(final, ignore_errors=True)
+            marker = {"format": FORMAT, "step": step, "time": time.time(),
+                      "world_size": _world(), "files": _manifest(tmp, self.checksums)}
+            faults.maybe_kill("kill_before_rename", step)
+            if final.exists():
+                self._discard(final)
             os.replace(tmp, final)
-            marker = final / "COMPLETE.tmp"
-            marker.write_text(json.dumps({"step": step, "time": time.time()}))
-            with open(marker) as f:
+            faults.maybe_kill("kill_before_complete", step)
+            part = final / "COMPLETE.tmp"
+            part.write_text(json.dumps(marker))
+            with open(part) as f:
                 os.fsync(f.fileno())
-            os.replace(marker, final / "COMPLETE")
+            os.replace(part, final / "COMPLETE")
             for _, old in self.complete()[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                self._discard(old)
         _barrier()
         return final
 
-    def load(self, path: str | os.PathLike, learner) -> dict:
-        """Load model/optimizer/scheduler into `learner` and restore this rank's RNG.
+    def _discard(self, path: Path) -> None:
+        """Delete a checkpoint so that no half-deleted folder still looks complete."""
+        gone = self.root / f".del_{path.name}"
+        shutil.rmtree(gone, ignore_errors=True)
+        os.replace(path, gone)
+        shutil.rmtree(gone, ignore_errors=True)
 
+    def resume_point(self) -> ResumePoint | None:
+        """The newest intact complete checkpoint (collective; rank 0 verifies).
+
+        A damaged one is moved aside to `damaged_<name>` (kept for inspection) with an event
+        line, and the previous one is tried.
         Returns:
-            the loop state saved by rank 0.
+            a ResumePoint, or None when there is no complete checkpoint; CheckpointError when
+            there are some but none is intact.
+        """
+        found, events, error = None, [], None
+        if _rank() == 0:
+            done = self.complete()
+            for step, path in reversed(done):
+                problem = verify(path)
+                if problem is None:
+                    found = (step, str(path))
+                    break
+                aside = self.root / f"damaged_{path.name}"
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(path, aside)
+                events.append(f"{problem}; moved aside to {aside.name}, trying the previous "
+                              "checkpoint")
+            if done and found is None:
+                error = (f"none of the {len(done)} checkpoints under {self.root} is intact "
+                         f"({events[0]})")
+        found, events, error = _from_rank0((found, events, error))
+        if error:
+            raise CheckpointError(error)
+        self.events.extend(events)
+        return None if found is None else ResumePoint(found[0], Path(found[1]), events)
+
+    def load(self, path: str | os.PathLike, learner, *, verified: bool = False) -> dict:
+        """Load model/optimizer/scheduler into `learner` and restore this rank's RNG
+        (collective).
+
+        Args:
+            path: a checkpoint folder.
+            learner: object with `load_checkpoint(path)` (and `load_rng_state` if it saves one).
+            verified: skip the checksum pass (`resume_point` just did it).
+        Returns:
+            the loop state saved by rank 0; CheckpointError when the checkpoint is incomplete,
+            damaged or lacks this rank's RNG file.
         """
         path = Path(path)
         if not (path / "COMPLETE").is_file():
-            raise ValueError(f"checkpoint {path} is not complete (no COMPLETE marker)")
+            raise CheckpointError(f"checkpoint {path} is not complete (no COMPLETE marker)")
+        problem = None if verified or _rank() != 0 else verify(path)
+        problem = _from_rank0(problem)
+        if problem:
+            raise CheckpointError(problem)
+        marker = read_marker(path)
         learner.load_checkpoint(str(path / "model"))
         rng = path / f"rng_rank{_rank()}.pt"
-        if rng.is_file():
-            state = torch.load(rng, weights_only=False)
+        if not rng.is_file():
+            raise CheckpointError(f"checkpoint {path}: {rng.name} is missing (the RNG states of "
+                                  f"rank {_rank()}); without it the run would not reproduce")
+        saved_world = marker.get("world_size", _world())
+        if saved_world == _world():
+            state = torch.load(rng, weights_only=True)
             set_rng_state(state)
-            if "learner" in state:
+            if "learner" in state and hasattr(learner, "load_rng_state"):
                 learner.load_rng_state(state["learner"])
-        return torch.load(path / "trainer.pt", weights_only=False)
+        else:  # per-rank streams do not map onto another world size
+            self.events.append(f"checkpoint {path}: written by {saved_world} ranks, this run has "
+                               f"{_world()}: RNG states not restored (samples will differ from "
+                               "an uninterrupted run)")
+        trainer = path / "trainer.json"
+        if not trainer.is_file():
+            raise CheckpointError(f"checkpoint {path}: trainer.json is missing")
+        return json.loads(trainer.read_text())
 
     def clean_partial(self) -> None:
-        """Remove leftovers of interrupted saves (rank 0)."""
+        """Remove leftovers of interrupted saves and deletions, and renamed folders whose
+        COMPLETE marker was never written (rank 0; the run-dir lock makes this safe)."""
         if _rank() == 0 and self.root.is_dir():
             for p in self.root.iterdir():
-                if p.name.startswith(".tmp_step_"):
+                if p.name.startswith((".tmp_step_", ".del_step_")) or (
+                        _STEP_RE.match(p.name) and not (p / "COMPLETE").is_file()):
                     shutil.rmtree(p, ignore_errors=True)

@@ -42,8 +42,9 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from megatron_gspo.data.datasets import DatasetError
     from megatron_gspo.data.sample import SampleError
     from megatron_gspo.rewards import RewardError
+    from megatron_gspo.rundir import RunError  # run-dir lock, checkpoints, diverged training
 
-    return (DatasetError, RewardError, ConversionError, SampleError, FileNotFoundError)
+    return (DatasetError, RewardError, ConversionError, SampleError, FileNotFoundError, RunError)
 
 
 def main(argv: list[str] | None = None) -> int:

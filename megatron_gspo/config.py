@@ -127,7 +127,8 @@ class AlgorithmConfig:
                                     gt=0)
     advantage_scale: str = option("std", "divide group-centred rewards by the group std, or not",
                                   choices=("std", "none"))
-    advantage_eps: float = option(1e-6, "added to the group std", ge=0)
+    advantage_eps: float = option(1e-6, "added to the group std (> 0: no 0/0 on equal rewards)",
+                                  gt=0)
     grpo_aggregation: str = option("seq-mean-token-mean", "GRPO loss aggregation",
                                    choices=("seq-mean-token-mean", "token-mean"))
     logratio_bound: float = option(20.0, "bound on log-ratios before exp", gt=0)
@@ -204,14 +205,18 @@ class AgentConfig:
 class TrainConfig:
     max_steps: int = option(100, "RL steps (rollout + updates) to run", ge=1)
     seed: int = option(1234, "seed of data order, sampling and initialisation")
-    resume: str = option("auto", "continue from the latest complete checkpoint, or not",
-                         choices=("auto", "never"))
+    resume: str = option("auto", "auto: continue from the newest intact checkpoint (a damaged "
+                         "one is moved aside); never: start fresh, an error if the run dir "
+                         "already holds checkpoints or metrics", choices=("auto", "never"))
     prompts_per_step: int = option(32, "prompts per rollout batch", ge=1)
     eval_interval: int = option(0, "evaluate every N steps (0 disables)", ge=0)
     eval_prompts: int = option(64, "prompts per evaluation", ge=1)
     eval_temperature: float = option(
         0.0, "evaluation sampling temperature: 0 = greedy, > 0 = one sample per prompt", ge=0.0)
     deterministic: bool = option(False, "deterministic algorithms (slower; for reproducibility)")
+    max_skipped_steps: int = option(
+        3, "stop with an error after this many steps in a row whose optimizer updates were all "
+        "skipped for a non-finite loss or gradient (0: never stop)", ge=0)
 
 
 @dataclass
@@ -228,6 +233,8 @@ class CheckpointConfig:
     interval: int = option(0, "save every N steps (0: only at the end)", ge=0)
     dir: str | None = option(None, "checkpoint directory; default RUN_DIR/checkpoints")
     keep_last: int = option(2, "complete checkpoints kept (older ones deleted)", ge=1)
+    checksums: bool = option(True, "store sha256 of every checkpoint file in COMPLETE and verify "
+                             "it on resume (False: sizes only; saves one read of each file)")
     save_optimizer: bool = option(True, "include optimizer and scheduler state")
 
 

@@ -9,6 +9,7 @@ type or an out-of-range value raises `ConfigError` naming the dotted path, e.g.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -110,6 +111,8 @@ def _coerce(value, tp, path: str, meta: dict):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(expect)
         value = float(value)
+        if not math.isfinite(value):  # NaN / inf never make a meaningful setting
+            fail(f"a finite {expect}")
     elif tp is str:
         if not isinstance(value, str):
             fail("str")

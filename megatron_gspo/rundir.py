@@ -1,0 +1,144 @@
+"""One writer per run directory, and no silent overwrite of an earlier run.
+
+- `RunDirLock`: `RUN_DIR/run.lock` holds the writer's pid and host (JSON) under an exclusive
+  `flock`. The kernel drops the flock when its process ends, however it ends (kill -9 too), so
+  a lock file whose flock is free is stale and is taken over (`takeover_note` says whose it
+  was). A held lock is refused with one line naming the holder's pid and host. On file systems
+  without flock support the pid decides: a holder on this host whose pid is gone is stale, a
+  holder on another host is refused (its liveness cannot be checked from here).
+- `check_fresh_start`: `train.resume: never` into a run dir that already holds checkpoints or
+  metrics is an error naming the dir (a fresh run would overwrite both).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+__all__ = ["RunError", "RunDirLock", "check_fresh_start"]
+
+LOCK_NAME = "run.lock"
+
+
+class RunError(RuntimeError):
+    """A run that cannot start or continue safely (one-line message)."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunDirLock:
+    """Exclusive writer lock of a run directory (taken by the writing rank only).
+
+    Args:
+        run_dir: the run directory (created if missing).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.takeover_note = ""
+        self._fd: int | None = None
+
+    def _read(self, fd: int) -> dict:
+        try:
+            raw = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            held = json.loads(raw) if raw.strip() else {}
+            return held if isinstance(held, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _refuse(self, held: dict) -> RunError:
+        return RunError(f"run dir {self.path.parent} is in use by pid {held.get('pid', '?')} on "
+                        f"host {held.get('host', '?')} (lock {self.path}); wait for it to end "
+                        "or use another --run-dir")
+
+    def acquire(self) -> "RunDirLock":
+        """Take the lock or raise RunError naming the holder."""
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        for _ in range(20):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            flock_ok = True
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held = self._read(fd)
+                os.close(fd)
+                raise self._refuse(held) from None
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    os.close(fd)
+                    raise
+                flock_ok = False
+            try:  # the file may have been released (unlinked) between open and flock
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            held = self._read(fd)
+            if held and not flock_ok:
+                local = held.get("host") == me["host"]
+                if not local or (held.get("pid") != me["pid"] and _pid_alive(int(held["pid"]))):
+                    os.close(fd)
+                    raise self._refuse(held)
+            if held.get("pid") is not None:
+                self.takeover_note = (f"took over the stale lock {self.path} of pid "
+                                      f"{held.get('pid')} on host {held.get('host')} "
+                                      "(that process has ended)")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+            os.fsync(fd)
+            self._fd = fd
+            return self
+        raise RunError(f"could not take the lock {self.path} (it keeps being replaced)")
+
+    def release(self) -> None:
+        """Remove the lock file and drop the flock (idempotent)."""
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)  # before closing: a waiter then sees a new file, not ours
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def check_fresh_start(run_dir: str | os.PathLike, ckpt_root: str | os.PathLike) -> None:
+    """Raise RunError when `run_dir` already holds a run (`train.resume: never`).
+
+    A run is there when the checkpoint root has any `step_*` folder or `metrics.jsonl` has a
+    record: starting over would overwrite those checkpoints, let rotation delete the new ones
+    and empty the metrics.
+    """
+    run_dir, root = Path(run_dir), Path(ckpt_root)
+    steps = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
+    metrics = run_dir / "metrics.jsonl"
+    has_rows = metrics.is_file() and any(ln.strip() for ln in metrics.read_text(
+        errors="replace").splitlines())
+    if steps or has_rows:
+        what = f"checkpoints ({steps[-1]} in {root})" if steps else f"metrics ({metrics})"
+        raise RunError(f"run dir {run_dir} already holds a run's {what} and train.resume is "
+                       "'never'; use a new --run-dir, delete the old run, or train.resume=auto "
+                       "to continue it")
