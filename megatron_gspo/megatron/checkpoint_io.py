@@ -226,6 +226,8 @@ def save_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
+    from megatron_gspo.megatron.child_procs import install_checkpoint_results_queue
+
     out = Path(ckpt_dir)
     if out.exists() and not force:
         raise ConversionError(f"output directory {out} exists (pass --force to overwrite)")
@@ -237,6 +239,7 @@ def save_checkpoint(
         tmp.mkdir()
     _barrier()
     try:
+        install_checkpoint_results_queue()  # its server dies with this process
         dist_checkpointing.save(_sharded_state_dict(models), str(tmp))
         _barrier()
         if _rank() == 0:

@@ -10,6 +10,7 @@ Megatron's pipeline schedule. Usable in-process (world size 1) or under
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -21,8 +22,8 @@ from megatron_gspo.data.batch import (MicroBatch, pack_microbatch, pad_microbatc
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.megatron import parallel, step, weights
 from megatron_gspo.megatron.model import build_gpt_model, build_model_config
-from megatron_gspo.megatron.optimizer import (OptimSettings, build_optimizer, current_lr,
-                                              wrap_ddp)
+from megatron_gspo.megatron.optimizer import (OptimSettings, all_ranks_agree, build_optimizer,
+                                              current_lr, grads_finite, wrap_ddp)
 
 
 @dataclass(frozen=True)
@@ -242,9 +243,16 @@ class Learner:
         res["packed_tokens"] = float(local_tokens)
         return res
 
-    def optimizer_step(self) -> dict[str, float]:
-        """One optimizer + LR-scheduler step on the accumulated gradients."""
+    def optimizer_step(self, loss_finite: bool = True) -> dict[str, float]:
+        """One optimizer + LR-scheduler step on the accumulated gradients; skipped on every rank
+        (`update_skipped` 1, weights, optimizer state and schedule untouched) when the loss or
+        any rank's gradients are non-finite."""
         lr = current_lr(self.optimizer)
+        if not all_ranks_agree(loss_finite and grads_finite(self.model), self.device):
+            for m in self.model:
+                m.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            return {"grad_norm": float("nan"), "lr": lr, "update_skipped": 1.0}
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -263,7 +271,7 @@ class Learner:
         t0 = time.perf_counter()
         metrics = self.forward_backward(samples, old_logprobs)
         t1 = time.perf_counter()
-        metrics.update(self.optimizer_step())
+        metrics.update(self.optimizer_step(math.isfinite(metrics["loss"])))
         t2 = time.perf_counter()
         tokens = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
         metrics.update(time_fwd_bwd=t1 - t0, time_optimizer=t2 - t1,
@@ -325,9 +333,12 @@ class Learner:
 
         from megatron.core import dist_checkpointing
 
+        from megatron_gspo.megatron.child_procs import install_checkpoint_results_queue
+
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
+        install_checkpoint_results_queue()  # its server dies with this process
         dist_checkpointing.save(self._full_sharded_sd(False), path)
 
     def load_checkpoint(self, path: str) -> None:

@@ -1,0 +1,86 @@
+"""Helper processes that end with the trainer, also when it is killed with SIGKILL.
+
+Megatron-Core's torch_dist checkpoint writer (`dist_checkpointing/strategies/
+filesystem_async.py`, `_get_write_results_queue`) starts a spawn-context
+`multiprocessing.Manager` the first time a rank saves, to hold its results queue, and keeps it
+for the life of the process. Python shuts that server down only from an `atexit` finalizer, so
+a trainer that is killed (SIGKILL, SIGTERM) or leaves through `os._exit` orphans it (~270 MB,
+plus the multiprocessing resource tracker it keeps alive).
+
+`install_checkpoint_results_queue()` starts that Manager itself, with an initializer that asks
+the kernel to kill the server when the trainer dies (Linux `PR_SET_PDEATHSIG`), and hands its
+queue to Megatron's module-level cache, so Megatron never starts its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import sys
+from multiprocessing.managers import SyncManager
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+_state: dict = {"manager": None, "pid": None}
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Run in a child process: the kernel sends `sig` to it when its parent dies.
+
+    Linux only (elsewhere a no-op). When the parent is already gone the child exits now.
+
+    Args:
+        parent_pid: pid of the process that started this child.
+        sig: signal delivered on the parent's death.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def install_checkpoint_results_queue() -> bool:
+    """Give Megatron's torch_dist writer a results queue whose server dies with this process.
+
+    Call before the first `dist_checkpointing.save` in the thread that lives as long as the
+    process (the main thread: PR_SET_PDEATHSIG follows the thread that started the child).
+    Idempotent per process.
+
+    Returns:
+        True when the queue is (now) ours; False when Megatron already made its own or has no
+        such cache (a different Megatron-Core version), in which case nothing changes.
+    """
+    if _state["manager"] is not None and _state["pid"] == os.getpid():
+        return True
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+    except ImportError:
+        return False
+    if not hasattr(fsa, "_results_queue") or fsa._results_queue is not None:
+        return False
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    fsa._results_queue = manager.Queue()
+    _state.update(manager=manager, pid=os.getpid())
+    return True
+
+
+def shutdown_checkpoint_results_queue() -> None:
+    """Stop the Manager started by `install_checkpoint_results_queue` (no-op when none)."""
+    manager = _state["manager"]
+    if manager is None or _state["pid"] != os.getpid():
+        return
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+        fsa._results_queue = None
+    except ImportError:
+        pass
+    manager.shutdown()
+    _state.update(manager=None, pid=None)
