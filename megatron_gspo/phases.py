@@ -19,6 +19,7 @@ from megatron_gspo.algo.precision import (
     finalize_audit,
     sequence_mismatch,
 )
+from megatron_gspo import faults
 from megatron_gspo.build import DTYPES
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.data.sample import Sample
@@ -162,7 +163,8 @@ def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int) 
     """`algorithm.mini_batches` optimizer steps, each on a disjoint share of the batch.
 
     Returns:
-        metrics averaged over the mini-batches (tokens summed; lr of the last step).
+        metrics averaged over the mini-batches (tokens and `update_skipped`, the updates skipped
+        for a non-finite loss or gradient, summed; lr of the last step).
     """
     order = list(range(len(samples)))
     random.Random(cfg.train.seed * 7919 + step).shuffle(order)
@@ -173,12 +175,16 @@ def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int) 
         if not idx:
             continue
         mb = [samples[i] for i in idx]
+        if faults.active("nan_loss", step):  # crash tests: a step with a non-finite loss
+            for s in mb:
+                s.advantage = [math.nan] * len(s.response_ids) if isinstance(
+                    s.advantage, list) else math.nan
         per.append(learner.train_step(mb, None if old is None else [old[i] for i in idx]))
     out: dict = {}
     for key in per[0]:
         vals = [p[key] for p in per if key in p]
         if key in ("tokens", "trainable_tokens", "sequences", "micro_batches", "packed_tokens",
-                   "time_fwd_bwd", "time_optimizer"):
+                   "time_fwd_bwd", "time_optimizer", "update_skipped"):
             out[key] = float(sum(vals))
         elif key == "lr":
             out[key] = float(vals[-1])

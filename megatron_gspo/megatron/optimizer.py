@@ -4,6 +4,11 @@ Adam (Megatron's fused Adam when TE / apex provide it, torch Adam otherwise), op
 distributed optimizer (ZeRO-1 style sharded optimizer state), gradient clipping by global norm,
 fp32 main parameters for bf16 / fp16 models, and a warmup + cosine / linear / constant LR
 schedule (`OptimizerParamScheduler`, stepped once per optimizer step).
+
+Non-finite guard: Megatron's optimizers only look for inf/NaN gradients when a loss scaler is
+active (fp16); in fp32 / bf16 a NaN gradient passes gradient clipping (``NaN < 1`` is False) and
+Adam writes NaN into every parameter. `grads_finite` + `all_ranks_agree` let the learner skip
+such an update on every rank alike.
 """
 
 from __future__ import annotations
@@ -115,6 +120,34 @@ def build_optimizer(ddp_chunks: list, settings: OptimSettings, params_dtype: tor
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def grads_finite(ddp_chunks: list) -> bool:
+    """True when every gradient this rank holds is finite (Megatron DDP grad buffers; plain
+    `.grad` / `.main_grad` of the parameters for other modules)."""
+    for chunk in ddp_chunks:
+        buffers = getattr(chunk, "buffers", None)
+        if isinstance(buffers, list):
+            grads = [b.grad_data for b in buffers + list(getattr(chunk, "expert_parallel_buffers",
+                                                                  []))]
+        else:
+            grads = [g for p in chunk.parameters()
+                     for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+        if any(not torch.isfinite(g).all() for g in grads):
+            return False
+    return True
+
+
+def all_ranks_agree(flag: bool, device) -> bool:
+    """`flag` AND-ed over every rank of the job (one all-reduce; every rank gets the same
+    answer, so every rank takes the same skip-or-step decision)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def current_lr(optimizer) -> float:
