@@ -20,11 +20,29 @@ from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.checkpoint import Checkpointer
 from megatron_gspo.config import Config, save_config, to_dict
 from megatron_gspo.metrics import MetricsLogger
+from megatron_gspo.rundir import RunDirLock, RunError, check_fresh_start
 
 
 def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None) -> Path:
-    """Train according to `cfg`; returns the run directory."""
+    """Train according to `cfg`; returns the run directory.
+
+    Rank 0 holds the run-dir lock (`RUN_DIR/run.lock`) for the whole run, released also on
+    errors; `train.resume: never` into a run dir that already holds a run is a RunError.
+    """
     run_dir = build.resolve_run_dir(run_dir, config_path)
+    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    lock = RunDirLock(run_dir).acquire() if build.is_rank0() else None
+    try:
+        if cfg.train.resume == "never":
+            check_fresh_start(run_dir, ckpt_root)
+        return _train(cfg, run_dir, ckpt_root, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None) -> Path:
+    """The loop itself (see the module docstring)."""
     hf_config = build.read_hf_config(cfg.model.path)
     rank0 = build.is_rank0()
     tokenizer = build.tokenizer(cfg)  # inputs are checked before the expensive parts
@@ -35,13 +53,13 @@ def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None)
     engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 else None
     controller = ToleranceController(cfg.precision.old_logprobs, cfg.precision.audit_fraction,
                                      cfg.precision.tolerance, cfg.precision.recheck_interval)
-    ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
+    ckpt = Checkpointer(ckpt_root, cfg.checkpoint.keep_last, cfg.checkpoint.checksums)
     ckpt.clean_partial()
 
     start = 0
-    latest = ckpt.latest() if cfg.train.resume == "auto" else None
+    latest = ckpt.resume_point() if cfg.train.resume == "auto" else None  # verified
     if latest is not None:
-        state = ckpt.load(latest[1], learner)
+        state = ckpt.load(latest.path, learner, verified=True)
         start = state["step"]
         if rank0:
             prompts.load_state_dict(state["data"])
@@ -54,12 +72,16 @@ def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None)
                         progress_bar=cfg.logging.progress_bar, config=to_dict(cfg))
     if rank0:
         save_config(cfg, run_dir / "config.yaml")
-        log.event(f"run dir {run_dir}; " + (f"resumed from {latest[1]} at step {start}"
+        for note in [lock.takeover_note] + ckpt.events:  # stale lock, damaged checkpoints
+            if note:
+                log.event(note)
+        log.event(f"run dir {run_dir}; " + (f"resumed from {latest.path} at step {start}"
                                             if latest else "starting from the initial weights"))
         if cfg.algorithm.loss == "grpo" and cfg.precision.old_logprobs != "recompute":
             log.event("warning: GRPO's token-level ratios tolerate engine/learner mismatch less "
                       "than GSPO's sequence ratios; the audit reports per-token numbers")
     phases.sync_weights(learner, engine, hf_config, cfg, version=start)
+    skipped_in_a_row = 0  # steps whose optimizer updates were all skipped (non-finite)
 
     for step in range(start, cfg.train.max_steps):
         t_step = time.perf_counter()
@@ -102,6 +124,15 @@ def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None)
             m.update(phases.evaluate(cfg, engine, tokenizer, reward, evals) if rank0 else {})
         m["time/step"] = time.perf_counter() - t_step
         log.log(step, m)
+        skipped = int(m.get("update_skipped", 0))
+        skipped_in_a_row = skipped_in_a_row + 1 if skipped == m["optimizer_steps"] else 0
+        if skipped:
+            log.event(f"step {step}: {skipped} of {int(m['optimizer_steps'])} optimizer updates "
+                      "skipped (non-finite loss or gradients); the weights did not take them")
+        if cfg.train.max_skipped_steps and skipped_in_a_row >= cfg.train.max_skipped_steps:
+            raise RunError(f"step {step}: the loss or gradients were non-finite in "
+                           f"{skipped_in_a_row} steps in a row (train.max_skipped_steps); "
+                           f"stopping; checkpoints under {ckpt_root} hold finite weights")
         if rank0 and cfg.logging.log_samples:
             log.event(phases.sample_preview(samples, tokenizer, cfg.logging.log_samples, step))
         done = step + 1 == cfg.train.max_steps
