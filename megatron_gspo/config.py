@@ -23,6 +23,7 @@ from megatron_gspo.config_schema import (
     option,
     to_dict,
 )
+from megatron_gspo.yaml_strict import StrictYAMLError, strict_load
 
 __all__ = ["Config", "ConfigError", "load_config", "save_config", "config_from_dict", "describe"]
 
@@ -165,7 +166,8 @@ class DataConfig:
     train_path: str | None = option(None, "prompt dataset (.jsonl or .parquet)")
     eval_path: str | None = option(None, "evaluation prompts (.jsonl or .parquet)")
     prompt_key: str = option("prompt", "field holding the prompt text or chat messages")
-    label_key: str = option("answer", "field holding the reference answer for the reward")
+    label_key: str | None = option("answer", "field holding the reference answer for the "
+                                   "reward; null for unlabeled datasets (the reward gets None)")
     system_prompt: str | None = option(None, "system message prepended to every chat")
     apply_chat_template: bool = option(True, "render prompts with the tokenizer's chat template")
     max_prompt_length: int = option(1024, "prompts longer than this (tokens) are bad rows", ge=1)
@@ -298,8 +300,17 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
+        raw = p.read_bytes()
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw[: e.start].count(b"\n") + 1
+            raise ConfigError(f"{p}: line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                              f"offset {e.start})") from None
+        try:
+            data = strict_load(text) or {}
+        except StrictYAMLError as e:
+            raise ConfigError(f"{p}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: invalid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):

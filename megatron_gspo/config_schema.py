@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from megatron_gspo.yaml_strict import StrictYAMLError, strict_load
+
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 __all__ = ["ConfigError", "option", "from_dict", "to_dict", "apply_overrides", "describe"]
@@ -170,7 +172,9 @@ def _parse_override(text: str):
     if not key:
         raise ConfigError(f"override {text!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+        value = strict_load(raw) if raw.strip() != "" else ""
+    except StrictYAMLError as e:
+        raise ConfigError(f"override {key}: {str(e).split(': ', 1)[-1]}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from None
     return key.split("."), value
