@@ -6,9 +6,9 @@ A row gives a prompt (a string, or a list of chat messages {"role", "content"}) 
 a label (the reference answer the reward function checks). All other fields of the row are kept
 as the item's metadata and reach the reward function.
 
-Bad rows (unparseable JSON, missing key, wrong type, empty prompt, prompt longer than the
-maximum) raise a one-line DatasetError naming the file and row, or, with `skip_bad_rows`, are
-skipped and counted.
+Bad rows (bytes that are not UTF-8, unparseable JSON, missing key, wrong type, empty prompt,
+prompt longer than the maximum) raise a one-line DatasetError naming the file and row, or, with
+`skip_bad_rows`, are skipped and counted.
 """
 
 from __future__ import annotations
@@ -64,11 +64,17 @@ class _BadRow(Exception):
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, str, Any]]:
     """Yield (row index, where, parsed row or _BadRow) for each non-blank line."""
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            where = f"{path} line {i + 1}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield i, where, _BadRow(f"not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                        f"{e.start + 1})")
+                continue
             if not line.strip():
                 continue
-            where = f"{path} line {i + 1}"
             try:
                 yield i, where, json.loads(line)
             except json.JSONDecodeError as e:
