@@ -309,6 +309,8 @@ class Checkpointer:
             path: a checkpoint folder.
             learner: object with `load_checkpoint(path)` (and `load_rng_state` if it saves one).
             verified: skip the checksum pass (`resume_point` just did it).
+        Trust: trainer.json and rng_rank*.pt load without pickle; the learner's `model/`
+        folder (torch_dist) reads its `.metadata` with pickle.
         Returns:
             the loop state saved by rank 0; CheckpointError when the checkpoint is incomplete,
             damaged or lacks this rank's RNG file.

@@ -269,7 +269,12 @@ def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
 
 @torch.no_grad()
 def load_checkpoint(models: list[torch.nn.Module], ckpt_dir: str | os.PathLike) -> None:
-    """Load a distributed checkpoint into `models` under the current layout (collective)."""
+    """Load a distributed checkpoint into `models` under the current layout (collective).
+
+    Trust: PyTorch distributed checkpointing reads the checkpoint's `.metadata` file with
+    `pickle.load` (tensor files load with weights_only), so loading runs code from whoever
+    wrote the checkpoint: load only checkpoints from sources you trust.
+    """
     from megatron.core import dist_checkpointing
 
     if not (Path(ckpt_dir) / "metadata.json").is_file():

@@ -342,7 +342,11 @@ class Learner:
         dist_checkpointing.save(self._full_sharded_sd(False), path)
 
     def load_checkpoint(self, path: str) -> None:
-        """Load a checkpoint written by `save_checkpoint` (any parallel layout)."""
+        """Load a checkpoint written by `save_checkpoint` (any parallel layout).
+
+        Trust: Megatron's torch_dist format reads its `.metadata` with `pickle.load`; load only
+        checkpoints from sources you trust.
+        """
         from megatron.core import dist_checkpointing
 
         sd = self._full_sharded_sd(True)
