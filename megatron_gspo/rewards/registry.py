@@ -15,8 +15,12 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
 
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rewards.math import (
@@ -104,12 +108,37 @@ def _import_module(module_name: str, spec: str):
             raise RewardError(f"reward {spec!r}: file {path} not found")
         mod_spec = importlib.util.spec_from_file_location(f"_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - user code: any failure is a config problem
+            raise RewardError(f"reward {spec!r}: cannot load {path}: {_one_line(e)}") from None
         return module
     try:
         return importlib.import_module(module_name)
-    except ImportError as e:
-        raise RewardError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - SyntaxError, ImportError, errors at import time
+        raise RewardError(f"reward {spec!r}: cannot import module {module_name!r}: "
+                          f"{_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    """`Type: message` of an exception on one line (file and line of a SyntaxError)."""
+    if isinstance(e, SyntaxError):
+        return f"{type(e).__name__}: {e.msg} ({e.filename}, line {e.lineno})"
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _as_real(value: Any) -> float | None:
+    """A reward value as float: Python / numpy real numbers and one-element numeric torch
+    tensors; None for anything else (strings, booleans, containers)."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool \
+            and not value.is_complex():
+        return float(value.item())
+    return None
 
 
 def score_samples(
@@ -141,13 +170,11 @@ def score_samples(
         except Exception as e:
             raise RewardError(f"reward {name} failed on sample {s.index} (group "
                               f"{s.group_index}): {type(e).__name__}: {e}") from e
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            try:
-                value = float(value)  # numpy / torch scalars
-            except (TypeError, ValueError):
-                raise RewardError(f"reward {name} returned {type(value).__name__} for sample "
-                                  f"{s.index}; expected a float") from None
-        value = float(value)
+        real = _as_real(value)
+        if real is None:
+            raise RewardError(f"reward {name} returned {type(value).__name__} {value!r:.40} for "
+                              f"sample {s.index}; expected a real number (int or float)")
+        value = real
         if not math.isfinite(value):
             raise RewardError(f"reward {name} returned {value} for sample {s.index}")
         s.reward = value
