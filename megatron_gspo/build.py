@@ -149,6 +149,13 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None):
     r = cfg.rollout
     sync = r.weight_sync if r.weight_sync != "auto" else ("tensor" if r.colocate else
                                                           "distributed")
+    if sync == "tensor" and not r.server_urls:
+        from megatron_gspo.rollout.weight_sync import sglang_importable
+
+        if not sglang_importable():  # attached servers are checked on the first update
+            raise ConfigError("rollout.weight_sync: tensor sync to launched SGLang servers "
+                              "needs sglang importable in the learner's environment (its CUDA "
+                              "IPC payloads); install it or use weight_sync=distributed")
     master = None
     if sync == "distributed":
         if r.weight_sync_master:

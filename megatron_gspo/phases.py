@@ -196,24 +196,53 @@ def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int) 
     return out
 
 
-def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int) -> None:
-    """Export the learner's weights (collective over all ranks) into the rollout engine."""
+def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
+                 event=None) -> dict:
+    """Export the learner's weights (collective over all ranks) into the rollout engine,
+    streamed one bucket at a time (`rollout.bucket_bytes`). Colocated SGLang follows SGLang's
+    memory order (see `rollout.colocated_sync`).
+
+    Args:
+        event: optional callable taking one line for the run's events.log (rank 0).
+    Returns:
+        `weight_sync/*` metrics (rank 0 of an SGLang engine; {} otherwise).
+    """
     from megatron_gspo.megatron.export import export_hf_weights
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
-    dtype = DTYPES[cfg.rollout.dtype] if cfg.rollout.engine == "embedded" else \
-        DTYPES[cfg.model.dtype]
-    buckets = export_hf_weights(learner.chunks, hf_config, bucket_bytes=cfg.rollout.bucket_bytes,
+    r = cfg.rollout
+    dtype = DTYPES[r.dtype] if r.engine == "embedded" else DTYPES[cfg.model.dtype]
+    buckets = export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
                                 dtype=dtype)
-    if engine is not None:
-        engine.resume_memory()  # no-op unless released after the rollout
-    if engine is None:
-        for _ in buckets:  # other ranks take part in the gathers
-            pass
-    elif isinstance(engine, EmbeddedEngine):
-        engine.load_buckets(buckets, version)
+    if _tensor_sync(cfg):
+        from megatron_gspo.rollout.colocated_sync import colocated_sync
+
+        st = colocated_sync(buckets, engine, version, num_servers=len(r.server_urls) or
+                            r.num_servers, tp_size=r.tp_size, attached=bool(r.server_urls))
     else:
-        engine.update_weights([[(n, t.clone()) for n, t in b] for b in buckets], version)
+        if engine is not None:
+            engine.resume_memory()  # no-op unless released after the rollout
+        if engine is None:
+            for _ in buckets:  # other ranks take part in the gathers
+                pass
+        elif isinstance(engine, EmbeddedEngine):
+            engine.load_buckets(buckets, version)
+        else:
+            engine.update_weights(buckets, version)
+        st = dict(getattr(engine, "sync_stats", None) or {})
+    order = st.pop("order", None)
+    if event is not None and order:
+        event(f"weight sync v{version}: " + " -> ".join(order) + f"; peak live bucket bytes "
+              f"{int(st['peak_live_bucket_bytes'])} (largest bucket "
+              f"{int(st['max_bucket_bytes'])}, bound {r.bucket_bytes})")
+    return {f"weight_sync/{k}": float(v) for k, v in st.items()}
+
+
+def _tensor_sync(cfg: Config) -> bool:
+    """SGLang with `update_weights_from_tensor` (tensor, or auto while colocated)."""
+    r = cfg.rollout
+    return r.engine == "sglang" and (r.weight_sync == "tensor"
+                                     or (r.weight_sync == "auto" and r.colocate))
 
 
 def evaluate(cfg: Config, engine, tok, score, prompts) -> dict:

@@ -80,7 +80,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
         if cfg.algorithm.loss == "grpo" and cfg.precision.old_logprobs != "recompute":
             log.event("warning: GRPO's token-level ratios tolerate engine/learner mismatch less "
                       "than GSPO's sequence ratios; the audit reports per-token numbers")
-    phases.sync_weights(learner, engine, hf_config, cfg, version=start)
+    phases.sync_weights(learner, engine, hf_config, cfg, version=start,
+                        event=log.event if rank0 else None)
     skipped_in_a_row = 0  # steps whose optimizer updates were all skipped (non-finite)
 
     for step in range(start, cfg.train.max_steps):
@@ -116,7 +117,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
 
         # 6. New weights to the rollout engine.
         t_sync = time.perf_counter()
-        phases.sync_weights(learner, engine, hf_config, cfg, version=step + 1)
+        m.update(phases.sync_weights(learner, engine, hf_config, cfg, version=step + 1,
+                                     event=log.event if rank0 else None))
         m["time/weight_sync"] = time.perf_counter() - t_sync
 
         # 7. Evaluate, log, checkpoint.

@@ -13,7 +13,7 @@ All ranks of the model-parallel group must iterate the generator together (it is
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,7 @@ def export_hf_weights(
         models: this rank's model chunks (wrappers allowed), in virtual-stage order.
         hf_config: the HF config.json the model was built from.
         bucket_bytes: upper bound on the bytes of one bucket; a single tensor larger than
-            this is an error.
+            this travels alone in a bucket of its own.
         dtype: cast to this dtype (None keeps the parameter dtype).
         gather_pipeline: yield every stage's tensors on every rank (True) or only this
             rank's stage (False).
@@ -153,19 +153,32 @@ def export_hf_weights(
                     dist.broadcast(t, src=ranks[stage], group=group)
                     yield name, t
 
+    yield from bucketize(stream(), bucket_bytes)
+
+
+def bucketize(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[Bucket]:
+    """Group a stream of (name, tensor) into buckets of at most `bucket_bytes`, in order; a
+    tensor larger than the bound travels alone in a bucket of its own.
+
+    Args:
+        named: the stream (consumed lazily: one bucket's tensors are held at a time).
+        bucket_bytes: the bound (> 0).
+    Yields:
+        lists of (name, tensor).
+    """
     bucket: Bucket = []
     size = 0
-    for name, t in stream():
+    for name, t in named:
         nbytes = t.numel() * t.element_size()
-        if nbytes > bucket_bytes:
-            raise ConversionError(
-                f"tensor '{name}' has {nbytes} bytes > bucket_bytes={bucket_bytes}; "
-                "raise the bucket size"
-            )
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, t))
         size += nbytes
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
     if bucket:
         yield bucket

@@ -29,6 +29,9 @@ T = TypeVar("T")
 
 #: A bucket of weights: Hugging Face parameter names and full (unsharded) tensors.
 Bucket = Iterable[tuple[str, torch.Tensor]]
+# Memory regions a colocated engine releases and resumes separately (SGLang srt/constants.py
+# GPU_MEMORY_ALL_TYPES; the tags of /release_memory_occupation and /resume_memory_occupation).
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
 class RolloutError(RuntimeError):
@@ -204,7 +207,8 @@ class RolloutEngine(ABC):
 
     def __init__(self, default_sampling: SamplingParams | None = None) -> None:
         self.default_sampling = default_sampling or SamplingParams()
-        self.memory_released = False  # set by release_memory, cleared by resume_memory
+        self.released_tags: set[str] = set()  # memory regions released and not yet resumed
+        self.memory_calls: list[str] = []  # "release all", "resume weights", ... in call order
         self._loop_thread: _LoopThread | None = None
         self._loop_lock = threading.Lock()
 
@@ -222,13 +226,13 @@ class RolloutEngine(ABC):
     async def aupdate_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Load HF-named weights from buckets, then switch to `version`."""
 
-    async def arelease_memory(self) -> None:
-        """Free accelerator memory (weights, KV cache) while the learner trains (colocated).
-        Engines without accelerator memory of their own keep this no-op."""
+    async def arelease_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free accelerator memory while the learner trains (colocated): the regions in `tags`
+        (`MEMORY_TAGS`; None = all). Engines without accelerator memory keep this no-op."""
         return None
 
-    async def aresume_memory(self) -> None:
-        """Take the memory back before the next update / generation."""
+    async def aresume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take the regions in `tags` (None = all) back before the next update / generation."""
         return None
 
     @abstractmethod
@@ -254,16 +258,26 @@ class RolloutEngine(ABC):
         """Synchronous `aupdate_weights`."""
         self._run(self.aupdate_weights(buckets, version))
 
-    def release_memory(self) -> None:
-        """Synchronous `arelease_memory`; sets `memory_released`."""
-        self._run(self.arelease_memory())
-        self.memory_released = True
+    @property
+    def memory_released(self) -> bool:
+        """True while some memory region is released."""
+        return bool(self.released_tags)
 
-    def resume_memory(self) -> None:
-        """Synchronous `aresume_memory`; no-op unless the memory was released."""
-        if self.memory_released:
-            self._run(self.aresume_memory())
-            self.memory_released = False
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Synchronous `arelease_memory` of `tags` (None = all regions)."""
+        self._run(self.arelease_memory(list(tags) if tags else None))
+        self.released_tags |= set(tags or MEMORY_TAGS)
+        self.memory_calls.append("release " + (",".join(tags) if tags else "all"))
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Synchronous `aresume_memory` of those `tags` (None = all) that are released; a
+        no-op when none is."""
+        todo = [t for t in (tags or MEMORY_TAGS) if t in self.released_tags]
+        if not todo:
+            return
+        self._run(self.aresume_memory(todo))
+        self.released_tags -= set(todo)
+        self.memory_calls.append("resume " + ",".join(todo))
 
     def health(self) -> bool:
         """Synchronous `ahealth`."""

@@ -187,14 +187,16 @@ class EmbeddedEngine(RolloutEngine):
         self._version = int(version)
 
     # ---------------------------------------------------------------- memory
-    async def arelease_memory(self) -> None:
+    async def arelease_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Move the model off the accelerator (one memory region: `tags` are ignored)."""
         if self.device.type != "cpu":
             with self._lock:
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
         self._released = True
 
-    async def aresume_memory(self) -> None:
+    async def aresume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Move the model back (one memory region: `tags` are ignored)."""
         if self.device.type != "cpu":
             with self._lock:
                 self.model.to(self.device)

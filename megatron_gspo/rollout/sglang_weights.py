@@ -3,6 +3,12 @@
 `/update_weights_from_distributed` (NCCL broadcast from the learner, disaggregated),
 `/update_weights_from_disk`, `/flush_cache`.
 
+Tensor updates stream: one bucket is flattened, serialized, posted and dropped before the next
+one is taken from the iterable, so the payload memory alive at once stays within one bucket;
+`sync_stats` reports the peak. Before the first tensor update the servers are checked: SGLang's
+unpickler needs SGLang's own CUDA reduction (sglang importable in this process) unless every
+server is the CPU stand-in (its `/get_server_info` says `"version": "standin"`).
+
 A mixin of `SGLangEngine`: it uses the engine's `_all` (one call to every server), `_post`,
 `urls`, `tp_size` and weight-version state.
 """
@@ -10,15 +16,44 @@ A mixin of `SGLangEngine`: it uses the engine's `_all` (one call to every server
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from megatron_gspo.rollout.base import Bucket, RolloutError
 from megatron_gspo.rollout.weight_sync import (
+    bucket_payloads,
     dtype_name,
     init_learner_update_group,
-    tensor_update_payloads,
+    serialize,
+    sglang_importable,
 )
+
+STANDIN_VERSION = "standin"  # `version` in the stand-in server's /get_server_info
+
+
+class LiveBytes:
+    """Bytes of the weight-sync payload tensors still alive (weak references: a payload
+    counts until its last reference is gone)."""
+
+    def __init__(self) -> None:
+        self._refs: list[tuple[weakref.ref, int]] = []
+
+    def add(self, payload: Any) -> int:
+        """Register a payload; returns the live bytes including it."""
+        for t in _payload_tensors(payload):
+            self._refs.append((weakref.ref(t), t.numel() * t.element_size()))
+        return self.now()
+
+    def now(self) -> int:
+        self._refs = [(r, n) for r, n in self._refs if r() is not None]
+        return sum(n for _, n in self._refs)
+
+
+def _payload_tensors(payload: Any) -> list:
+    if isinstance(payload, dict):
+        return [payload["flattened_tensor"]]
+    return [t for _, t in payload]
 
 
 class SGLangWeightSync:
@@ -32,6 +67,8 @@ class SGLangWeightSync:
     _version: int
     _update_group: Any
     _group_name: str
+    _tensor_sync_checked: bool = False
+    sync_stats: dict[str, float]
     # and the engine's coroutines astart(), _post(url, path, body) and _all(path, body).
 
     async def pause_generation(self, mode: str = "abort") -> None:
@@ -55,18 +92,79 @@ class SGLangWeightSync:
         else:
             await self.aupdate_weights_from_tensor(buckets, version)
 
-    async def aupdate_weights_from_tensor(self, buckets: Iterable[Bucket], version: int) -> None:
-        """Colocated update: every bucket through /update_weights_from_tensor (flattened)."""
+    async def acheck_tensor_sync(self) -> None:
+        """Refuse tensor sync that SGLang's unpickler would refuse: without sglang importable
+        here, only stand-in servers can decode the payloads (one-line RolloutError)."""
+        if self._tensor_sync_checked or sglang_importable():
+            self._tensor_sync_checked = True
+            return
+        infos = await self._all("/get_server_info", get=True, timeout=30.0)
+        real = [u for u, i in zip(self.urls, infos, strict=True)
+                if not (isinstance(i, dict) and i.get("version") == STANDIN_VERSION)]
+        if real:
+            raise RolloutError(
+                f"rollout.weight_sync=tensor: sglang is not importable in the learner's "
+                f"environment, so its CUDA IPC payloads cannot be built for {real[0]}; install "
+                "sglang next to the learner or use rollout.weight_sync=distributed")
+        self._tensor_sync_checked = True
+
+    def _reset_sync_stats(self) -> None:
+        self.sync_stats = {"buckets": 0.0, "requests": 0.0, "bytes": 0.0,
+                           "peak_live_bucket_bytes": 0.0, "max_bucket_bytes": 0.0}
+
+    async def abegin_tensor_update(self) -> None:
+        """Check the servers (first time), reset `sync_stats`, pause generation."""
+        await self.acheck_tensor_sync()
+        self._reset_sync_stats()
         await self.pause_generation()
+
+    async def apost_tensor_update(
+        self, entries: Sequence[Sequence[str]], load_format: str | None, version: int
+    ) -> None:
+        """One /update_weights_from_tensor per server; `entries[i]` are server i's
+        `serialized_named_tensors` (one per TP rank)."""
+        if len(entries) != len(self.urls):
+            raise RolloutError(f"{len(entries)} entry lists for {len(self.urls)} servers")
+        body = {"load_format": load_format, "flush_cache": False, "weight_version": str(version)}
+        await asyncio.gather(*(
+            self._post(u, "/update_weights_from_tensor", {**body, "serialized_named_tensors":
+                                                          list(e)})
+            for u, e in zip(self.urls, entries, strict=True)))
+        self.sync_stats["requests"] += 1
+
+    def note_bucket(self, nbytes: int, live_bytes: int) -> None:
+        """Account one bucket of `nbytes`; `live_bytes` is what its transfer held at once."""
+        st = self.sync_stats
+        st["buckets"] += 1
+        st["bytes"] += nbytes
+        st["max_bucket_bytes"] = max(st["max_bucket_bytes"], float(nbytes))
+        st["peak_live_bucket_bytes"] = max(st["peak_live_bucket_bytes"], float(live_bytes))
+
+    async def afinish_tensor_update(self, version: int) -> None:
+        """Flush the prefix cache and switch to `version` (generation continues after)."""
+        await self.flush_cache()
+        self._version = int(version)
+
+    async def aupdate_weights_from_tensor(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Colocated update: every bucket through /update_weights_from_tensor (flattened, one
+        request per dtype), streamed: a bucket's exported tensors are handed over to its
+        payloads group by group, and each payload is dropped once the servers answered."""
+        await self.abegin_tensor_update()
+        live = LiveBytes()
         try:
             for bucket in buckets:
-                bodies, keep = tensor_update_payloads(bucket, self.tp_size, flattened=True)
-                for body in bodies:
-                    body.update(flush_cache=False, weight_version=str(version))
-                    await self._all("/update_weights_from_tensor", body)
-                del keep  # the servers have copied the shared tensors
-            await self.flush_cache()
-            self._version = int(version)
+                named = list(bucket)
+                if isinstance(bucket, list):
+                    bucket.clear()  # the producer's list no longer holds the tensors
+                total = sum(t.numel() * t.element_size() for _, t in named)
+                peak = 0
+                for payload, fmt in bucket_payloads(_drain(named)):
+                    peak = max(peak, live.add(payload))
+                    entries = [serialize(payload) for _ in range(self.tp_size)]
+                    await self.apost_tensor_update([entries] * len(self.urls), fmt, version)
+                    del payload, entries  # the servers have copied the shared memory
+                self.note_bucket(total, peak)
+            await self.afinish_tensor_update(version)
         finally:
             await self.continue_generation()
 
@@ -126,3 +224,9 @@ class SGLangWeightSync:
             self._version = int(version)
         finally:
             await self.continue_generation()
+
+
+def _drain(named: list) -> Iterable:
+    """Yield the pairs of `named`, emptying it, so the caller keeps no reference."""
+    while named:
+        yield named.pop(0)

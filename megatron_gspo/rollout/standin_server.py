@@ -8,6 +8,14 @@ switchable faults for reliability tests (POST /standin/faults or `StandinServer.
 `delay_s` seconds), `crash` (stop serving at once; as a subprocess the process exits with
 code 1).
 
+Weights and memory, as strict as SGLang 0.5.12: `/update_weights_from_tensor` decodes every TP
+rank's entry with SGLang's unpickler allow-list and the byte-layout flattened bucket
+(`weight_sync.py`); `/release_memory_occupation` / `/resume_memory_occupation` honour the tags
+`kv_cache`, `weights`, `cuda_graph` (none = all; resuming a region that is not released is
+refused); generation is refused while any region is released, a weight update while `weights`
+is; weights released without `--enable-weights-cpu-backup` come back zeroed (SGLang's re-mapped
+memory does not hold them), so answers are garbage until the weights are pushed again.
+
 Concurrent /generate calls are micro-batched into one embedded-engine batch. Run as a process
 with SGLang's launch flags: `python -m megatron_gspo.rollout.standin_server --model-path DIR
 --port P [--host H] [--tp-size N] ...` (unknown SGLang flags are accepted and ignored).
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import threading
 import time
@@ -26,7 +35,7 @@ from typing import Any
 
 from aiohttp import web
 
-from megatron_gspo.rollout.base import SamplingParams
+from megatron_gspo.rollout.base import MEMORY_TAGS, SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.weight_sync import decode_tensor_update, init_learner_update_group
 
@@ -67,18 +76,24 @@ class StandinServer:
         tp_size: reported tensor-parallel size (number of payload entries expected).
         model_path: reported model path.
         exit_on_crash: on the `crash` fault, end the process (subprocess mode).
+        weights_cpu_backup: `--enable-weights-cpu-backup`: weights survive a release of the
+            `weights` region (else they are lost, see `release`).
     """
 
     def __init__(
         self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0, tp_size: int = 1,
-        model_path: str = "", exit_on_crash: bool = False,
+        model_path: str = "", exit_on_crash: bool = False, weights_cpu_backup: bool = False,
     ) -> None:
         self.engine, self.host, self.port, self.tp_size = engine, host, port, tp_size
         self.model_path, self.exit_on_crash = model_path, exit_on_crash
         self.faults = Faults()
         self.weight_version = "default"
         self.stats = {"generate_calls": 0, "samples": 0, "weight_updates": 0, "flushes": 0}
-        self.released = False
+        self.released = False  # some memory region is released (generation refused)
+        self.released_tags: set[str] = set()
+        self.weights_cpu_backup = weights_cpu_backup
+        self.lost_weights: set[str] = set()  # parameters not re-pushed since their loss
+        self.memory_log: list[str] = []  # "release all", "resume weights", ... as received
         self._paused = False
         self._queue: list[tuple[list[tuple[list[int], SamplingParams]], asyncio.Future, str]] = []
         self._wake: asyncio.Event | None = None
@@ -297,16 +312,23 @@ class StandinServer:
         return web.Response(text="Cache flushed.\n")
 
     async def _load(self, named: list, version: Any) -> None:
+        if "weights" in self.released_tags:  # SGLang would write into unmapped GPU memory
+            raise RuntimeError("the weights region is released; resume 'weights' first")
         await asyncio.to_thread(self.engine.load_buckets, [named], self.engine.weight_version)
+        self.lost_weights.difference_update(n for n, _ in named)
         self.stats["weight_updates"] += 1
         if version is not None:
             self.weight_version = str(version)
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         body = await request.json()
-        try:
-            named = decode_tensor_update(body, tp_rank=0)
-            await self._load(named, body.get("weight_version"))
+        try:  # every TP rank deserializes its own entry (SGLang tp_worker.py)
+            ranks = [decode_tensor_update(body, tp_rank=k) for k in range(self.tp_size)]
+            for k, other in enumerate(ranks[1:], 1):
+                if [n for n, _ in other] != [n for n, _ in ranks[0]] or not all(
+                        a.equal(b) for (_, a), (_, b) in zip(ranks[0], other, strict=True)):
+                    raise ValueError(f"TP rank {k}'s entry holds other tensors than rank 0's")
+            await self._load(ranks[0], body.get("weight_version"))
         except Exception as e:
             return _fail(f"Failed to update weights from tensor: {e}")
         return _ok("Succeeded to update model weights.")
@@ -386,14 +408,43 @@ class StandinServer:
         )
 
     async def release(self, request: web.Request) -> web.Response:
+        tags = await _memory_tags(request)
+        if isinstance(tags, web.Response):
+            return tags
+        self.released_tags |= set(tags)
         self.released = True
-        await self.engine.arelease_memory()
+        self.memory_log.append("release " + ",".join(tags))
+        if "weights" in tags:
+            await self.engine.arelease_memory()
         return web.json_response(None)
 
     async def resume(self, request: web.Request) -> web.Response:
-        await self.engine.aresume_memory()
-        self.released = False
+        tags = await _memory_tags(request)
+        if isinstance(tags, web.Response):
+            return tags
+        missing = [t for t in tags if t not in self.released_tags]
+        if missing:  # SGLang: offload_tags.remove(tag) raises in the scheduler
+            return _bad(f"memory region {missing[0]!r} is not released")
+        self.released_tags -= set(tags)
+        self.released = bool(self.released_tags)
+        self.memory_log.append("resume " + ",".join(tags))
+        if "weights" in tags:
+            await self.engine.aresume_memory()
+            if not self.weights_cpu_backup:
+                await asyncio.to_thread(self._lose_weights)
         return web.json_response(None)
+
+    def _lose_weights(self) -> None:
+        """What SGLang's memory saver does to weights released without CPU backup: the
+        re-mapped GPU memory does not hold them (its contents are undefined). The stand-in
+        zeroes every parameter, so generation runs but answers garbage until the weights are
+        pushed again; `lost_weights` names the parameters not yet re-pushed."""
+        import torch
+
+        with torch.no_grad():
+            for name, p in self.engine.model.named_parameters():
+                p.zero_()
+                self.lost_weights.add(name)
 
     async def pause(self, request: web.Request) -> web.Response:
         text = await request.text()
@@ -443,6 +494,21 @@ def _bad(msg: str) -> web.Response:
     return web.json_response({"object": "error", "message": msg, "code": 400}, status=400)
 
 
+async def _memory_tags(request: web.Request) -> list[str] | web.Response:
+    """The `tags` of a release/resume request (None or [] = all regions, as in SGLang's
+    scheduler_update_weights_mixin.py), or a 400 answer naming an unknown tag."""
+    text = await request.text()
+    try:
+        tags = (json.loads(text) or {}).get("tags") if text.strip() else None
+    except (ValueError, AttributeError):
+        return _bad("body must be a JSON object with optional 'tags'")
+    tags = list(tags or MEMORY_TAGS)
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        return _bad(f"unknown memory tag {bad[0]!r}; expected one of {list(MEMORY_TAGS)}")
+    return tags
+
+
 def main(argv: list[str] | None = None) -> None:
     """Serve a model directory with SGLang's launch flags (unknown flags are ignored)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -452,10 +518,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp-size", "--tp", type=int, default=1)
     ap.add_argument("--random-seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--enable-weights-cpu-backup", action="store_true")
     args, _unknown = ap.parse_known_args(argv)
     dtype = "float32" if args.dtype in ("auto", "float") else args.dtype
     engine = EmbeddedEngine(args.model_path, dtype=dtype, seed=args.random_seed)
-    server = StandinServer(engine, args.host, args.port, args.tp_size, args.model_path, True)
+    server = StandinServer(engine, args.host, args.port, args.tp_size, args.model_path, True,
+                           weights_cpu_backup=args.enable_weights_cpu_backup)
 
     async def run() -> None:
         await server.start()

@@ -1,11 +1,25 @@
 """Weight-sync payloads in SGLang's wire formats, and the learner side of the NCCL update group.
 
 `update_weights_from_tensor` (colocated): each entry of `serialized_named_tensors` (one per
-tensor-parallel rank of the server) is a base64 string of a `ForkingPickler` dump (CUDA tensors
-travel as IPC handles, CPU tensors as shared memory). With `load_format="flattened_bucket"` the
-pickled object is `{"flattened_tensor": 1-D tensor, "metadata": [FlattenedTensorMetadata]}`, one
-bucket per dtype. When SGLang is importable its own serializer and bucket classes are used (so
-its unpickler accepts the payload); otherwise an equivalent implementation of the same format.
+tensor-parallel rank of the server; rank k deserializes entry k) is a base64 string of a
+`ForkingPickler` dump: CUDA tensors travel as IPC handles, CPU tensors as shared memory. With
+`load_format="flattened_bucket"` the pickled object is `{"flattened_tensor": 1-D uint8 tensor,
+"metadata": [...]}`: every tensor of the bucket flattened to its BYTES, concatenated, and per
+tensor `name, shape, dtype, start_idx, end_idx, numel` counted in bytes; the server rebuilds a
+tensor as `flat[start_idx:end_idx].view(dtype).reshape(shape)` (SGLang
+srt/weight_sync/tensor_bucket.py `FlattenedTensorBucket`, srt/model_executor/model_runner.py
+`_update_weights_from_flattened_bucket`). One bucket holds one dtype here, so every byte offset
+is a multiple of the element size.
+
+The server unpickles with an allow-list (SGLang srt/utils/common.py `SafeUnpickler`: builtins,
+collections, torch, multiprocessing.reduction, types, ... and `sglang.srt.*` classes; anything
+else is refused). The metadata objects are therefore SGLang's own `FlattenedTensorMetadata`
+when sglang is importable, else `types.SimpleNamespace` records with the same attributes (both
+pass the allow-list). CUDA tensors are pickled with SGLang's `monkey_patch_torch_reductions()`
+reduction (the device travels as its UUID, so a server with another device numbering opens the
+handle on the right GPU); that patch breaks pickling of CPU tensors (IndexError in its tuple
+rewrite), so it is applied to CUDA payloads only and CPU payloads always use torch's own tensor
+reduction. Pickling CUDA tensors without sglang importable is refused with one clear error.
 
 `update_weights_from_distributed` (disaggregated): the learner joins a process group of
 world size 1 + sum(server tp sizes) as rank 0 and broadcasts each tensor; servers receive them
@@ -18,8 +32,9 @@ from __future__ import annotations
 import base64
 import importlib
 import io
-from collections.abc import Iterable
-from dataclasses import dataclass
+import pickle
+import types
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -29,55 +44,116 @@ import torch
 FLATTENED_BUCKET = "flattened_bucket"
 
 
-@dataclass
-class FlattenedTensorMetadata:
-    """Where one named tensor lives inside a flattened bucket (same fields as SGLang's)."""
-
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
+class WeightSyncError(RuntimeError):
+    """A weight-sync payload cannot be built or decoded (message names the cause)."""
 
 
-def _sglang_classes() -> tuple[Any, Any] | None:
-    """(MultiprocessingSerializer, FlattenedTensorBucket) from SGLang, or None without it."""
+def _sglang() -> dict[str, Any] | None:
+    """SGLang's serializer, bucket class and CUDA reduction patch, or None without sglang."""
     try:
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
     except ImportError:
         return None
+    patch = None
     for mod in ("sglang.srt.utils.patch_torch", "sglang.srt.patch_torch"):
-        try:  # makes CUDA IPC handles device-independent (module moved between versions)
+        try:  # the module moved between versions
             patch = importlib.import_module(mod).monkey_patch_torch_reductions
+            break
         except (ImportError, AttributeError):
             continue
-        patch()
-        break
-    return MultiprocessingSerializer, FlattenedTensorBucket
+    return {"serializer": MultiprocessingSerializer, "bucket": FlattenedTensorBucket,
+            "patch": patch}
+
+
+def sglang_importable() -> bool:
+    """True when SGLang's serializer and bucket classes import in this environment."""
+    return _sglang() is not None
+
+
+def _has_cuda_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.is_cuda
+    if isinstance(obj, dict):
+        return any(_has_cuda_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_cuda_tensor(v) for v in obj)
+    return False
+
+
+class _HostPickler(ForkingPickler):
+    """ForkingPickler with torch's own tensor reduction, even after SGLang's patch replaced
+    it globally (the patched reduction only handles CUDA tensors)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from torch.multiprocessing import reductions
+
+        original = getattr(reductions, "_reduce_tensor_original", None)
+        if original is not None:
+            for cls, fn in list(self.dispatch_table.items()):
+                if fn is reductions.reduce_tensor:
+                    self.dispatch_table[cls] = original
 
 
 def serialize(obj: Any) -> str:
     """ForkingPickler dump as base64 text (SGLang `MultiprocessingSerializer.serialize(obj,
-    output_str=True)`)."""
-    sg = _sglang_classes()
-    if sg is not None:
-        return sg[0].serialize(obj, output_str=True)
+    output_str=True)`); CUDA payloads go through SGLang's device-UUID reduction.
+
+    Raises:
+        WeightSyncError: CUDA tensors in `obj` and sglang not importable.
+    """
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
+    if _has_cuda_tensor(obj):
+        sg = _sglang()
+        if sg is None or sg["patch"] is None:
+            raise WeightSyncError(
+                "tensor weight sync of CUDA tensors needs sglang importable in the learner's "
+                "environment (its CUDA IPC reduction); install sglang there or use "
+                "rollout.weight_sync=distributed")
+        sg["patch"]()
+        ForkingPickler(buf).dump(obj)
+    else:
+        _HostPickler(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("utf-8")
 
 
+# The server's allow-list (facts of SGLang srt/utils/common.py `SafeUnpickler`): a global is
+# loaded only when its module starts with one of these prefixes and it is not denied.
+ALLOWED_MODULE_PREFIXES = (
+    "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.",
+    "weakref.", "torch.", "multiprocessing.resource_sharer.", "multiprocessing.reduction.",
+    "pickletools.", "peft.", "transformers.", "huggingface_hub.",
+    "sglang.srt.weight_sync.tensor_bucket.", "sglang.srt.model_executor.model_runner.",
+    "sglang.srt.layers.", "sglang.srt.utils.", "torch_npu.",
+)
+DENIED_GLOBALS = frozenset({
+    ("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile"), ("os", "system"),
+    ("subprocess", "Popen"), ("subprocess", "run"), ("codecs", "decode"),
+    ("types", "CodeType"), ("types", "FunctionType"),
+})
+
+
+class AllowListUnpickler(pickle.Unpickler):
+    """Unpickler that loads only the globals SGLang's `SafeUnpickler` loads."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in DENIED_GLOBALS and (module + ".").startswith(
+                ALLOWED_MODULE_PREFIXES):
+            return super().find_class(module, name)
+        raise WeightSyncError(f"Blocked unsafe class loading ({module}.{name}): not in "
+                              "SGLang's SafeUnpickler allow-list")
+
+
 def deserialize(data: str | bytes) -> Any:
-    """Inverse of `serialize` (what the server does with each entry)."""
+    """Inverse of `serialize`, with the server's allow-list (what SGLang does per entry)."""
     if isinstance(data, str):
         data = base64.b64decode(data, validate=True)
-    return ForkingPickler.loads(data)
+    return AllowListUnpickler(io.BytesIO(data)).load()
 
 
 def flatten_bucket(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """One dtype's tensors as {"flattened_tensor", "metadata"} (SGLang's flattened_bucket).
+    """One dtype's tensors as {"flattened_tensor": uint8 [bytes], "metadata"} (byte offsets).
 
     Args:
         named: (name, tensor) pairs, all of one dtype.
@@ -89,30 +165,39 @@ def flatten_bucket(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     dtypes = {t.dtype for _, t in named}
     if len(dtypes) != 1:
         raise ValueError(f"a flattened bucket holds one dtype, got {sorted(map(str, dtypes))}")
-    sg = _sglang_classes()
+    named = [(n, t.detach().contiguous()) for n, t in named]
+    sg = _sglang()
     if sg is not None:
-        b = sg[1](named_tensors=named)
+        b = sg["bucket"](named_tensors=named)
         return {"flattened_tensor": b.get_flattened_tensor(), "metadata": b.get_metadata()}
-    metas, flats, idx = [], [], 0
+    metas, flats, start = [], [], 0
     for name, t in named:
-        n = t.numel()
-        metas.append(FlattenedTensorMetadata(name, t.shape, t.dtype, idx, idx + n, n))
-        flats.append(t.detach().reshape(-1))
-        idx += n
+        flat = t.reshape(-1).view(torch.uint8)  # [bytes]
+        n = flat.numel()
+        metas.append(types.SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype,
+                                           start_idx=start, end_idx=start + n, numel=n))
+        flats.append(flat)
+        start += n
     return {"flattened_tensor": torch.cat(flats), "metadata": metas}
 
 
 def unflatten_bucket(payload: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """Rebuild (name, tensor) pairs from a flattened-bucket dict (the server's side)."""
+    """Rebuild (name, tensor) pairs from a flattened-bucket dict (the server's side):
+    `flat[start_idx:end_idx].view(dtype).reshape(shape)` over uint8 bytes."""
     try:
         flat, metas = payload["flattened_tensor"], payload["metadata"]
     except (KeyError, TypeError) as e:
         raise ValueError("flattened bucket payload lacks 'flattened_tensor'/'metadata'") from e
+    if flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError(f"flattened bucket: flattened_tensor must be 1-D uint8 bytes, got "
+                         f"{flat.dtype} {tuple(flat.shape)}")
     out = []
     for m in metas:
-        if m.end_idx > flat.numel() or m.end_idx - m.start_idx != m.numel:
-            raise ValueError(f"flattened bucket: bad index range for {m.name}")
-        out.append((m.name, flat[m.start_idx : m.end_idx].reshape(m.shape).to(m.dtype)))
+        size = torch.Size(m.shape).numel() * torch.empty((), dtype=m.dtype).element_size()
+        if not (0 <= m.start_idx and m.end_idx <= flat.numel()
+                and m.end_idx - m.start_idx == m.numel == size):
+            raise ValueError(f"flattened bucket: bad byte range for {m.name}")
+        out.append((m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)))
     return out
 
 
@@ -122,14 +207,16 @@ def group_by_dtype(
     """Split one bucket into per-dtype lists, keeping first-seen order."""
     groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for name, t in bucket:
-        groups.setdefault(t.dtype, []).append((name, t.contiguous()))
+        groups.setdefault(t.dtype, []).append((name, t))
     return list(groups.values())
 
 
 def tensor_update_payloads(
     bucket: Iterable[tuple[str, torch.Tensor]], tp_size: int, flattened: bool = True
 ) -> tuple[list[dict[str, Any]], list[Any]]:
-    """JSON bodies (without flush/version fields) for /update_weights_from_tensor.
+    """JSON bodies (without flush/version fields) for /update_weights_from_tensor, every TP
+    rank's entry serialized in this process (CPU shared memory, or CUDA handles to this
+    process's GPU).
 
     Args:
         bucket: (HF name, full tensor) pairs.
@@ -137,23 +224,31 @@ def tensor_update_payloads(
             the same tensors (a shared-memory handle may be opened only once per copy).
         flattened: one flattened bucket per dtype (else a plain list of named tensors).
     Returns:
-        (bodies, keep_alive): request bodies, and the tensors that must stay alive until the
+        (bodies, keep_alive): request bodies, and the payloads that must stay alive until the
         server has answered (their memory is shared with it).
     """
     bodies, keep = [], []
-    if flattened:
-        for group in group_by_dtype(bucket):
-            payload = flatten_bucket(group)
-            keep.append(payload)
-            entries = [serialize(payload) for _ in range(tp_size)]
-            bodies.append({"serialized_named_tensors": entries, "load_format": FLATTENED_BUCKET})
-    else:
-        named = [(n, t.contiguous()) for n, t in bucket]
-        if named:
-            keep.append(named)
-            entries = [serialize(named) for _ in range(tp_size)]
-            bodies.append({"serialized_named_tensors": entries, "load_format": None})
+    for payload, fmt in bucket_payloads(bucket, flattened):
+        keep.append(payload)
+        entries = [serialize(payload) for _ in range(tp_size)]
+        bodies.append({"serialized_named_tensors": entries, "load_format": fmt})
     return bodies, keep
+
+
+def bucket_payloads(
+    bucket: Iterable[tuple[str, torch.Tensor]], flattened: bool = True
+) -> Iterator[tuple[Any, str | None]]:
+    """(payload, load_format) per request of one bucket, made one at a time: one flattened
+    bucket per dtype, or one plain named-tensor list. A dtype group's tensors are released
+    once its payload is made; the generator keeps no reference to a yielded payload."""
+    if not flattened:
+        named = [(n, t.detach().contiguous()) for n, t in bucket]
+        if named:
+            yield named, None
+        return
+    groups = group_by_dtype(bucket)
+    while groups:
+        yield flatten_bucket(groups.pop(0)), FLATTENED_BUCKET
 
 
 def decode_tensor_update(body: dict[str, Any], tp_rank: int = 0) -> list[tuple[str, torch.Tensor]]:

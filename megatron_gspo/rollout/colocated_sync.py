@@ -1,0 +1,206 @@
+"""Colocated weight sync: the learner's new weights into SGLang servers that share its GPUs,
+in the memory order of SGLang's own test (test_multi_stage_release_and_resume):
+
+    learner frees its cache, all ranks barrier -> servers resume `weights` only ->
+    buckets stream (export one, send it, drop it) -> learner frees its cache, barrier ->
+    servers resume `kv_cache` and `cuda_graph`
+
+so the servers' KV cache and CUDA graphs come back only after the learner's export memory is
+gone, and the whole model is never copied at once.
+
+Which process serializes which payload entry (`serialized_named_tensors[k]` is opened by the
+server's TP rank k, SGLang managers/tp_worker.py; the flattened-bucket path loads the tensors
+where they are, model_executor/model_runner.py): with CUDA, server i's TP rank k runs on GPU
+`i * tp + k` of the first node, and the learner rank on that GPU serializes entry k from its own
+copy of the bucket, so every server rank receives handles to memory on its own GPU; the entries
+are gathered to rank 0, which posts them. Without CUDA (CPU stand-in servers) rank 0
+serializes every entry (host shared memory). Attached servers with CUDA (GPU placement unknown)
+are refused with one line.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.rollout.sglang_weights import LiveBytes
+from megatron_gspo.rollout.weight_sync import FLATTENED_BUCKET, flatten_bucket, group_by_dtype, \
+    serialize
+
+RESUME_FIRST = ("weights",)
+RESUME_AFTER = ("kv_cache", "cuda_graph")
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def free_learner_cache() -> None:
+    """Return the learner's cached accelerator memory to the device, then barrier all ranks."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if _dist():
+        dist.barrier()
+
+
+def entry_ranks(
+    num_servers: int, tp_size: int, attached: bool, base_gpu_id: int = 0
+) -> list[list[int]] | None:
+    """Learner rank that serializes each server TP rank's entry (collective).
+
+    Args:
+        num_servers, tp_size: the launched servers.
+        attached: the servers were attached by URL (their GPUs are unknown).
+        base_gpu_id: GPU of server 0's TP rank 0 on the first node.
+    Returns:
+        [server][tp rank] -> learner rank, or None when rank 0 serializes every entry (no CUDA).
+    Raises:
+        RolloutError (same one line on every rank) for a layout that is not handled.
+    """
+    me = (socket.gethostname(), torch.cuda.current_device() if torch.cuda.is_available()
+          else None)
+    infos = [me]
+    if _dist():
+        infos = [None] * dist.get_world_size()
+        dist.all_gather_object(infos, me)
+    if infos[0][1] is None:
+        return None
+    if attached:
+        raise RolloutError(
+            "rollout.weight_sync=tensor with rollout.server_urls on GPUs: which GPU each server "
+            "TP rank uses is unknown, so CUDA IPC handles cannot be placed; launch the servers "
+            "(rollout.colocate=true, no server_urls) or use rollout.weight_sync=distributed")
+    by_gpu: dict[int, int] = {}
+    for rank, (host, dev) in enumerate(infos):
+        if host == infos[0][0]:
+            by_gpu.setdefault(dev, rank)
+    plan = []
+    for i in range(num_servers):
+        row = []
+        for k in range(tp_size):
+            gpu = base_gpu_id + i * tp_size + k
+            if gpu not in by_gpu:
+                raise RolloutError(
+                    f"colocated tensor sync: server {i} TP rank {k} runs on GPU {gpu} of the "
+                    "first node, where no learner rank runs; the learner must cover every "
+                    "server GPU (or use rollout.weight_sync=distributed)")
+            row.append(by_gpu[gpu])
+        plan.append(row)
+    return plan
+
+
+def _send(engine: Any, entries: Any, fmt: str | None, version: int) -> str | None:
+    """Rank 0 posts; every rank learns the outcome (a failure ends every rank alike)."""
+    err = None
+    if engine is not None:
+        try:
+            engine.sync(engine.apost_tensor_update(entries, fmt, version))
+        except Exception as e:  # re-raised on every rank below
+            err = f"{type(e).__name__}: {e}"
+    if _dist():
+        box = [err]
+        dist.broadcast_object_list(box, src=0)
+        err = box[0]
+    return err
+
+
+def stream_buckets(
+    buckets: Iterable[list], engine: Any, version: int, plan: list[list[int]] | None,
+    num_servers: int, tp_size: int,
+) -> None:
+    """Send every bucket (collective; `engine` on rank 0 only, paused around the stream).
+
+    Each bucket is split per dtype; each group is flattened (byte layout), serialized by the
+    ranks of `plan` (or rank 0 for every entry), posted, and dropped before the next one.
+    """
+    rank = dist.get_rank() if _dist() else 0
+    senders = {r for row in plan for r in row} if plan is not None else {0}
+    live = LiveBytes()
+    if engine is not None:
+        engine.sync(engine.abegin_tensor_update())
+    try:
+        for bucket in buckets:
+            groups = group_by_dtype(bucket)
+            total = sum(t.numel() * t.element_size() for g in groups for _, t in g)
+            if isinstance(bucket, list):
+                bucket.clear()  # the exporter's list no longer holds the tensors
+            peak = 0
+            while groups:
+                group = groups.pop(0)
+                payload = flatten_bucket(group) if rank in senders else None
+                del group
+                if payload is not None:
+                    peak = max(peak, live.add(payload))
+                entries = _entries(payload, plan, rank, num_servers, tp_size)
+                err = _send(engine, entries, FLATTENED_BUCKET, version)
+                del payload, entries  # the servers have copied from the shared memory
+                if err is not None:
+                    raise RolloutError(f"weight sync: {err}")
+            if engine is not None:
+                engine.note_bucket(total, peak)
+        if engine is not None:
+            engine.sync(engine.afinish_tensor_update(version))
+    finally:
+        if engine is not None:
+            engine.sync(engine.continue_generation())
+
+
+def _entries(
+    payload: Any, plan: list[list[int]] | None, rank: int, num_servers: int, tp_size: int
+) -> Sequence[Sequence[str]] | None:
+    """[server][tp rank] serialized entries on rank 0 (None elsewhere)."""
+    if plan is None:
+        if rank != 0:
+            return None
+        return [[serialize(payload) for _ in range(tp_size)] for _ in range(num_servers)]
+    mine = serialize(payload) if payload is not None else None
+    got: list = [None] * dist.get_world_size() if rank == 0 else None  # type: ignore[assignment]
+    dist.gather_object(mine, got, dst=0)
+    if rank != 0:
+        return None
+    return [[got[r] for r in row] for row in plan]
+
+
+def colocated_sync(
+    buckets: Iterable[list], engine: Any, version: int, *, num_servers: int, tp_size: int,
+    attached: bool,
+) -> dict[str, Any]:
+    """The whole colocated update in SGLang's memory order (collective over learner ranks).
+
+    Args:
+        buckets: the export stream (every rank iterates it: it is collective).
+        engine: the SGLang engine on rank 0, None elsewhere.
+        version: the new weight version.
+        num_servers, tp_size: the servers' layout; attached: servers given by URL.
+    Returns:
+        on rank 0: `sync_stats` plus `order` (the memory calls and the stream, in order);
+        {} elsewhere.
+    """
+    plan = entry_ranks(num_servers, tp_size, attached)
+    free_learner_cache()
+    if engine is not None:
+        engine.resume_memory(RESUME_FIRST)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    stream_buckets(buckets, engine, version, plan, num_servers, tp_size)
+    extra = torch.cuda.max_memory_allocated() - base if cuda else None
+    free_learner_cache()
+    if engine is None:
+        return {}
+    n_calls = len(engine.memory_calls)
+    engine.resume_memory(RESUME_AFTER)
+    out: dict[str, Any] = dict(engine.sync_stats)
+    if extra is not None:
+        out["cuda_peak_extra_bytes"] = float(extra)
+    calls = engine.memory_calls
+    stream = f"{int(out['buckets'])} buckets"
+    out["order"] = [*calls[:n_calls], stream, *calls[n_calls:]]
+    engine.memory_calls = []
+    return out
