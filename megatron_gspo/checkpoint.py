@@ -325,10 +325,10 @@ class Checkpointer:
         marker = read_marker(path)
         learner.load_checkpoint(str(path / "model"))
         rng = path / f"rng_rank{_rank()}.pt"
-        if not rng.is_file():
+        saved_world = marker.get("world_size", _world())
+        if saved_world == _world() and not rng.is_file():
             raise CheckpointError(f"checkpoint {path}: {rng.name} is missing (the RNG states of "
                                   f"rank {_rank()}); without it the run would not reproduce")
-        saved_world = marker.get("world_size", _world())
         if saved_world == _world():
             state = torch.load(rng, weights_only=True)
             set_rng_state(state)
