@@ -2,11 +2,14 @@
 megatron-core, one Transformer-Engine-spec GPTModel forward/backward, and an SGLang server
 round trip. Prints one table; exits 1 if any check failed, 0 otherwise.
 
-    python tools/gpu_selfcheck.py [--sglang-model DIR] [--json OUT.json]
+    python tools/gpu_selfcheck.py [--sglang-model DIR] [--json OUT.json] [--allow-missing]
 
 Without a CUDA device the GPU rows read "skipped: no CUDA" and the exit code is 0, so the same
-command works in CI and on a login node. Each check that touches the GPU runs in its own spawned
-process with a time limit, so one hang or crash cannot take the others down.
+command works in CI and on a login node. Inside the image a missing Transformer Engine or apex is
+a failure; `--allow-missing` reports them as skipped instead (a bare GPU machine with torch only,
+as `scripts/gpu_checks.sh` uses). SGLang is skipped when it is not installed. Each check that
+touches the GPU runs in its own spawned process with a time limit, so one hang or crash cannot
+take the others down.
 """
 
 from __future__ import annotations
@@ -41,11 +44,30 @@ class Row:
     detail: str = ""
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# SGLang 0.5.12 sets grpc_port = port + 10000 for every server and refuses to start when that
+# is above 65535 (sglang/srt/server_args.py, `_handle_deprecated_args`), gRPC on or off.
+MAX_SERVER_PORT = 65535 - 10000
+
+
+def free_port(max_port: int = MAX_SERVER_PORT, tries: int = 200) -> int:
+    """A TCP port at most `max_port` that was free a moment ago on 127.0.0.1.
+
+    The OS picks ports up to ~61000, about one in five above SGLang's bound; those are skipped.
+    """
+    for _ in range(tries):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port <= max_port:
+            return port
+    for port in range(max_port, 1023, -1):  # the OS kept picking high ports: scan down
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port at most {max_port} on 127.0.0.1")
 
 
 def run_isolated(fn, nprocs: int, timeout_s: float, *args) -> list:
@@ -131,8 +153,12 @@ def check_nccl(ngpu: int, timeout_s: float) -> Row:
 # ----------------------------------------------------------------------------- imports
 
 
-def check_te() -> Row:
-    """Transformer Engine imports with its PyTorch extension and runs one fused Linear."""
+def check_te(allow_missing: bool = False) -> Row:
+    """Transformer Engine imports with its PyTorch extension and runs one fused Linear.
+
+    Args:
+        allow_missing: a Transformer Engine that is not installed is skipped, not a failure.
+    """
     try:
         import torch
         import transformer_engine
@@ -146,13 +172,19 @@ def check_te() -> Row:
                    f"{transformer_engine.__version__}, te.Linear fwd/bwd "
                    f"{'finite' if ok else 'NOT finite'}")
     except ImportError as e:
+        if allow_missing and importlib.util.find_spec("transformer_engine") is None:
+            return Row("transformer-engine", "skipped: not installed")
         return Row("transformer-engine", "FAIL", f"not importable: {_error(e)}")
     except Exception as e:  # noqa: BLE001 - any failure is a FAIL row
         return Row("transformer-engine", "FAIL", _error(e))
 
 
-def check_apex() -> Row:
-    """apex with its CUDA extensions: amp_C, fused layer norm, and one FusedAdam step."""
+def check_apex(allow_missing: bool = False) -> Row:
+    """apex with its CUDA extensions: amp_C, fused layer norm, and one FusedAdam step.
+
+    Args:
+        allow_missing: an apex that is not installed is skipped, not a failure.
+    """
     try:
         import torch
         from apex.optimizers import FusedAdam
@@ -170,6 +202,8 @@ def check_apex() -> Row:
                    f"amp_C + fused_layer_norm_cuda present, FusedAdam step "
                    f"{'correct' if moved else 'WRONG'}")
     except ImportError as e:
+        if allow_missing and importlib.util.find_spec("apex") is None:
+            return Row("apex", "skipped: not installed")
         return Row("apex", "FAIL", f"not importable: {_error(e)}")
     except Exception as e:  # noqa: BLE001 - any failure is a FAIL row
         return Row("apex", "FAIL", _error(e))
@@ -381,8 +415,13 @@ def _sglang_round_trip(proc: subprocess.Popen, base: str, log: str, timeout_s: f
 
 
 def run_checks(sglang_model: str | None, timeout_s: float,
-               sglang_module: str = "sglang.launch_server") -> tuple[list[Row], bool]:
-    """All checks in order. Returns (rows, cuda_available)."""
+               sglang_module: str = "sglang.launch_server",
+               allow_missing: bool = False) -> tuple[list[Row], bool]:
+    """All checks in order. Returns (rows, cuda_available).
+
+    Args:
+        allow_missing: Transformer Engine / apex that are not installed are skipped rows.
+    """
     import torch
 
     rows = [Row("torch", "ok", f"{torch.__version__}, built for CUDA {torch.version.cuda}")]
@@ -395,13 +434,16 @@ def run_checks(sglang_model: str | None, timeout_s: float,
         rows.append(Row("cuda devices", "ok", f"{n} x {', '.join(names)} (sm {cap}), "
                         f"GPU 0: {free / 2**30:.0f}/{total / 2**30:.0f} GiB free"))
         rows.append(check_nccl(n, timeout_s))
-        rows.append(check_te())
-        rows.append(check_apex())
+        rows.append(check_te(allow_missing))
+        rows.append(check_apex(allow_missing))
     else:
         rows += [Row(c, NO_CUDA) for c in ("cuda devices", "nccl all-reduce",
                                            "transformer-engine", "apex")]
     rows.append(check_megatron(cuda))
-    if cuda:
+    if cuda and allow_missing and importlib.util.find_spec("transformer_engine") is None:
+        rows.append(Row("TE-spec GPTModel fwd/bwd", "skipped: Transformer Engine not installed"))
+        rows.append(check_sglang(sglang_model, timeout_s, sglang_module))
+    elif cuda:
         rows.append(check_gpt(timeout_s))
         rows.append(check_sglang(sglang_model, timeout_s, sglang_module))
     else:
@@ -429,8 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds allowed for each GPU check (default 600)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--allow-missing", action="store_true",
+                    help="report a Transformer Engine or apex that is not installed as skipped "
+                         "instead of failed (a bare GPU machine, not the image)")
     args = ap.parse_args(argv)
-    rows, cuda = run_checks(args.sglang_model, args.timeout, args.sglang_module)
+    rows, cuda = run_checks(args.sglang_model, args.timeout, args.sglang_module,
+                            args.allow_missing)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# The one GPU check command: on a GPU machine with torch, triton and transformers but no network,
+# install the kit's wheels offline (scripts/gpu_wheels.sh made the kit on a CPU machine), then run
+# each stage under its own time limit:
+#   wheels          check the kit, pip install --no-index --no-deps into a target dir, imports
+#   selfcheck       tools/gpu_selfcheck.py --allow-missing (TE, apex, SGLang skipped if absent)
+#   learner         scripts/gpu_learner_check.py (CUDA local spec vs the CPU reference)
+#   demo            the tiny demo on CUDA (learner + embedded engine), 20 steps, metrics.jsonl
+#   bench_learner   bench/learner_step.py: random Qwen3-0.6B-shape model, bf16, local spec:
+#                   tokens/s, MFU, peak memory
+#   bench_logprobs  bench/token_logprobs.py on CUDA
+# and end with a markdown summary (docs/gpu-results.md format). Exits 0 even when stages fail:
+# the summary says which. Exit 2 only for bad arguments.
+#
+# Usage: scripts/gpu_checks.sh [--cpu-dry-run] [--kit DIR] [--stages a,b,...] [--list] [OUT_DIR]
+#   OUT_DIR       default $OUT, else runs/gpu_checks; receives summary.md, results.json,
+#                 checks.log (every stage's output) and metrics.jsonl (the demo's)
+#   --cpu-dry-run the same stages on this CPU machine with tiny sizes (CUDA hidden): exercises
+#                 the kit check, the stage runner, the time limits and the summary
+#   --kit DIR     the kit folder (default .whl in the repository root)
+#   --stages      run only these stages, in the usual order
+#   --list        print the stages and their time limits, and exit
+# Environment: PYTHON (GPU default python3; dry run: .venv/bin/python if present),
+#   GPU_CHECKS_LIMIT_<STAGE>=SECONDS overrides a stage's limit (e.g. GPU_CHECKS_LIMIT_DEMO=120),
+#   GPU_CHECKS_WORK=DIR keeps the work files (default: a temp dir).
+# On the device machine (wheels travel in .whl):
+#   run(command="bash scripts/gpu_checks.sh", carry=[".whl"], timeout_s=540)
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+die() { echo "gpu_checks.sh: $*" >&2; exit 2; }
+
+STAGES=(wheels selfcheck learner demo bench_learner bench_logprobs)
+# Seconds per stage. Together 480 s: the GPU machine is lent for about ten minutes, start-up
+# included, and a command may run 600 s.
+declare -A LIMIT=([wheels]=45 [selfcheck]=75 [learner]=105 [demo]=90 [bench_learner]=90
+                  [bench_logprobs]=75)
+
+mode=gpu
+kit=$root/.whl
+only=""
+list=0
+out=""
+while (( $# )); do
+    case "$1" in
+        --cpu-dry-run) mode=dry; shift ;;
+        --kit) (( $# >= 2 )) || die "--kit needs a directory"; kit=$2; shift 2 ;;
+        --stages) (( $# >= 2 )) || die "--stages needs a list"; only=$2; shift 2 ;;
+        --list) list=1; shift ;;
+        -*) die "unknown option '$1'" ;;
+        *) [[ -z "$out" ]] || die "one OUT_DIR only"; out=$1; shift ;;
+    esac
+done
+
+for s in "${STAGES[@]}"; do
+    var="GPU_CHECKS_LIMIT_${s^^}"
+    if [[ -n "${!var:-}" ]]; then
+        if ! [[ "${!var}" =~ ^[0-9]+$ ]] || (( ${!var} == 0 )); then
+            die "$var must be a positive integer"
+        fi
+        LIMIT[$s]=${!var}
+    fi
+done
+selected=()
+if [[ -n "$only" ]]; then
+    IFS=',' read -r -a want <<< "$only"
+    for w in "${want[@]}"; do
+        [[ -n "${LIMIT[$w]:-}" ]] || die "unknown stage '$w' (stages: ${STAGES[*]})"
+    done
+    for s in "${STAGES[@]}"; do
+        for w in "${want[@]}"; do [[ "$s" == "$w" ]] && selected+=("$s"); done
+    done
+else
+    selected=("${STAGES[@]}")
+fi
+total_limit=0
+for s in "${selected[@]}"; do total_limit=$(( total_limit + LIMIT[$s] )); done
+if (( list )); then
+    for s in "${selected[@]}"; do printf '%s\t%s\n' "$s" "${LIMIT[$s]}"; done
+    printf 'total\t%s\n' "$total_limit"
+    exit 0
+fi
+
+out=${out:-${OUT:-$root/runs/gpu_checks}}
+mkdir -p "$out" || die "cannot create $out"
+out=$(cd "$out" && pwd)
+work=${GPU_CHECKS_WORK:-$(mktemp -d -t gpu_checks.XXXXXX)}
+mkdir -p "$work" || die "cannot create $work"
+work=$(cd "$work" && pwd)
+: > "$work/stages.tsv"
+: > "$out/checks.log"
+rm -f "$out/summary.md" "$out/results.json" "$out/metrics.jsonl"
+
+if [[ -n "${PYTHON:-}" ]]; then
+    py=$PYTHON
+elif [[ "$mode" == dry && -x "$root/.venv/bin/python" ]]; then
+    py=$root/.venv/bin/python
+else
+    py=python3
+fi
+site=$work/site
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+if [[ "$mode" == gpu ]]; then
+    export PYTHONPATH="$site:$root${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+    export CUDA_VISIBLE_DEVICES=""   # the CPU paths, even on a machine with a GPU
+fi
+cd "$root" || die "cannot enter $root"
+
+echo "gpu_checks.sh ($mode): stages ${selected[*]}; limits total ${total_limit} s;" \
+     "out $out; work $work"
+
+# run_stage NAME COMMAND...: run under the stage's time limit; log, exit code and seconds.
+run_stage() {
+    local name=$1 limit=${LIMIT[$1]} t0 t1 rc
+    shift
+    echo "== [$name] limit ${limit} s: $*" | tee -a "$out/checks.log"
+    t0=$(date +%s.%N)
+    # timeout signals the command's whole process group; -k: SIGKILL 10 s after SIGTERM.
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$work/$name.log" >> "$out/checks.log"
+    rc=${PIPESTATUS[0]}
+    t1=$(date +%s.%N)
+    local secs
+    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.1f", b - a}')
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$limit" >> "$work/stages.tsv"
+    if (( rc == 0 )); then
+        echo "   [$name] ok in ${secs} s"
+    elif (( rc == 124 || rc == 137 )); then
+        echo "   [$name] TIMEOUT after ${secs} s (limit ${limit} s); last lines:"
+        tail -n 5 "$work/$name.log" | sed 's/^/     /'
+    else
+        echo "   [$name] FAILED (exit $rc) in ${secs} s; last lines:"
+        tail -n 8 "$work/$name.log" | sed 's/^/     /'
+    fi
+}
+
+if [[ "$mode" == gpu ]]; then
+    demo_args=(train.max_steps=20 train.eval_interval=20)
+    bench_learner_args=(--models qwen3-0.6b --dtype bfloat16 --spec local --samples 32
+                        --prompt 256 --response 768 --microbatches 4 --steps 3 --matmul-probe)
+    bench_logprobs_args=(--repeats 3)
+    kit_args=()
+else
+    demo_args=(train.max_steps=2 train.eval_interval=2 train.eval_prompts=16)
+    bench_learner_args=(--models tiny-qwen3 --samples 4 --prompt 8 --response 8
+                        --microbatches 1 --steps 1)
+    bench_logprobs_args=(--cases "256x1000:float32,256x1000:bfloat16" --repeats 1)
+    kit_args=(--cross)
+fi
+ref_args=()
+[[ -f "$kit/learner_ref/ref.pt" ]] && ref_args=(--reference "$kit/learner_ref/ref.pt")
+
+for s in "${selected[@]}"; do
+    case "$s" in
+        wheels)
+            run_stage wheels "$py" scripts/gpu_kit.py kit --kit "$kit" --target "$site" \
+                --json "$work/kit.json" "${kit_args[@]}" ;;
+        selfcheck)
+            run_stage selfcheck "$py" tools/gpu_selfcheck.py --allow-missing --sglang-model tiny \
+                --timeout 60 --json "$work/selfcheck.json" ;;
+        learner)
+            run_stage learner "$py" scripts/gpu_learner_check.py --out "$work/learner" \
+                --json "$work/learner.json" "${ref_args[@]}" ;;
+        demo)
+            run_stage demo "$py" -m megatron_gspo.cli train examples/tiny/config.yaml \
+                --run-dir "$work/demo" "${demo_args[@]}" checkpoint.interval=0 \
+                logging.progress_bar=false logging.tensorboard=false
+            [[ -f "$work/demo/metrics.jsonl" ]] && cp "$work/demo/metrics.jsonl" "$out/" ;;
+        bench_learner)
+            run_stage bench_learner "$py" bench/learner_step.py "${bench_learner_args[@]}" \
+                --json "$work/bench_learner.json" ;;
+        bench_logprobs)
+            run_stage bench_logprobs "$py" bench/token_logprobs.py "${bench_logprobs_args[@]}" \
+                --json "$work/bench_logprobs.json" ;;
+    esac
+done
+
+commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || true)
+if [[ -n "$commit" ]] && [[ -n "$(git -C "$root" status --porcelain 2>/dev/null)" ]]; then
+    commit="$commit (with uncommitted changes)"
+fi
+echo
+if ! "$py" scripts/gpu_kit.py summary --work "$work" --mode "$mode" --out "$out/summary.md" \
+        --json "$out/results.json" ${commit:+--commit "$commit"}; then
+    echo "gpu_checks.sh: the summary writer failed; stage exit codes:" >&2
+    cat "$work/stages.tsv" >&2
+fi
+exit 0
