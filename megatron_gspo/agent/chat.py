@@ -220,6 +220,9 @@ def parse_action(text: str, fmt: ChatFormat = QWEN3) -> ParsedAction:
         except json.JSONDecodeError as exc:
             errors.append(f"invalid JSON in tool call: {exc.msg} at position {exc.pos}")
             continue
+        except RecursionError:
+            errors.append("tool call JSON is nested too deeply")
+            continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             errors.append('tool call must be a JSON object with a string "name"')
             continue
@@ -227,7 +230,7 @@ def parse_action(text: str, fmt: ChatFormat = QWEN3) -> ParsedAction:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 errors.append(f'tool call {obj["name"]!r}: "arguments" is not a JSON object')
                 continue
         if not isinstance(args, dict):

@@ -177,8 +177,11 @@ def resolve_env(spec: str) -> Callable[..., Any]:
             mod = _load_file_module(mod_name)
         else:
             mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise ValueError(f"environment {spec!r}: cannot import module {mod_name!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - user code: SyntaxError, ImportError, ...
+        detail = (f"{exc.msg} ({exc.filename}, line {exc.lineno})"
+                  if isinstance(exc, SyntaxError) else " ".join(str(exc).split()))
+        raise ValueError(f"environment {spec!r}: cannot import module {mod_name!r}: "
+                         f"{type(exc).__name__}: {detail}") from None
     cls = getattr(mod, attr, None)
     if cls is None:
         raise ValueError(f"environment {spec!r}: module {mod_name!r} has no attribute {attr!r}")

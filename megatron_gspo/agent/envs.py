@@ -87,12 +87,26 @@ class CalculatorEnv(ToolEnvironment):
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
         return msgs
 
-    def score_answer(self, content: str, sample: Any) -> tuple[float, dict[str, Any]]:
-        _, label = row_fields(sample)
+    @staticmethod
+    def check_label(label: Any) -> float:
+        """The label as a number; ValueError when there is none or it is not numeric (the
+        trainer checks every row with this before training)."""
         if label is None:
             raise ValueError("calculator environment: row has no 'label'/'answer'")
+        if isinstance(label, bool):
+            raise ValueError("calculator environment: label is a boolean, not a number")
+        try:
+            want = float(str(label).replace(",", ""))
+        except ValueError:
+            raise ValueError("calculator environment: label is not a number") from None
+        if not math.isfinite(want):
+            raise ValueError("calculator environment: label is not a finite number")
+        return want
+
+    def score_answer(self, content: str, sample: Any) -> tuple[float, dict[str, Any]]:
+        _, label = row_fields(sample)
+        want = self.check_label(label)
         got = last_number(content)
-        want = float(str(label).replace(",", ""))
         ok = got is not None and math.isclose(got, want, rel_tol=self.rel_tol, abs_tol=1e-9)
         return (self.correct_reward if ok else 0.0), {"correct": int(ok)}
 

@@ -14,6 +14,8 @@ concurrently (asyncio); `EngineBatcher` merges their concurrent turn requests in
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -282,7 +284,7 @@ class EpisodeRunner:
                     rewards.append(0.0)
                     finish, stop = "abort", "episode_timeout"
                     break
-                rewards.append(float(res.reward))
+                rewards.append(_turn_reward(res.reward))
                 _merge_info(metrics, res.info)
                 if res.done:
                     finish, stop = "stop", "done"
@@ -308,6 +310,7 @@ class EpisodeRunner:
         except Exception as exc:  # noqa: BLE001  (a broken environment ends only its episode)
             finish, stop = "abort", "env_error"
             metrics["env_error"] = f"{type(exc).__name__}: {exc}"
+            metrics["env_errors"] = 1  # counted: agent/env_errors is the share of episodes
             if not prompt_ids:  # reset failed: keep a valid (untrainable) placeholder prompt
                 prompt_ids = [self.im_end_id]
             n_model_turns = (tids[-1] + 1) if tids else 0
@@ -378,6 +381,18 @@ class EpisodeRunner:
 
 class _EngineFailure(Exception):
     """Carries an engine exception through the episode's environment-error handler."""
+
+
+def _turn_reward(value: Any) -> float:
+    """An environment's turn reward as float; ValueError (ends the episode as an environment
+    error) for non-numbers, booleans, NaN and infinities."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"environment returned reward {value!r:.40} ({type(value).__name__}); "
+                         "expected a finite number")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"environment returned reward {out}; expected a finite number")
+    return out
 
 
 def _merge_info(metrics: dict[str, Any], info: dict[str, Any]) -> None:
