@@ -70,3 +70,33 @@ def test_sglang_round_trip_against_a_server_with_sglangs_api(tmp_path):
     assert "16 tokens + 16 logprobs" in row.detail
     bad = sc.check_sglang(str(tmp_path), timeout_s=5, module="megatron_gspo.rollout.standin_server")
     assert bad.status == "FAIL" and "no config.json" in bad.detail
+
+
+def _selfcheck():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gpu_selfcheck as sc
+    finally:
+        sys.path.pop(0)
+    return sc
+
+
+def test_free_port_stays_within_sglangs_port_bound():
+    """SGLang 0.5.12 refuses a --port above 55535 (it sets grpc_port = port + 10000 <= 65535);
+    about one OS-picked port in five is above it."""
+    sc = _selfcheck()
+    ports = [sc.free_port() for _ in range(60)]
+    assert max(ports) <= 55535, sorted(ports)[-5:]
+    assert min(ports) >= 1024
+
+
+def test_absent_te_and_apex_are_skipped_only_when_allowed():
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") or importlib.util.find_spec("apex"):
+        pytest.skip("Transformer Engine or apex is installed here")
+    sc = _selfcheck()
+    assert sc.check_te(allow_missing=True) == sc.Row("transformer-engine",
+                                                     "skipped: not installed")
+    assert sc.check_apex(allow_missing=True) == sc.Row("apex", "skipped: not installed")
+    assert sc.check_te().status == "FAIL" and sc.check_apex().status == "FAIL"
