@@ -195,11 +195,14 @@ def _dataset(cfg: Config, tok, path: str):
     from megatron_gspo.data.datasets import PromptDataset
 
     d = cfg.data
-    return PromptDataset.from_file(path, tok, prompt_key=d.prompt_key, label_key=d.label_key,
-                                   system_prompt=d.system_prompt,
-                                   apply_chat_template=d.apply_chat_template,
-                                   max_prompt_length=d.max_prompt_length,
-                                   skip_bad_rows=d.skip_bad_rows)
+    ds = PromptDataset.from_file(path, tok, prompt_key=d.prompt_key, label_key=d.label_key,
+                                 system_prompt=d.system_prompt,
+                                 apply_chat_template=d.apply_chat_template,
+                                 max_prompt_length=d.max_prompt_length,
+                                 skip_bad_rows=d.skip_bad_rows)
+    if cfg.agent.enabled:
+        _check_agent_labels(cfg, ds)
+    return ds
 
 
 def prompt_stream(cfg: Config, tok):
@@ -234,3 +237,109 @@ def reward_scorer(cfg: Config, tok):
         score_samples(samples, fn, detok, kwargs)
 
     return score
+
+
+# ----------------------------------------------------------------------------- early checks
+# Everything below runs before the learner is built, so a wrong setting costs seconds and
+# prints one line instead of a traceback after minutes of start-up.
+
+LABEL_REWARDS = ("math", "math_boxed_strict", "exact_match")  # built-ins that need a label
+
+
+def check_run_dir(run_dir: Path, ckpt_root: Path) -> None:
+    """RUN_DIR and the checkpoint root can be created and written (ConfigError otherwise)."""
+    import tempfile
+
+    for what, d in (("run dir", Path(run_dir)), ("checkpoint dir", Path(ckpt_root))):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".write_check_", dir=d)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ConfigError(f"{what} {d} is not writable: {e.strerror or e}") from None
+
+
+def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
+    """Settings that would otherwise fail only once the learner and engine exist: the parallel
+    layout against the world size and the model, the chat template, the agent environment and
+    its `agent.env_kwargs`, a reward that needs labels when `data.label_key` is null.
+
+    Raises:
+        ConfigError naming the field.
+    """
+    from megatron_gspo.megatron.parallel import ParallelLayout, ParallelLayoutError, check_layout
+
+    p = cfg.parallel
+    layout = ParallelLayout(tensor=p.tensor, pipeline=p.pipeline,
+                            virtual_pipeline=p.virtual_pipeline, expert=p.expert,
+                            expert_tensor=p.expert_tensor, context=p.context,
+                            sequence_parallel=p.sequence_parallel)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        check_layout(layout, world, hf_config)
+    except ParallelLayoutError as e:
+        raise ConfigError(f"parallel: {e}") from None
+    if cfg.agent.enabled:
+        _check_agent(cfg)
+    elif cfg.data.apply_chat_template and not getattr(tok, "chat_template", None):
+        raise ConfigError("data.apply_chat_template: the tokenizer of "
+                          f"{cfg.model.tokenizer or cfg.model.path} has no chat template; set "
+                          "data.apply_chat_template=false or use a tokenizer with one")
+    if cfg.data.label_key is None and not cfg.agent.enabled \
+            and cfg.reward.name in LABEL_REWARDS:
+        raise ConfigError(f"reward.name: {cfg.reward.name!r} compares responses with a label "
+                          "but data.label_key is null; set data.label_key or use a reward that "
+                          "needs no label")
+
+
+def _env_class(cfg: Config):
+    from megatron_gspo.agent.env import resolve_env
+
+    try:
+        return resolve_env(cfg.agent.environment)
+    except ValueError as e:
+        raise ConfigError(f"agent.environment: {e}") from None
+
+
+def _check_agent(cfg: Config) -> None:
+    import inspect
+
+    if cfg.data.apply_chat_template:
+        raise ConfigError("data.apply_chat_template: must be false with agent.enabled (the "
+                          "environment renders the chat from the raw prompt)")
+    cls = _env_class(cfg)
+    kwargs = dict(cfg.agent.env_kwargs)
+    if cfg.agent.python_tool:
+        kwargs["python_tool"] = True
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"agent.env_kwargs: {cfg.agent.environment} does not take "
+                          f"{sorted(kwargs)}: {e}") from None
+    except ValueError:
+        pass  # no introspectable signature
+
+
+def _check_agent_labels(cfg: Config, ds) -> None:
+    """Agent mode: the environment's `check_label(label)` (when it has one) on every row; a
+    bad label is a bad row (DatasetError naming it, or skipped with data.skip_bad_rows)."""
+    from megatron_gspo.data.datasets import DatasetError
+
+    check = getattr(_env_class(cfg), "check_label", None)
+    if not callable(check):
+        return
+    keep = []
+    for item in ds.items:
+        try:
+            check(item.label)
+        except (ValueError, TypeError) as e:
+            msg = f"{ds.path} row {item.row}: label {item.label!r:.40}: {e}"
+            if not cfg.data.skip_bad_rows:
+                raise DatasetError(msg + " (set skip_bad_rows to skip such rows)") from None
+            ds.skipped.append(msg)
+            continue
+        keep.append(item)
+    if not keep:
+        raise DatasetError(f"{ds.path}: no usable rows ({len(ds.skipped)} bad rows skipped)")
+    ds.items = keep
