@@ -168,17 +168,20 @@ def bucketize(
     Yields:
         lists of (name, tensor).
     """
-    bucket: Bucket = []
+    held: list[Bucket] = [[]]  # the generator keeps no reference to a yielded bucket
     size = 0
     for name, t in named:
         nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
+        if held[0] and size + nbytes > bucket_bytes:
+            yield held.pop()
+            held.append([])
+            size = 0
+        held[0].append((name, t))
         size += nbytes
+        del t
         if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+            yield held.pop()
+            held.append([])
+            size = 0
+    if held[0]:
+        yield held.pop()

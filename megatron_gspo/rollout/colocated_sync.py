@@ -127,8 +127,7 @@ def stream_buckets(
         for bucket in buckets:
             groups = group_by_dtype(bucket)
             total = sum(t.numel() * t.element_size() for g in groups for _, t in g)
-            if isinstance(bucket, list):
-                bucket.clear()  # the exporter's list no longer holds the tensors
+            del bucket  # the groups hold the tensors now (the exporter keeps none)
             peak = 0
             while groups:
                 group = groups.pop(0)

@@ -147,15 +147,15 @@ class SGLangWeightSync:
 
     async def aupdate_weights_from_tensor(self, buckets: Iterable[Bucket], version: int) -> None:
         """Colocated update: every bucket through /update_weights_from_tensor (flattened, one
-        request per dtype), streamed: a bucket's exported tensors are handed over to its
-        payloads group by group, and each payload is dropped once the servers answered."""
+        request per dtype), streamed: a bucket's tensors are handed over to its payloads group
+        by group, and each payload is dropped once the servers answered (the exporter keeps no
+        reference to a bucket it yielded)."""
         await self.abegin_tensor_update()
         live = LiveBytes()
         try:
             for bucket in buckets:
                 named = list(bucket)
-                if isinstance(bucket, list):
-                    bucket.clear()  # the producer's list no longer holds the tensors
+                del bucket  # this loop holds the tensors through `named` only
                 total = sum(t.numel() * t.element_size() for _, t in named)
                 peak = 0
                 for payload, fmt in bucket_payloads(_drain(named)):
