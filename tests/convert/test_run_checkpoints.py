@@ -1,0 +1,113 @@
+"""`mcore-to-hf` converts the trainer's own run checkpoints (runs/<name>/checkpoints/step_N).
+
+One worker launch (tests/convert/_run_ckpt_worker.py, 4 gloo processes) trains one step and
+saves through `Checkpointer.save` under TP2xPP2 (tied embeddings), PP2xEP2 (MoE) and PP2xVPP2
+with the distributed optimizer (DP2). Each checkpoint is converted to HF (given as the step
+directory, the run directory, or the step's model/ folder; under other conversion layouts),
+and transformers' log-probs of the batch equal the learner's after its step.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import yaml
+
+from tests.convert._run_ckpt_worker import CASES, samples
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+from convert_checkpoint import main  # noqa: E402
+
+STEP = "checkpoints/step_00000001"
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_hf, tmp_path_factory):
+    work = tmp_path_factory.mktemp("runs")
+    args = {"hf_dirs": {a: str(d) for a, d in tiny_hf.items()}, "work": str(work)}
+    p = subprocess.run(
+        [sys.executable, "-W", "ignore", str(Path(__file__).with_name("_run_ckpt_worker.py")),
+         json.dumps(args)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    for case, (arch, _, _) in CASES.items():  # the model section of the trainer's config.yaml
+        (work / case / "config.yaml").write_text(
+            yaml.safe_dump({"model": {"path": str(tiny_hf[arch])}}))
+    return work
+
+
+def _cli(*argv):
+    p = subprocess.run(
+        [sys.executable, "-W", "ignore", str(ROOT / "tools" / "convert_checkpoint.py"), *argv,
+         "--no-progress"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def _hf_logprobs(model_dir: Path) -> list[list[float]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    out = []
+    with torch.no_grad():
+        for s in samples():
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            lp = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+            pos = torch.arange(len(s.prompt_ids) - 1, ids.shape[1] - 1)
+            out.append(lp[pos, ids[0, pos + 1]].tolist())
+    return out
+
+
+HOW = {
+    # case: (what --ckpt points at, extra arguments)
+    "tied_tp2_pp2": (STEP, []),
+    "moe_pp2_ep2": ("", ["--ep", "2"]),  # the run directory: its newest complete checkpoint
+    "llama_pp2_vpp2_dp2": (STEP + "/model", ["--tp", "2", "--hf-config", None]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_run_checkpoint_converts_and_logprobs_match(runs, tiny_hf, tmp_path, case):
+    arch = CASES[case][0]
+    where, extra = HOW[case]
+    extra = [str(tiny_hf[arch]) if a is None else a for a in extra]
+    out = tmp_path / "hf"
+    _cli("mcore-to-hf", "--ckpt", str(runs / case / where), "--out", str(out), *extra)
+    assert (out / "tokenizer_config.json").is_file()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == [arch]
+    ref = torch.load(runs / case / "logprobs.pt")
+    got = _hf_logprobs(out)
+    moved = max(abs(a - b) for x, y in zip(ref["logprobs"], ref["before"], strict=True)
+                for a, b in zip(x, y, strict=True))
+    assert moved > 1e-3  # the step changed the model: the HF model has the trained weights
+    for g, w in zip(got, ref["logprobs"], strict=True):
+        assert torch.allclose(torch.tensor(g), torch.tensor(w, dtype=torch.float64),
+                              rtol=0, atol=2e-5), (g, w)
+
+
+@pytest.mark.slow
+def test_damaged_or_incomplete_run_checkpoint_is_refused(runs, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(runs / "tied_tp2_pp2", run)
+    step = run / STEP
+    shard = sorted((step / "model").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other bytes
+    shard.write_bytes(bytes(data))
+    rc = main(["mcore-to-hf", "--ckpt", str(step), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and len(err.splitlines()) == 1 and shard.name in err and "sha256" in err, err
+    (step / "COMPLETE").unlink()
+    rc = main(["mcore-to-hf", "--ckpt", str(step), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and "COMPLETE" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
