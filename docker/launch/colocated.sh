@@ -8,6 +8,9 @@
 # Environment (besides torchrun.sh's NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT):
 #   ROLLOUT_TP            tensor-parallel size of each SGLang server      (default 1)
 #   ROLLOUT_MEM_FRACTION  SGLang --mem-fraction-static while generating   (default 0.5)
+#   SGLANG_API_KEY        when set, the launched servers require it and the learner sends it
+#                         (rollout.api_key_env=SGLANG_API_KEY; the key stays in the environment)
+# The servers bind to rollout.host (127.0.0.1 unless the config says otherwise).
 # One server per ROLLOUT_TP GPUs of the first node: rollout.num_servers = GPUS_PER_NODE / ROLLOUT_TP.
 # The learner's rank 0 launches the servers on its own node and updates them through CUDA IPC,
 # so with NNODES > 1 the rollouts use the first node's GPUs only (every node still trains);
@@ -40,6 +43,10 @@ mem=${ROLLOUT_MEM_FRACTION:-0.5}
 if (( nnodes > 1 )) && [[ "${NODE_RANK:-0}" == 0 ]]; then
     echo "colocated.sh: $nnodes nodes: rollout servers run on the first node's $gpus GPUs" >&2
 fi
+auth=()
+if [[ -n "${SGLANG_API_KEY:-}" ]]; then
+    auth=(rollout.api_key_env=SGLANG_API_KEY)
+fi
 export GPUS_PER_NODE=$gpus
 exec "$here/torchrun.sh" "${dry[@]}" "$config" "${RUN_DIR_ARGS[@]}" \
     rollout.engine=sglang \
@@ -47,4 +54,5 @@ exec "$here/torchrun.sh" "${dry[@]}" "$config" "${RUN_DIR_ARGS[@]}" \
     "rollout.tp_size=$tp" \
     "rollout.num_servers=$(( gpus / tp ))" \
     "rollout.mem_fraction=$mem" \
+    "${auth[@]}" \
     "${OVERRIDE_ARGS[@]}"

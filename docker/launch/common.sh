@@ -69,3 +69,34 @@ json_list() {
     done
     echo "[${out}]"
 }
+
+# Highest port an SGLang 0.5.12 server accepts: it sets its gRPC port to port + 10000 and
+# refuses one above 65535 (sglang/srt/server_args.py, _handle_deprecated_args).
+# shellcheck disable=SC2034  # read by the scripts that source this file
+MAX_SERVER_PORT=55535
+
+# rollout_dtype: ROLLOUT_DTYPE (default bfloat16), validated.
+rollout_dtype() {
+    local d=${ROLLOUT_DTYPE:-bfloat16}
+    case "$d" in
+        bfloat16|float16|float32) echo "$d" ;;
+        *) die "ROLLOUT_DTYPE must be bfloat16, float16 or float32, got '$d'" ;;
+    esac
+}
+
+# bind_address VALUE: the address servers bind to. "internal" is the address this node's
+# hostname resolves to (the one other nodes of the cluster use); anything else is taken as is.
+bind_address() {
+    local value=$1 addr
+    if [[ "$value" != internal ]]; then
+        [[ -n "$value" && "$value" != *[[:space:]]* ]] || die "ROLLOUT_HOST: bad address '$value'"
+        echo "$value"
+        return
+    fi
+    addr=$(getent hosts "$(hostname)" 2>/dev/null | awk 'NR == 1 {print $1}')
+    if [[ -z "$addr" || "$addr" == 127.* || "$addr" == ::1 ]]; then
+        addr=$(hostname -I 2>/dev/null | awk '{print $1}')
+    fi
+    [[ -n "$addr" ]] || die "ROLLOUT_HOST=internal: cannot find this node's address; set ROLLOUT_HOST to it"
+    echo "$addr"
+}

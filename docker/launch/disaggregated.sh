@@ -10,13 +10,30 @@
 # rollout role, environment:
 #   GPUS_PER_NODE         GPUs on this node used for serving        (default: nvidia-smi count)
 #   ROLLOUT_TP            tensor-parallel size of each server       (default 1)
-#   ROLLOUT_BASE_PORT     port of the first server; server i uses base + i   (default 30000)
+#   ROLLOUT_BASE_PORT     port of the first server; server i uses base + i   (default 30000;
+#                         the last port must be at most 55535: SGLang adds 10000 for its gRPC
+#                         port and refuses anything above 65535)
 #   ROLLOUT_MEM_FRACTION  SGLang --mem-fraction-static              (default 0.85)
-#   ROLLOUT_HOST          address the servers bind to               (default 0.0.0.0)
+#   ROLLOUT_DTYPE         SGLang --dtype: the dtype the learner exports its weights in, i.e.
+#                         its model.dtype (default bfloat16, model.dtype's default; SGLang's
+#                         own "auto" would serve a float32 checkpoint in float16)
+#   ROLLOUT_HOST          address the servers bind to (default 127.0.0.1: this node only).
+#                         "internal": the address this node's hostname resolves to (the
+#                         cluster-internal one, which learners on other nodes reach); or any
+#                         literal address. 0.0.0.0 exposes the servers on every interface.
+#   SGLANG_API_KEY        when set, every server requires it (SGLang --api-key: every endpoint
+#                         but /health* and /metrics* wants "Authorization: Bearer <key>")
 #   LOG_DIR               server logs go to LOG_DIR/sglang_<host>_<i>.log (default: stdout)
 #   SGLANG_EXTRA_ARGS     extra arguments for every server (word-split)
+#   SGLANG_SERVER_MODULE  Python module run with SGLang's flags (default sglang.launch_server)
 # learner role, environment: torchrun.sh's (NNODES counts learner nodes only) plus
 #   ROLLOUT_URLS          comma-separated server URLs, e.g. http://node2:30000,http://node2:30001
+#   ROLLOUT_DTYPE         when set, also the learner's model.dtype (before the user's overrides)
+#   SGLANG_API_KEY        when set, the learner sends it (rollout.api_key_env=SGLANG_API_KEY: the
+#                         config names the variable, the key itself stays in the environment)
+# The servers accept pickled weight payloads (/update_weights_from_tensor) and join NCCL groups
+# on request (/init_weights_update_group): whoever reaches their port controls them. Bind them
+# to an address only the cluster reaches and set SGLANG_API_KEY (docs/multinode.md, "Security").
 set -euo pipefail
 here=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=docker/launch/common.sh
@@ -42,32 +59,49 @@ run_learner() {
     for url in "${urls[@]}"; do
         [[ "$url" =~ ^https?://[^/:]+:[0-9]+/?$ ]] || die "ROLLOUT_URLS: bad server URL '$url'"
     done
-    local dry=()
+    local dry=() extra=()
     (( dry_run )) && dry=(--dry-run)
+    if [[ -n "${ROLLOUT_DTYPE:-}" ]]; then
+        extra+=("model.dtype=$(rollout_dtype)")
+    fi
+    if [[ -n "${SGLANG_API_KEY:-}" ]]; then
+        extra+=(rollout.api_key_env=SGLANG_API_KEY)
+    fi
     exec "$here/torchrun.sh" "${dry[@]}" "$config" "${RUN_DIR_ARGS[@]}" \
         rollout.engine=sglang \
         rollout.colocate=false \
         "rollout.server_urls=$(json_list "${urls[@]}")" \
         rollout.weight_sync=distributed \
+        "${extra[@]}" \
         "${OVERRIDE_ARGS[@]}"
 }
 
 run_rollout() {
     local model=$1
     (( $# == 1 )) || die "rollout role takes exactly one argument, MODEL_DIR"
-    local gpus tp base mem host
+    local gpus tp base mem host dtype
     gpus=$(gpus_per_node)
     tp=${ROLLOUT_TP:-1}
     require_int ROLLOUT_TP "$tp" 1 "$gpus"
     (( gpus % tp == 0 )) || die "ROLLOUT_TP=$tp must divide GPUS_PER_NODE=$gpus"
     base=${ROLLOUT_BASE_PORT:-30000}
-    require_int ROLLOUT_BASE_PORT "$base" 1 65535
+    # Server i listens on base + i; SGLang refuses a port above MAX_SERVER_PORT.
+    require_int ROLLOUT_BASE_PORT "$base" 1 $(( MAX_SERVER_PORT - gpus / tp + 1 ))
     mem=${ROLLOUT_MEM_FRACTION:-0.85}
     [[ "$mem" =~ ^0?\.[0-9]+$ ]] || die "ROLLOUT_MEM_FRACTION must be a fraction in (0, 1), got '$mem'"
-    host=${ROLLOUT_HOST:-0.0.0.0}
-    local extra=()
+    dtype=$(rollout_dtype)
+    host=$(bind_address "${ROLLOUT_HOST:-127.0.0.1}")
+    if [[ "$host" == 0.0.0.0 || "$host" == "::" ]] && [[ -z "${SGLANG_API_KEY:-}" ]]; then
+        echo "disaggregated.sh: warning: servers bind to every interface ($host) without" \
+             "SGLANG_API_KEY: anyone who reaches their ports can load weights into them" >&2
+    fi
+    local extra=() auth=()
     if [[ -n "${SGLANG_EXTRA_ARGS:-}" ]]; then
         read -r -a extra <<< "$SGLANG_EXTRA_ARGS"
+    fi
+    if [[ -n "${SGLANG_API_KEY:-}" ]]; then
+        # SGLang takes the key only as an argument (visible in this node's process list).
+        auth=(--api-key "$SGLANG_API_KEY")
     fi
     if (( ! dry_run )); then
         [[ -d "$model" ]] || die "MODEL_DIR is not a directory: $model"
@@ -79,20 +113,23 @@ run_rollout() {
     trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
     for (( i = 0; i < n; i++ )); do
         local cmd=(
-            "${PYTHON:-python3}" -m sglang.launch_server
+            "${PYTHON:-python3}" -m "${SGLANG_SERVER_MODULE:-sglang.launch_server}"
             --model-path "$model"
             --host "$host"
             --port "$(( base + i ))"
             --tp-size "$tp"
             --base-gpu-id "$(( i * tp ))"
             --mem-fraction-static "$mem"
+            --dtype "$dtype"
             "${extra[@]}"
         )
         if (( dry_run )); then
-            printf '%q ' "${cmd[@]}"
+            # The key itself is never printed.
+            printf '%q ' "${cmd[@]}" ${auth[@]+--api-key '<SGLANG_API_KEY>'}
             echo
             continue
         fi
+        cmd+=("${auth[@]}")
         if [[ -n "${LOG_DIR:-}" ]]; then
             mkdir -p "$LOG_DIR"
             "${cmd[@]}" > "$LOG_DIR/sglang_${name}_$i.log" 2>&1 &

@@ -20,7 +20,8 @@ SCRIPTS = sorted(p for p in (ROOT / "docker").rglob("*") if p.suffix in (".sh", 
 CLEAN_ENV = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "LOG_DIR",
              "ROLLOUT_TP", "ROLLOUT_MEM_FRACTION", "ROLLOUT_URLS", "ROLLOUT_BASE_PORT",
              "ROLLOUT_NODES", "PLACEMENT", "IMAGE", "MODEL_DIR", "DRY_RUN", "SGLANG_EXTRA_ARGS",
-             "TORCHRUN", "MEGATRON_GSPO")
+             "TORCHRUN", "MEGATRON_GSPO", "ROLLOUT_HOST", "ROLLOUT_DTYPE", "SGLANG_API_KEY",
+             "SGLANG_SERVER_MODULE", "PYTHON")
 
 
 def run(script: str, *args: str, env: dict[str, str] | None = None, path_prefix: str = ""):
@@ -161,19 +162,165 @@ def test_disaggregated_learner_needs_urls():
     assert r.returncode == 2 and "bad server URL" in r.stderr
 
 
+def server_flags(out: str) -> list[dict[str, str]]:
+    servers = argv_lines(out)
+    for argv in servers:
+        assert argv[1:3] == ["-m", "sglang.launch_server"]
+    return [dict(zip(argv[3::2], argv[4::2], strict=True)) for argv in servers]
+
+
 def test_disaggregated_rollout_servers():
     env = {"GPUS_PER_NODE": "8", "ROLLOUT_TP": "4", "ROLLOUT_BASE_PORT": "31000",
-           "SGLANG_EXTRA_ARGS": "--dtype bfloat16"}
+           "SGLANG_EXTRA_ARGS": "--random-seed 3"}
     r = run("disaggregated.sh", "--dry-run", "rollout", "/models/qwen3-8b", env=env)
     assert r.returncode == 0, r.stderr
-    servers = argv_lines(r.stdout)
+    servers = server_flags(r.stdout)
     assert len(servers) == 2
-    for i, argv in enumerate(servers):
-        assert argv[1:3] == ["-m", "sglang.launch_server"]
-        flags = dict(zip(argv[3::2], argv[4::2], strict=True))
-        assert flags == {"--model-path": "/models/qwen3-8b", "--host": "0.0.0.0",
+    for i, flags in enumerate(servers):
+        assert flags == {"--model-path": "/models/qwen3-8b", "--host": "127.0.0.1",
                          "--port": str(31000 + i), "--tp-size": "4", "--base-gpu-id": str(4 * i),
-                         "--mem-fraction-static": "0.85", "--dtype": "bfloat16"}
+                         "--mem-fraction-static": "0.85", "--dtype": "bfloat16",
+                         "--random-seed": "3"}
+    assert r.stderr == ""
+
+
+def test_disaggregated_servers_bind_loopback_unless_asked(tmp_path):
+    """Servers that unpickle request bodies listen on 127.0.0.1 by default; the cluster-internal
+    address ("internal": what the hostname resolves to) or any address only when asked."""
+    base = {"GPUS_PER_NODE": "1"}
+    r = run("disaggregated.sh", "--dry-run", "rollout", "/m", env=base)
+    assert [f["--host"] for f in server_flags(r.stdout)] == ["127.0.0.1"]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "getent").write_text('#!/bin/sh\n[ "$1" = hosts ] && echo "10.1.2.3  $2"\n')
+    (fake / "getent").chmod(0o755)
+    r = run("disaggregated.sh", "--dry-run", "rollout", "/m",
+            env={**base, "ROLLOUT_HOST": "internal"}, path_prefix=str(fake))
+    assert r.returncode == 0, r.stderr
+    assert [f["--host"] for f in server_flags(r.stdout)] == ["10.1.2.3"]
+    r = run("disaggregated.sh", "--dry-run", "rollout", "/m",
+            env={**base, "ROLLOUT_HOST": "0.0.0.0"})
+    assert [f["--host"] for f in server_flags(r.stdout)] == ["0.0.0.0"]
+    assert "without SGLANG_API_KEY" in r.stderr
+    r = run("disaggregated.sh", "--dry-run", "rollout", "/m",
+            env={**base, "ROLLOUT_HOST": "0.0.0.0", "SGLANG_API_KEY": "k"})
+    assert r.returncode == 0 and r.stderr == ""
+
+
+def test_disaggregated_api_key_reaches_servers_and_learner():
+    key = "s3cret-key-value"
+    env = {"GPUS_PER_NODE": "2", "SGLANG_API_KEY": key}
+    r = run("disaggregated.sh", "--dry-run", "rollout", "/m", env=env)
+    assert r.returncode == 0, r.stderr
+    assert [f["--api-key"] for f in server_flags(r.stdout)] == ["<SGLANG_API_KEY>"] * 2
+    assert key not in r.stdout + r.stderr
+    r = run("disaggregated.sh", "--dry-run", "learner", "cfg.yaml",
+            env={**env, "ROLLOUT_URLS": "http://roll-0:30000"})
+    assert r.returncode == 0, r.stderr
+    [argv] = argv_lines(r.stdout)
+    _, program = split_torchrun(argv)
+    assert key not in r.stdout
+    cfg = load_config(None, [*overrides_of(program), "model.path=/m"])
+    assert cfg.rollout.api_key_env == "SGLANG_API_KEY"
+    r = run("colocated.sh", "--dry-run", "cfg.yaml", env=env)
+    assert r.returncode == 0, r.stderr
+    [argv] = argv_lines(r.stdout)
+    _, program = split_torchrun(argv)
+    assert load_config(None, [*overrides_of(program), "model.path=/m"]).rollout.api_key_env == \
+        "SGLANG_API_KEY"
+    assert key not in r.stdout
+    r = run("colocated.sh", "--dry-run", "cfg.yaml", env={"GPUS_PER_NODE": "2"})
+    assert not any("api_key" in a for a in argv_lines(r.stdout)[0])
+
+
+def test_disaggregated_dtype_matches_the_learner():
+    """Servers get --dtype (SGLang's "auto" serves a float32 checkpoint in float16): the
+    learner's model.dtype default, or ROLLOUT_DTYPE for both roles."""
+    r = run("disaggregated.sh", "--dry-run", "rollout", "/m", env={"GPUS_PER_NODE": "1"})
+    [flags] = server_flags(r.stdout)
+    default = load_config(None, ["model.path=/m"]).model.dtype
+    assert flags["--dtype"] == default == "bfloat16"
+    env = {"GPUS_PER_NODE": "1", "ROLLOUT_DTYPE": "float32"}
+    r = run("disaggregated.sh", "--dry-run", "rollout", "/m", env=env)
+    assert server_flags(r.stdout)[0]["--dtype"] == "float32"
+    r = run("disaggregated.sh", "--dry-run", "learner", "cfg.yaml",
+            env={**env, "ROLLOUT_URLS": "http://roll-0:30000"})
+    [argv] = argv_lines(r.stdout)
+    _, program = split_torchrun(argv)
+    assert load_config(None, [*overrides_of(program), "model.path=/m"]).model.dtype == "float32"
+    r = run("disaggregated.sh", "--dry-run", "rollout", "/m",
+            env={"GPUS_PER_NODE": "1", "ROLLOUT_DTYPE": "fp8"})
+    assert r.returncode == 2 and "ROLLOUT_DTYPE" in r.stderr
+
+
+def test_disaggregated_ports_stay_within_sglangs_bound():
+    """SGLang 0.5.12 sets grpc_port = port + 10000 and refuses it above 65535."""
+    env = {"GPUS_PER_NODE": "8", "ROLLOUT_BASE_PORT": "55528"}
+    r = run("disaggregated.sh", "--dry-run", "rollout", "/m", env=env)
+    assert r.returncode == 0, r.stderr
+    assert max(int(f["--port"]) for f in server_flags(r.stdout)) == 55535
+    r = run("disaggregated.sh", "--dry-run", "rollout", "/m",
+            env={**env, "ROLLOUT_BASE_PORT": "55529"})
+    assert r.returncode == 2 and "ROLLOUT_BASE_PORT" in r.stderr and r.stdout == ""
+
+
+def test_disaggregated_rollout_serves_with_api_key_for_real(tmp_path):
+    """disaggregated.sh starts a server (the stand-in, which speaks SGLang's HTTP API and its
+    --api-key rule) on 127.0.0.1: /health is open, /generate wants the key."""
+    import json as _json
+    import signal
+    import socket
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if port > 55535:
+        port = 45000 + port % 10000
+    key = "k-123"
+    e = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV}
+    e.update(GPUS_PER_NODE="1", ROLLOUT_BASE_PORT=str(port), SGLANG_API_KEY=key,
+             PYTHON=sys.executable, SGLANG_SERVER_MODULE="megatron_gspo.rollout.standin_server",
+             ROLLOUT_DTYPE="float32", PYTHONPATH=str(ROOT), LOG_DIR=str(tmp_path))
+    proc = subprocess.Popen(["bash", str(LAUNCH / "disaggregated.sh"), "rollout",
+                             str(ROOT / "examples" / "tiny" / "base")], env=e, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def call(path, body=None, auth=None):
+        req = urllib.request.Request(base + path, data=None if body is None else
+                                     _json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {auth}"}
+                                                 if auth else {})})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                if call("/health") == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "server not healthy in 120 s"
+            time.sleep(0.5)
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+        assert call("/generate", body) == 401
+        assert call("/generate", body, auth="wrong") == 401
+        assert call("/generate", body, auth=key) == 200
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
 
 
 @pytest.fixture
