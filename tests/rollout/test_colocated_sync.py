@@ -1,0 +1,55 @@
+"""A colocated GSPO run on the stand-in SGLang server: SGLang's memory order around every
+weight sync (release all after the rollout; resume weights; stream buckets; resume kv_cache and
+cuda_graph), weights lost by the release re-pushed each time, and the peak of live bucket bytes
+logged in events.log and metrics.jsonl, within one bucket."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_colocated_worker.py")
+BOUND = 24576  # 24 KiB: the 32 KiB tensors (embedding, MLP) travel alone, the rest is packed
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    work = tmp_path_factory.mktemp("colocated")
+    out = subprocess.run([sys.executable, str(WORKER), str(work), str(BOUND)], cwd=ROOT,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="2"),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_memory_order_and_live_bucket_bytes(result):
+    assert result["memory_log"] == ["release kv_cache,weights,cuda_graph", "resume weights",
+                                    "resume kv_cache,cuda_graph"] * 2
+    assert result["lost_weights"] == [] and result["weight_version"] == "2"
+    run = Path(result["run_dir"])
+    syncs = [ln for ln in (run / "events.log").read_text().splitlines() if "weight sync v" in ln]
+    assert len(syncs) == 3
+    pat = (r"weight sync v(\d): (release all -> resume weights -> )?(\d+) buckets( -> resume "
+           r"kv_cache,cuda_graph)?; peak live bucket bytes (\d+) \(largest bucket (\d+), bound "
+           rf"{BOUND}\)")
+    biggest = max(result["tensor_bytes"].values())
+    assert biggest > BOUND
+    for v, line in enumerate(syncs):
+        m = re.search(pat, line)
+        assert m, line
+        assert int(m[1]) == v and bool(m[2]) == bool(m[4]) == (v > 0)  # v0: nothing released
+        assert int(m[5]) <= int(m[6]) == max(BOUND, biggest)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    total = sum(result["tensor_bytes"].values()) - result["tensor_bytes"]["lm_head.weight"]
+    for r in rows:
+        assert r["weight_sync/bytes"] == total  # tied lm_head is not sent
+        assert r["weight_sync/peak_live_bucket_bytes"] <= r["weight_sync/max_bucket_bytes"]
+        assert r["weight_sync/max_bucket_bytes"] == max(BOUND, biggest)
+        assert r["weight_sync/buckets"] > total / (2 * BOUND)
+        assert r["weight_sync/peak_live_bucket_bytes"] < total / 4  # never the whole model
