@@ -86,3 +86,33 @@ def test_dockerfile_versions_come_from_args(args):
         pattern = rf"(?<![\w.]){re.escape(value)}(?![\w.])"
         hard = [ln.strip() for ln in body if re.search(pattern, ln)]
         assert not hard, f"{name}'s value {value} is hard-coded in: {hard}"
+
+
+def test_te_pin_inside_megatron_cores_tested_range(args):
+    """megatron-core's own metadata names the Transformer Engine range it is tested with."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    if importlib.metadata.version("megatron-core") != args["MEGATRON_CORE_VERSION"]:
+        pytest.skip("the installed megatron-core is not the image's")
+    te_reqs = [Requirement(r) for r in importlib.metadata.requires("megatron-core") or []
+               if Requirement(r).name == "transformer-engine"]
+    assert te_reqs, "megatron-core's metadata names no transformer-engine range"
+    for req in te_reqs:  # e.g. transformer-engine[...]<2.12.0,>=2.9.0a0; extra == "dev"
+        assert req.specifier.contains(Version(args["TE_VERSION"]), prereleases=True), (
+            f"TE_VERSION={args['TE_VERSION']} is outside megatron-core's {req.specifier}")
+
+
+def test_dockerfile_build_steps():
+    text = DOCKERFILE.read_text()
+    # TE's CMake build needs cmake >= 3.21 among the build tools.
+    assert re.search(r'pip install [^\n]*"cmake>=3\.21"', text)
+    # cuDNN of the pip package for the TE build (CUDNN_PATH and CUDNN_HOME set before it).
+    te_step = text[text.index("CUDNN_PATH="):text.index("TransformerEngine.git@")]
+    assert "nvidia.cudnn" in te_step and "CUDNN_HOME=$CUDNN_PATH" in te_step
+    # Versions compared by release number, not as strings.
+    assert 'assert sglang == "${SGLANG_VERSION}"' not in text
+    assert text.count("Version(") >= 4 and ".release" in text
+    # No claim that another project ran CI on this exact version set.
+    assert "ran its CI on" not in text
