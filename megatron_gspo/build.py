@@ -138,15 +138,25 @@ def rollout_engine(cfg: Config, hf_config: dict, tok):
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return EmbeddedEngine(dict(hf_config), dtype=r.dtype, device=device, seed=cfg.train.seed,
                               default_sampling=sampling_params(cfg, tok))
-    return sglang_engine(cfg, sampling_params(cfg, tok))
+    return sglang_engine(cfg, sampling_params(cfg, tok), hf_config=hf_config)
 
 
-def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None):
-    """SGLang servers from `rollout.*`: attached by URL, or launched (colocated or not)."""
+def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
+                  hf_config: dict | None = None):
+    """SGLang servers from `rollout.*`: attached by URL, or launched (colocated or not).
+    `hf_config` (the learner's model config) gives the vocabulary size and the context length
+    used when the servers do not report one."""
     from megatron_gspo.rollout.sglang import SGLangEngine
     from megatron_gspo.rollout.sglang_launch import LaunchSpec
+    from megatron_gspo.rollout.sglang_protocol import context_length_of
 
     r = cfg.rollout
+    api_key = None
+    if r.api_key_env:
+        api_key = os.environ.get(r.api_key_env)
+        if not api_key:
+            raise ConfigError(f"rollout.api_key_env: environment variable {r.api_key_env} is "
+                              "not set or empty")
     sync = r.weight_sync if r.weight_sync != "auto" else ("tensor" if r.colocate else
                                                           "distributed")
     if sync == "tensor" and not r.server_urls:
@@ -175,7 +185,7 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None):
                             mem_fraction_static=r.mem_fraction, colocated=r.colocate,
                             seed=cfg.train.seed, dtype=cfg.model.dtype,
                             extra_args=tuple(r.extra_server_args),
-                            log_dir=r.server_log_dir or log_dir)
+                            log_dir=r.server_log_dir or log_dir, api_key=api_key)
         from megatron_gspo.rollout.sglang_launch import check_local_gpus
 
         try:
@@ -188,7 +198,9 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None):
                         max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout,
                         max_retries=r.max_retries, backoff_s=r.backoff,
                         startup_timeout_s=r.startup_timeout, weight_sync=sync,
-                        dist_master=master, default_sampling=default_sampling)
+                        dist_master=master, default_sampling=default_sampling,
+                        api_key=api_key, vocab_size=(hf_config or {}).get("vocab_size"),
+                        context_length=context_length_of(hf_config) if hf_config else None)
 
 
 def _dataset(cfg: Config, tok, path: str):

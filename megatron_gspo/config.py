@@ -98,7 +98,8 @@ class RolloutConfig:
     tp_size: int = option(1, "tensor-parallel size of each SGLang server", ge=1)
     mem_fraction: float = option(0.7, "SGLang --mem-fraction-static", gt=0, le=1)
     host: str = option("127.0.0.1", "host SGLang servers bind to")
-    base_port: int = option(30000, "first port for launched servers", ge=1, le=65535)
+    base_port: int = option(30000, "first port for launched servers (SGLang refuses ports above "
+                            "55535: it adds 10000 for its gRPC port)", ge=1, le=55535)
     extra_server_args: list[str] = option([], "extra command-line arguments for SGLang servers")
     max_concurrency: int = option(256, "in-flight HTTP requests per server", ge=1)
     request_timeout: float = option(600.0, "seconds before a generate request is retried", gt=0)
@@ -117,6 +118,10 @@ class RolloutConfig:
     server_log_dir: str | None = option(None, "where launched servers write their logs; default "
                                         "RUN_DIR/sglang")
     backoff: float = option(0.5, "first retry delay in seconds (doubles, capped at 10 s)", ge=0)
+    api_key_env: str | None = option(
+        None, "name of the environment variable holding SGLang's --api-key: launched servers "
+        "and router get it, every request sends it as 'Authorization: Bearer'; the key itself "
+        "is never written to the config, logs or metrics")
     bucket_bytes: int = option(512 * 2**20, "size bound of one weight-sync bucket", ge=1)
 
 

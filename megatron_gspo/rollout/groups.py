@@ -2,8 +2,10 @@
 over-sampling and dropping of groups whose rewards have zero variance (their group advantages
 are all zero, so they carry no learning signal; DAPO-style dynamic sampling).
 
-`GroupSampler.collect` draws prompts, generates G samples each, scores them, drops
-zero-variance groups when asked, and repeats (asking for `oversample_factor` times the groups
+`GroupSampler.collect` draws prompts, generates G samples each, scores them, drops groups with
+a failed sample (the engine marks it with `metadata["rollout_error"]`: refused by the server or
+aborted; its reward would skew the group baseline) and, when asked, zero-variance groups, and
+repeats (asking for `oversample_factor` times the groups
 still missing) until it has the requested number of groups, the prompts run out or
 `max_rounds` is reached. Dropped groups are counted in the returned metrics.
 """
@@ -100,12 +102,13 @@ class GroupSampler:
         Returns:
             (samples, metrics): renumbered samples (group by group) and counters:
             groups_generated, groups_kept, groups_zero_variance (dropped), groups_surplus
-            (generated beyond need), groups_short (missing at the end), zero_variance_share,
-            rounds, samples_generated.
+            (generated beyond need), groups_short (missing at the end), groups_failed (dropped
+            for a failed sample), samples_failed, zero_variance_share, rounds,
+            samples_generated.
         """
         kept: list[list[Sample]] = []
         m = {"groups_generated": 0, "groups_zero_variance": 0, "groups_surplus": 0,
-             "rounds": 0, "samples_generated": 0}
+             "groups_failed": 0, "samples_failed": 0, "rounds": 0, "samples_generated": 0}
         exhausted = False
         while len(kept) < num_groups and m["rounds"] < self.max_rounds and not exhausted:
             need = num_groups - len(kept)
@@ -125,7 +128,11 @@ class GroupSampler:
             m["samples_generated"] += len(samples)
             for group in split_groups(samples):
                 m["groups_generated"] += 1
-                if self.drop_zero_variance and has_zero_variance(group):
+                failed = sum("rollout_error" in s.metadata for s in group)
+                m["samples_failed"] += failed
+                if failed:
+                    m["groups_failed"] += 1
+                elif self.drop_zero_variance and has_zero_variance(group):
                     m["groups_zero_variance"] += 1
                 elif len(kept) < num_groups:
                     kept.append(group)

@@ -3,12 +3,28 @@
 Generation: one `POST /generate` per sample (n=1 each, so a failed sample is retried alone and
 SGLang's radix cache shares the prompt prefix) with `input_ids`, `sampling_params`,
 `return_logprob: true` and a unique `rid`; the answer's `meta_info.output_token_logprobs`
-([logprob, token_id, text] per generated token) gives the response ids and log-probs,
-`meta_info.finish_reason.type` the finish reason. Requests go to the least-busy server (or to
-the router when one is configured), at most `max_concurrency` at once. Connection errors,
-timeouts and 5xx answers are retried with exponential backoff (a timed-out request is aborted on
-its server first); 4xx answers and exhausted retries fail the call with an error naming the
-sample and server. Each sample slot is filled exactly once.
+([logprob, token_id, text] per generated token; text is null since `return_text_in_logprobs`
+is not asked for) gives the response ids and log-probs, `meta_info.finish_reason.type` the
+finish reason. Requests go to the least-busy server (or to the router when one is configured),
+at most `max_concurrency` at once. Each sample slot is filled exactly once.
+
+Failures: connection errors, timeouts, bodies cut mid-way, 5xx, non-JSON or malformed answers
+(token ids outside the vocabulary, more tokens than max_new_tokens) and finish reason `abort`
+are retried with exponential backoff, at most `max_retries` times; a timed-out request is
+aborted first, on its server or, behind a router (which has no /abort_request), on every
+worker. A request SGLang refuses with 400 (e.g. longer than the context), or one still aborted
+after the retries, becomes a per-sample failure: a Sample with finish reason `abort`, loss mask
+0 and `metadata["rollout_error"]`, counted in `metrics` ("failed", "aborted") — never the run's
+end. Exhausted retries on anything else and 401/403 fail the call with one error naming the
+sample and server (launched servers are then stopped).
+
+At start the client reads `GET /server_info` of every server: tp_size must equal the
+configured one and dp_size be 1 (a mismatch is refused with one line), and the context length
+(its `context_length`, else the model config at its `model_path` when that is a local
+directory, else `context_length` given here) bounds requests before they are sent: a prompt
+that does not fit is a per-sample failure, a too-large max_new_tokens is capped ("capped").
+With `api_key` every request (generation, control and weight endpoints) carries
+`Authorization: Bearer <key>`; the key is never logged.
 
 Weights (matches SGLang's endpoints, see `sglang_weights`): `/update_weights_from_tensor` with
 flattened buckets (colocated), `/init_weights_update_group` + `/update_weights_from_distributed`
@@ -21,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import time
@@ -42,46 +59,50 @@ from megatron_gspo.rollout.sglang_launch import (
     LaunchSpec,
     ServerProcess,
     pick_ports,
+    redact_argv,
     router_argv,
     server_argv,
+    server_env,
+)
+from megatron_gspo.rollout.sglang_protocol import (
+    context_length_of,
+    decode_json,
+    parse_generate_output,
 )
 from megatron_gspo.rollout.sglang_weights import SGLangWeightSync
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError)
+_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError,
+              aiohttp.ClientPayloadError, asyncio.TimeoutError)
+__all__ = ["SGLangEngine", "parse_generate_output"]
 
 
 class _Retryable(Exception):
-    """A transient failure of one attempt (5xx, connection error, timeout)."""
+    """A transient failure of one attempt (5xx, connection error, timeout, broken answer)."""
 
 
-def parse_generate_output(out: Any, where: str) -> tuple[list[int], list[float], str, str | None]:
-    """(token ids, log-probs, finish reason, weight version) from one /generate answer.
+class _Refused(Exception):
+    """The server refused this one request (HTTP 400): a per-sample failure."""
 
-    Args:
-        out: the decoded JSON of one result.
-        where: names the server and sample in error messages.
-    """
-    if isinstance(out, list) and len(out) == 1:
-        out = out[0]
-    meta = out.get("meta_info") if isinstance(out, dict) else None
-    if not isinstance(meta, dict):
-        raise RolloutError(f"{where}: /generate answer has no meta_info: {str(out)[:200]}")
-    lps = meta.get("output_token_logprobs")
-    if not isinstance(lps, list):
-        raise RolloutError(f"{where}: /generate answer lacks meta_info.output_token_logprobs")
+
+def _http_error(url: str, status: int, text: str) -> str:
+    """One line for a non-200 answer (a hint on 401/403, never the key)."""
+    hint = (" (the server wants SGLang's --api-key: set rollout.api_key_env)"
+            if status in (401, 403) else "")
+    return f"{url} answered HTTP {status}{hint}: {text[:300]}"
+
+
+def _local_context_length(model_path: Any) -> int | None:
+    """Context length from `model_path`/config.json when that is readable here, else None."""
+    if not isinstance(model_path, str) or not os.path.isfile(
+            os.path.join(model_path, "config.json")):
+        return None
     try:
-        logprobs = [float(e[0]) for e in lps]
-        ids = [int(e[1]) for e in lps]
-    except (TypeError, ValueError, IndexError) as e:
-        raise RolloutError(f"{where}: malformed output_token_logprobs entry ({e})") from e
-    fr = meta.get("finish_reason")
-    kind = fr.get("type") if isinstance(fr, dict) else fr
-    if kind not in ("stop", "length", "abort"):
-        raise RolloutError(f"{where}: unknown finish_reason {fr!r}")
-    version = meta.get("weight_version")
-    return ids, logprobs, kind, None if version is None else str(version)
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+            return context_length_of(json.load(f))
+    except (OSError, ValueError):
+        return None
 
 
 class SGLangEngine(SGLangWeightSync, RolloutEngine):
@@ -104,6 +125,11 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
             or "distributed" (NCCL broadcast; connects on first use to dist_master).
         dist_master: (address, port) of the learner's weight-update group (distributed mode).
         dist_backend: backend of that group ("nccl"; "gloo" for CPU tests).
+        api_key: SGLang's --api-key: sent with every request, passed to launched servers and
+            router (None: launch.api_key for launched servers, else none).
+        context_length: context length to check requests against when the servers do not
+            report one and their model config is not readable here (None: no check).
+        vocab_size: generated token ids must be below this (None: only checked >= 0).
     """
 
     def __init__(
@@ -124,6 +150,9 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
         dist_master: tuple[str, int] | None = None,
         dist_backend: str = "nccl",
         default_sampling: SamplingParams | None = None,
+        api_key: str | None = None,
+        context_length: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__(default_sampling)
         if not server_urls and launch is None:
@@ -158,7 +187,11 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
         self._tasks: set[asyncio.Future] = set()
         self._update_group: Any = None
         self._group_name = "weight_update_group"
-        self.metrics = {"retries": 0, "requests": 0}
+        self._api_key = api_key or (self.spec.api_key if self.spec else None)
+        self.context_length = context_length  # replaced by what the servers report at start
+        self.vocab_size = vocab_size
+        self.server_info: dict[str, dict] = {}
+        self.metrics = {"retries": 0, "requests": 0, "aborted": 0, "failed": 0, "capped": 0}
 
     # ---------------------------------------------------------------- state
     @property
@@ -168,15 +201,17 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
     def _sess(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
+            auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_concurrency + 16)
+                connector=aiohttp.TCPConnector(limit=self.max_concurrency + 16), headers=auth,
             )
             self._session_loop = loop
         return self._session
 
     # --------------------------------------------------------------- startup
     async def astart(self) -> None:
-        """Launch (if configured) and wait until every server answers /health_generate."""
+        """Launch (if configured), wait until every server answers /health_generate, then read
+        and check every server's /server_info."""
         if self._closed:
             raise RolloutError("SGLang engine is shut down")
         if self._started:
@@ -186,6 +221,8 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
                 await self._launch()
             if self.launch_router and self.router_url is None:
                 await self._start_router()
+            infos = await asyncio.gather(*(self._read_server_info(u) for u in self.urls))
+            self._check_server_info(infos)
             self._started = True
         except BaseException:
             await self._stop_processes()
@@ -202,9 +239,9 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
             if spec.log_dir:
                 os.makedirs(spec.log_dir, exist_ok=True)
             argv = server_argv(spec, i, port)
-            log.info("launching rollout server %d: %s", i, " ".join(argv))
+            log.info("launching rollout server %d: %s", i, " ".join(redact_argv(argv)))
             name = f"sglang server {i} (port {port})"
-            self.procs.append(ServerProcess(argv, name, spec.env, logp))
+            self.procs.append(ServerProcess(argv, name, server_env(spec), logp))
             self.urls.append(f"http://{spec.host}:{port}")
         waits = [self._wait_healthy(u, p) for u, p in zip(self.urls, self.procs, strict=True)]
         await asyncio.gather(*waits)
@@ -212,10 +249,56 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
     async def _start_router(self) -> None:
         host = self.spec.host if self.spec else "127.0.0.1"
         port = self.router_port or pick_ports(host, 0, 1)[0]
-        argv = router_argv(self.urls, host, port, self.router_policy)
+        argv = router_argv(self.urls, host, port, self.router_policy, api_key=self._api_key)
+        log.info("launching sglang router: %s", " ".join(redact_argv(argv)))
         self.router_proc = ServerProcess(argv, f"sglang router (port {port})")
         self.router_url = f"http://{host}:{port}"
         await self._wait_healthy(self.router_url, self.router_proc, path="/health")
+
+    async def _read_server_info(self, url: str) -> dict:
+        """GET /server_info (the pre-0.5 name /get_server_info when that is 404)."""
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                async with self._sess().get(url + path,
+                                            timeout=aiohttp.ClientTimeout(total=60)) as r:
+                    text = await r.text()
+                    if r.status == 404 and path == "/server_info":
+                        continue
+                    if r.status != 200:
+                        raise RolloutError(_http_error(url + path, r.status, text))
+            except (*_RETRYABLE, aiohttp.ClientError) as e:
+                raise RolloutError(f"{url}{path} failed: {type(e).__name__}: {e}") from e
+            try:
+                info = decode_json(text)
+            except ValueError as e:
+                raise RolloutError(f"{url}{path}: {e}") from None
+            if not isinstance(info, dict):
+                raise RolloutError(f"{url}{path}: expected a JSON object, got {text[:100]!r}")
+            return info
+        raise AssertionError("unreachable")
+
+    def _check_server_info(self, infos: Sequence[dict]) -> None:
+        """Refuse tp/dp sizes that differ from the configuration; take the context length."""
+        contexts = []
+        for url, info in zip(self.urls, infos, strict=True):
+            self.server_info[url] = info
+            tp, dp = info.get("tp_size", 1), info.get("dp_size", 1)
+            if tp != self.tp_size:
+                raise RolloutError(
+                    f"{url} reports tp_size={tp} but rollout.tp_size={self.tp_size}: set "
+                    "rollout.tp_size to the servers' tensor-parallel size")
+            if dp != 1:
+                raise RolloutError(
+                    f"{url} reports dp_size={dp}: servers with data parallelism inside are not "
+                    "supported; start one server per replica and list each in "
+                    "rollout.server_urls")
+            ctx = info.get("context_length")
+            if not isinstance(ctx, int) or isinstance(ctx, bool):
+                ctx = _local_context_length(info.get("model_path"))
+            if ctx is not None:
+                contexts.append(ctx)
+        if contexts:
+            self.context_length = min(contexts)
 
     async def _wait_healthy(
         self, url: str, proc: ServerProcess | None, path: str = "/health_generate"
@@ -245,8 +328,25 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
     def _dead_server(self) -> ServerProcess | None:
         return next((p for p in [*self.procs, self.router_proc] if p and not p.alive()), None)
 
+    def _fit_context(self, prompt_len: int, sp: dict[str, Any]) -> str | None:
+        """Cap `sp["max_new_tokens"]` to the context length; an error when the prompt alone
+        does not fit (SGLang would answer 400)."""
+        ctx = self.context_length
+        if ctx is None:
+            return None
+        if prompt_len >= ctx:
+            return (f"prompt of {prompt_len} tokens does not fit the servers' context length "
+                    f"{ctx}; not sent")
+        if prompt_len + sp["max_new_tokens"] > ctx:
+            sp["max_new_tokens"] = ctx - prompt_len
+            self.metrics["capped"] += 1
+        return None
+
     async def agenerate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
         await self.astart()
+        if self.memory_released:
+            raise RolloutError("generate called while the servers' memory is released; "
+                               "resume_memory first")
         slots, params = plan_slots(requests, self.default_sampling)
         batch = next(self._batches)
         sem = asyncio.Semaphore(self.max_concurrency)
@@ -254,18 +354,24 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
 
         async def one(slot: Any) -> None:
             req = requests[slot.request_idx]
-            body = {
-                "input_ids": list(req.prompt_ids),
-                "sampling_params": params[slot.request_idx].to_sglang(),
-                "return_logprob": True,
-            }
-            async with sem:
-                ids, lps, reason, url, ver = await self._generate_one(body, batch, slot)
-            version = self._parse_version(ver)
-            results[slot.out_idx] = make_sample(
-                req, slot.request_idx, slot.out_idx, ids, lps, reason, version,
-                {"server": url},
-            )
+            sp = params[slot.request_idx].to_sglang()
+            body = {"input_ids": list(req.prompt_ids), "sampling_params": sp,
+                    "return_logprob": True}
+            error = self._fit_context(len(req.prompt_ids), sp)
+            if error is None:
+                async with sem:
+                    ids, lps, reason, url, ver, error = await self._generate_one(
+                        body, batch, slot)
+            else:
+                ids, lps, reason, url, ver = [], [], "abort", None, None
+            s = make_sample(req, slot.request_idx, slot.out_idx, ids, lps, reason,
+                            self._parse_version(ver), {"server": url})
+            if error is not None:  # a per-sample failure: kept, masked, counted
+                self.metrics["failed"] += 1
+                s.loss_mask = [0] * len(ids)
+                s.metadata["rollout_error"] = error
+                log.warning("rollout sample failed: %s", error)
+            results[slot.out_idx] = s
 
         tasks = [asyncio.ensure_future(one(s)) for s in slots]
         self._tasks.update(tasks)
@@ -289,7 +395,9 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
         return [r for r in results if r is not None]
 
     async def _generate_one(self, body: dict[str, Any], batch: int, slot: Any) -> tuple:
+        """(ids, log-probs, finish reason, url, weight version, per-sample error or None)."""
         where = f"sample {slot.out_idx} (request {slot.request_idx})"
+        max_new = body["sampling_params"]["max_new_tokens"]
         last_err, avoid = "", None
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -303,14 +411,27 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
             self._inflight[url] = self._inflight.get(url, 0) + 1
             try:
                 out = await self._post_generate(url, {**body, "rid": rid}, where)
-                ids, lps, reason, ver = parse_generate_output(out, f"{where} from {url}")
-                return ids, lps, reason, url, ver
+                try:
+                    ids, lps, reason, ver = parse_generate_output(
+                        out, f"{where} from {url}", max_new, self.vocab_size)
+                except RolloutError as e:
+                    raise _Retryable(str(e)) from e
             except _Retryable as e:
                 last_err, avoid = f"{url}: {e}", url
                 if isinstance(e.__cause__, asyncio.TimeoutError):
                     await self._abort(url, rid)
+                continue
+            except _Refused as e:
+                return [], [], "abort", url, None, f"{where}: {e}"
             finally:
                 self._inflight[url] -= 1
+            if reason != "abort":
+                return ids, lps, reason, url, ver, None
+            self.metrics["aborted"] += 1
+            last_err = f"{url}: finish reason abort"
+            if attempt == self.max_retries:
+                return ids, lps, reason, url, ver, (
+                    f"{where}: aborted by {url} {attempt + 1} times; kept with loss mask 0")
         raise RolloutError(
             f"{where}: /generate failed {self.max_retries + 1} times; last error: {last_err}"
         )
@@ -322,18 +443,30 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
                 url + "/generate", json=body,
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
             ) as r:
-                if r.status >= 500:
-                    raise _Retryable(f"HTTP {r.status}: {(await r.text())[:200]}")
-                if r.status != 200:
-                    text = (await r.text())[:300]
-                    raise RolloutError(f"{where}: {url}/generate answered HTTP {r.status}: {text}")
-                return await r.json(content_type=None)
+                text = await r.text()
+                status = r.status
         except _RETRYABLE as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from e
-        except aiohttp.ContentTypeError as e:
-            raise RolloutError(f"{where}: {url}/generate answered non-JSON") from e
+        except UnicodeDecodeError as e:
+            raise _Retryable(f"answer is not UTF-8 text ({e})") from e
+        if status >= 500:
+            raise _Retryable(f"HTTP {status}: {text[:200]}")
+        if status == 400:
+            raise _Refused(f"{url}/generate refused the request (HTTP 400): {text[:300]}")
+        if status != 200:
+            raise RolloutError(f"{where}: {_http_error(url + '/generate', status, text)}")
+        try:
+            return decode_json(text)
+        except ValueError as e:
+            raise _Retryable(str(e)) from None
 
     async def _abort(self, url: str, rid: str) -> None:
+        """Abort `rid` where it runs: on `url`, or on every worker when `url` is the router
+        (sglang-router has no /abort_request)."""
+        targets = self.urls if url == self.router_url else [url]
+        await asyncio.gather(*(self._abort_on(u, rid) for u in targets))
+
+    async def _abort_on(self, url: str, rid: str) -> None:
         try:
             await self._post(url, "/abort_request", {"rid": rid}, timeout=5.0)
         except Exception:  # best effort: the server may be gone
@@ -354,13 +487,11 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
                               timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 text = await r.text()
                 if r.status != 200:
-                    raise RolloutError(f"{url}{path} answered HTTP {r.status}: {text[:300]}")
+                    raise RolloutError(_http_error(url + path, r.status, text))
         except (*_RETRYABLE, aiohttp.ClientError) as e:
             raise RolloutError(f"{url}{path} failed: {type(e).__name__}: {e}") from e
         try:
-            import json
-
-            data = json.loads(text) if text.strip() else None
+            data = decode_json(text) if text.strip() else None
         except ValueError:
             return text
         if isinstance(data, dict) and data.get("success") is False:
@@ -373,6 +504,10 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
 
     # ---------------------------------------------------------------- memory
     async def arelease_memory(self, tags: Sequence[str] | None = None) -> None:
+        busy = sum(self._inflight.values())
+        if busy:  # SGLang's scheduler asserts it is idle (and dies when it is not)
+            raise RolloutError(f"release_memory with {busy} generate requests in flight; "
+                               "wait for them first")
         await self._all("/release_memory_occupation", {"tags": list(tags) if tags else None})
 
     async def aresume_memory(self, tags: Sequence[str] | None = None) -> None:
@@ -381,8 +516,11 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
     async def ahealth(self) -> bool:
         if self._dead_server() is not None:
             return False
+        # While memory is released a health generation would run on unmapped memory (and keep
+        # the server busy): only ask for an answer that does not generate.
+        path = "/model_info" if self.memory_released else "/health_generate"
         try:
-            await self._all("/health_generate", get=True, timeout=30.0)
+            await self._all(path, get=True, timeout=30.0)
         except RolloutError:
             return False
         return True

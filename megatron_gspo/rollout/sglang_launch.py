@@ -3,8 +3,14 @@
 Command lines follow SGLang's `python -m sglang.launch_server` flags (server_args.py):
 --model-path, --host, --port, --tp-size, --mem-fraction-static, --base-gpu-id,
 --random-seed, --dtype, --enable-memory-saver (colocated: lets the server release GPU memory
-while the learner trains), --skip-server-warmup, plus free extra arguments. The router follows
-`python -m sglang_router.launch_router --worker-urls ... --host --port --policy`.
+while the learner trains), --api-key (when one is configured), plus free extra arguments
+(e.g. --skip-server-warmup, which is not passed by default). The router follows
+`python -m sglang_router.launch_router --worker-urls ... --host --port --policy [--api-key]`.
+
+Launched servers get `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`: in SGLang 0.5.12 `/health`
+otherwise runs a one-token generation, also on a server whose memory is released, and the
+router polls `/health` (see `sglang_protocol`). Ports stay at most 55535 (SGLang refuses a
+port whose port + 10000 is above 65535). The API key never appears in logged command lines.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from megatron_gspo.rollout.sglang_protocol import HEALTH_GENERATION_ENV, MAX_SERVER_PORT
+
 
 @dataclass
 class LaunchSpec:
@@ -28,7 +36,8 @@ class LaunchSpec:
         num_servers: servers to launch (each with its own GPUs).
         tp_size: tensor-parallel size of each server.
         host: address to bind (127.0.0.1 unless serving other machines).
-        base_port: first port; server i uses the next free port >= base_port + i (0 = any free).
+        base_port: first port; server i uses the next free port >= base_port + i (0 = any free);
+            at most 55535 (SGLang's port rule).
         mem_fraction_static: share of GPU memory for weights + KV cache.
         colocated: the learner shares the GPUs: adds --enable-memory-saver.
         base_gpu_id: first GPU of server 0; server i starts at base_gpu_id + i * tp_size.
@@ -39,6 +48,7 @@ class LaunchSpec:
         python: interpreter.
         env: extra environment variables.
         log_dir: where server logs go (None = inherit the parent's stdout/stderr).
+        api_key: SGLang --api-key of every server (None = none); kept out of repr.
     """
 
     model_path: str
@@ -56,12 +66,16 @@ class LaunchSpec:
     python: str = sys.executable
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_servers < 1:
             raise ValueError(f"rollout.num_servers must be >= 1, got {self.num_servers}")
         if self.tp_size < 1:
             raise ValueError(f"rollout.tp_size must be >= 1, got {self.tp_size}")
+        if not 0 <= self.base_port <= MAX_SERVER_PORT:
+            raise ValueError(f"rollout.base_port must be in [0, {MAX_SERVER_PORT}] (0: any free "
+                             f"port; SGLang adds 10000 for its gRPC port), got {self.base_port}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(
                 f"rollout.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
@@ -104,23 +118,42 @@ def server_argv(spec: LaunchSpec, index: int, port: int) -> list[str]:
         argv += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     if spec.colocated:
         argv.append("--enable-memory-saver")
+    if spec.api_key:
+        argv += ["--api-key", spec.api_key]
     argv += list(spec.extra_args)
     return argv
 
 
+def server_env(spec: LaunchSpec) -> dict[str, str]:
+    """Extra environment of a launched server: /health without a generation, then spec.env."""
+    return {HEALTH_GENERATION_ENV: "0", **spec.env}
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """`argv` with the value after --api-key replaced, for logs."""
+    out = list(argv)
+    for i, a in enumerate(out[:-1]):
+        if a == "--api-key":
+            out[i + 1] = "***"
+    return out
+
+
 def router_argv(
     worker_urls: Sequence[str], host: str, port: int, policy: str = "cache_aware",
-    python: str = sys.executable, extra_args: Sequence[str] = (),
+    python: str = sys.executable, extra_args: Sequence[str] = (), api_key: str | None = None,
+    module: str = "sglang_router.launch_router",
 ) -> list[str]:
-    """The sglang-router command line routing over `worker_urls`."""
-    return [
-        python, "-m", "sglang_router.launch_router",
+    """The sglang-router command line routing over `worker_urls` (api_key: sent to workers)."""
+    argv = [
+        python, "-m", module,
         "--worker-urls", *worker_urls,
         "--host", host,
         "--port", str(port),
         "--policy", policy,
-        *extra_args,
     ]
+    if api_key:
+        argv += ["--api-key", api_key]
+    return argv + list(extra_args)
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -133,21 +166,26 @@ def port_is_free(host: str, port: int) -> bool:
         return True
 
 
-def pick_ports(host: str, base: int, count: int, taken: Sequence[int] = ()) -> list[int]:
-    """`count` free ports from `base` upward (base 0: ports chosen by the OS)."""
+def pick_ports(host: str, base: int, count: int, taken: Sequence[int] = (),
+               limit: int = MAX_SERVER_PORT) -> list[int]:
+    """`count` free ports from `base` upward (base 0: ports chosen by the OS), none above
+    `limit` (SGLang refuses server ports above 55535)."""
     ports: list[int] = []
     if base == 0:
-        while len(ports) < count:
+        for _ in range(1000 * count):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind((host, 0))
                 p = s.getsockname()[1]
-            if p not in ports and p not in taken:
+            if p <= limit and p not in ports and p not in taken:
                 ports.append(p)
-        return ports
+            if len(ports) == count:
+                return ports
+        raise RuntimeError(f"the OS gave no free port at most {limit} on {host}")
     p = base
     while len(ports) < count:
-        if p > 65535:
-            raise RuntimeError(f"no free ports from {base} on {host}")
+        if p > limit:
+            raise RuntimeError(f"only {len(ports)} of {count} free ports from {base} to {limit} "
+                               f"on {host} (SGLang refuses ports above {MAX_SERVER_PORT})")
         if p not in taken and port_is_free(host, p):
             ports.append(p)
         p += 1

@@ -1,12 +1,10 @@
 """A stand-in SGLang server: the native HTTP endpoints the rollout client uses, with the same
 JSON shapes (matches SGLang's http_server.py / io_struct.py), backed by the embedded engine.
 
-It lets the SGLang client be exercised over real HTTP with a real model on CPU, and has
-switchable faults for reliability tests (POST /standin/faults or `StandinServer.faults`):
-`error_5xx` (answer the next k /generate calls with 503), `drop` (close the next k
-/generate connections without answering), `slow` (delay the next k /generate answers by
-`delay_s` seconds), `crash` (stop serving at once; as a subprocess the process exits with
-code 1).
+It lets the SGLang client be exercised over real HTTP with a real model on CPU. Generation,
+health, information endpoints, the API key and the switchable faults for reliability tests
+live in `standin_generate` (mixed in); the port rule at start is SGLang's
+(`sglang_protocol.grpc_port_error`).
 
 Weights and memory, as strict as SGLang 0.5.12: `/update_weights_from_tensor` decodes every TP
 rank's entry with SGLang's unpickler allow-list and the byte-layout flattened bucket
@@ -29,45 +27,21 @@ import json
 import os
 import threading
 import time
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from megatron_gspo.rollout.base import MEMORY_TAGS, SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine
+from megatron_gspo.rollout.sglang_protocol import grpc_port_error
+from megatron_gspo.rollout.standin_generate import Faults, GenerationEndpoints, api_key_middleware
 from megatron_gspo.rollout.weight_sync import decode_tensor_update, init_learner_update_group
 
 
 _BATCHER: web.AppKey[asyncio.Task] = web.AppKey("batcher", asyncio.Task)
 
 
-@dataclass
-class Faults:
-    """Switchable faults of the stand-in server (see module docstring)."""
-
-    error_5xx: int = 0
-    drop: int = 0
-    slow: int = 0
-    delay_s: float = 1.0
-    crash: bool = False
-
-
-def _params(d: dict[str, Any]) -> SamplingParams:
-    top_k = int(d.get("top_k", -1))
-    return SamplingParams(
-        max_new_tokens=int(d.get("max_new_tokens", 128)),
-        temperature=float(d.get("temperature", 1.0)),
-        top_p=float(d.get("top_p", 1.0)),
-        top_k=top_k if top_k > 0 else -1,
-        n=int(d.get("n", 1)),
-        stop_token_ids=tuple(d.get("stop_token_ids") or ()),
-        ignore_eos=bool(d.get("ignore_eos", False)),
-    )
-
-
-class StandinServer:
+class StandinServer(GenerationEndpoints):
     """aiohttp app serving an `EmbeddedEngine` under SGLang's endpoint names.
 
     Args:
@@ -78,11 +52,18 @@ class StandinServer:
         exit_on_crash: on the `crash` fault, end the process (subprocess mode).
         weights_cpu_backup: `--enable-weights-cpu-backup`: weights survive a release of the
             `weights` region (else they are lost, see `release`).
+        dp_size: reported data-parallel size.
+        context_length: `--context-length` (None: the model config's, as SGLang derives it).
+        api_key: `--api-key`: every request but /health* needs it as a Bearer token.
+        health_generation: /health runs a one-token generation (None: from the environment
+            variable SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, default on).
     """
 
     def __init__(
         self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0, tp_size: int = 1,
         model_path: str = "", exit_on_crash: bool = False, weights_cpu_backup: bool = False,
+        dp_size: int = 1, context_length: int | None = None, api_key: str | None = None,
+        health_generation: bool | None = None,
     ) -> None:
         self.engine, self.host, self.port, self.tp_size = engine, host, port, tp_size
         self.model_path, self.exit_on_crash = model_path, exit_on_crash
@@ -102,6 +83,8 @@ class StandinServer:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = threading.Event()
+        self._api_key = api_key
+        self._init_generation(dp_size, context_length, health_generation)
 
     @property
     def url(self) -> str:
@@ -109,13 +92,15 @@ class StandinServer:
 
     # ------------------------------------------------------------ app setup
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        mw = [api_key_middleware(self._api_key)] if self._api_key else []
+        app = web.Application(client_max_size=1 << 30, middlewares=mw)
         r = app.router
         for path in ("/health", "/health_generate"):
             r.add_get(path, self.health)
-        r.add_get("/get_model_info", self.model_info)
-        r.add_get("/get_weight_version", self.get_weight_version)
-        r.add_get("/get_server_info", self.server_info)
+        for path in ("/model_info", "/get_model_info"):  # 0.5.12: /get_weight_version is 404
+            r.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
         r.add_route("*", "/generate", self.generate)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/update_weights_from_tensor", self.update_from_tensor)
@@ -124,7 +109,7 @@ class StandinServer:
         r.add_post("/update_weights_from_distributed", self.update_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/update_weight_version", self.update_weight_version)
-        r.add_route("*", "/release_memory_occupation", self.release)
+        r.add_route("*", "/release_memory_occupation", self.release_if_idle)
         r.add_route("*", "/resume_memory_occupation", self.resume)
         r.add_post("/pause_generation", self.pause)
         r.add_post("/continue_generation", self.cont)
@@ -183,129 +168,6 @@ class StandinServer:
         self._stopped.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-
-    # ------------------------------------------------------------ generation
-    async def _batcher(self) -> None:
-        assert self._wake is not None
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            await asyncio.sleep(0.005)  # let concurrent requests join the batch
-            while self._paused:
-                await asyncio.sleep(0.01)
-            batch, self._queue = self._queue, []
-            if not batch:
-                continue
-            rows = [row for rows, _, _ in batch for row in rows]
-            try:
-                outs = await asyncio.to_thread(self.engine.sample_rows, rows)
-            except Exception as e:  # answered to every waiting request
-                for _, fut, _ in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
-                continue
-            k = 0
-            for rows_i, fut, _ in batch:
-                if not fut.done():
-                    fut.set_result(outs[k : k + len(rows_i)])
-                k += len(rows_i)
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        f = self.faults
-        if f.crash:
-            return await self._crash(request)
-        if f.drop > 0:
-            f.drop -= 1
-            request.transport.close()  # type: ignore[union-attr]
-            raise asyncio.CancelledError()
-        if f.error_5xx > 0:
-            f.error_5xx -= 1
-            return web.json_response({"error": {"message": "injected fault"}}, status=503)
-        body = await request.json()
-        if body.get("stream"):
-            return _bad("stand-in server does not stream")
-        ids = body.get("input_ids")
-        if not ids:
-            return _bad("input_ids is required")
-        single = isinstance(ids[0], int)
-        prompts = [ids] if single else ids
-        sp = body.get("sampling_params") or {}
-        sps = sp if isinstance(sp, list) else [sp] * len(prompts)
-        if len(sps) != len(prompts):
-            return _bad(f"{len(sps)} sampling_params for {len(prompts)} prompts")
-        try:
-            params = [_params(d) for d in sps]
-        except (TypeError, ValueError) as e:
-            return _bad(str(e))
-        if self.released:
-            return _bad("memory is released; call /resume_memory_occupation first")
-        rows = [
-            (list(p), s.with_n(1))
-            for p, s in zip(prompts, params, strict=True)
-            for _ in range(s.n)
-        ]
-        self.stats["generate_calls"] += 1
-        rid = body.get("rid") or uuid.uuid4().hex
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._queue.append((rows, fut, rid))
-        assert self._wake is not None
-        self._wake.set()
-        slow = f.slow > 0
-        if slow:
-            f.slow -= 1
-        outs = await fut
-        if slow:
-            await asyncio.sleep(f.delay_s)
-        results = []
-        for i, ((prompt, _), (tok, lps, reason)) in enumerate(zip(rows, outs, strict=True)):
-            fr: dict[str, Any] = {"type": reason}
-            if reason == "stop":
-                fr["matched"] = tok[-1]
-            elif reason == "length":
-                fr["length"] = len(tok)
-            meta = {
-                "id": rid if len(rows) == 1 else f"{rid}-{i}",
-                "finish_reason": fr,
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(tok),
-                "cached_tokens": 0,
-                "weight_version": self.weight_version,
-            }
-            if body.get("return_logprob"):
-                meta["output_token_logprobs"] = [
-                    [lp, t, None] for lp, t in zip(lps, tok, strict=True)
-                ]
-            results.append({"text": "", "output_ids": tok, "meta_info": meta})
-        self.stats["samples"] += len(results)
-        return web.json_response(results[0] if single and len(results) == 1 else results)
-
-    async def _crash(self, request: web.Request) -> web.StreamResponse:
-        if self.exit_on_crash:
-            os._exit(1)
-        request.transport.close()  # type: ignore[union-attr]
-        self._stopped.set()  # the serving thread then closes the listener
-        raise asyncio.CancelledError()
-
-    # ------------------------------------------------------------ control
-    async def health(self, request: web.Request) -> web.Response:
-        if self.faults.crash:
-            return await self._crash(request)  # type: ignore[return-value]
-        return web.Response(status=200)
-
-    async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"model_path": self.model_path, "is_generation": True,
-             "weight_version": self.weight_version}
-        )
-
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
-
-    async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"model_path": self.model_path, "tp_size": self.tp_size, "version": "standin",
-             "weight_version": self.weight_version}
-        )
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         self.stats["flushes"] += 1
@@ -446,42 +308,6 @@ class StandinServer:
                 p.zero_()
                 self.lost_weights.add(name)
 
-    async def pause(self, request: web.Request) -> web.Response:
-        text = await request.text()
-        mode = (await request.json()).get("mode", "abort") if text.strip() else "abort"
-        if mode == "abort":  # requests not yet started come back with finish reason abort
-            for rows, fut, _ in self._queue:
-                if not fut.done():
-                    fut.set_result([([], [], "abort")] * len(rows))
-            self._queue = []
-        self._paused = True
-        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
-
-    async def cont(self, request: web.Request) -> web.Response:
-        self._paused = False
-        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
-
-    async def abort(self, request: web.Request) -> web.Response:
-        b = await request.json()
-        keep = []
-        for rows, fut, rid in self._queue:  # only requests not yet started can be aborted
-            if b.get("abort_all") or rid == b.get("rid"):
-                if not fut.done():
-                    fut.set_result([([], [], "abort")] * len(rows))
-            else:
-                keep.append((rows, fut, rid))
-        self._queue = keep
-        return web.Response(status=200)
-
-    async def set_faults(self, request: web.Request) -> web.Response:
-        b = await request.json()
-        for k, v in b.items():
-            if not hasattr(self.faults, k):
-                return _bad(f"unknown fault {k!r}")
-            setattr(self.faults, k, type(getattr(self.faults, k))(v))
-        return web.json_response({"success": True})
-
-
 def _ok(msg: str) -> web.Response:
     return web.json_response({"success": True, "message": msg})
 
@@ -519,11 +345,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--random-seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--enable-weights-cpu-backup", action="store_true")
+    ap.add_argument("--dp-size", "--dp", type=int, default=1)
+    ap.add_argument("--context-length", type=int, default=None)
+    ap.add_argument("--api-key", default=None)
     args, _unknown = ap.parse_known_args(argv)
+    port_error = grpc_port_error(args.port, os.environ)
+    if port_error:  # SGLang refuses the port before loading anything
+        raise ValueError(port_error)
     dtype = "float32" if args.dtype in ("auto", "float") else args.dtype
     engine = EmbeddedEngine(args.model_path, dtype=dtype, seed=args.random_seed)
     server = StandinServer(engine, args.host, args.port, args.tp_size, args.model_path, True,
-                           weights_cpu_backup=args.enable_weights_cpu_backup)
+                           weights_cpu_backup=args.enable_weights_cpu_backup,
+                           dp_size=args.dp_size, context_length=args.context_length,
+                           api_key=args.api_key)
 
     async def run() -> None:
         await server.start()

@@ -126,7 +126,7 @@ def test_two_servers_share_load(engine, tiny_model_dir):
 def test_memory_disk_update_and_control_endpoints(client, standin, engine, tiny_model_dir):
     client.release_memory()
     assert standin.released
-    with pytest.raises(RolloutError, match="HTTP 400"):
+    with pytest.raises(RolloutError, match="memory is released"):
         client.generate(_batch(n=1))
     client.resume_memory()
     assert not standin.released

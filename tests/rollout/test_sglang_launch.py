@@ -108,3 +108,67 @@ def test_launched_servers_generate_update_and_crash(tiny_model_dir, tmp_path):
         eng.shutdown()
         torch.multiprocessing.set_sharing_strategy("file_descriptor")
     assert all(p.returncode is not None for p in eng.procs)
+
+
+class _FakeSocket:
+    """socket.socket stand-in whose bind(port 0) yields the next scripted port."""
+
+    def __init__(self, ports):
+        self.ports, self.port = ports, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def bind(self, addr):
+        self.port = next(self.ports) if addr[1] == 0 else addr[1]
+
+    def getsockname(self):
+        return ("127.0.0.1", self.port)
+
+
+def test_launched_ports_stay_within_sglang_grpc_rule(monkeypatch):
+    """SGLang refuses --port above 55535 (port + 10000 is its gRPC port, <= 65535)."""
+    from megatron_gspo.rollout import sglang_launch
+
+    ports = iter([60001, 55536, 40000, 40000, 41000])
+    monkeypatch.setattr(sglang_launch.socket, "socket", lambda *a, **k: _FakeSocket(ports))
+    assert sglang_launch.pick_ports("127.0.0.1", 0, 2) == [40000, 41000]
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="55535"):
+        sglang_launch.pick_ports("127.0.0.1", 55535, 2)
+    with pytest.raises(ValueError, match=r"rollout.base_port .*55535"):
+        LaunchSpec(model_path="m", base_port=60000)
+    from megatron_gspo.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match="rollout.base_port"):
+        config_from_dict({"rollout": {"base_port": 56000}})
+
+
+def test_standin_refuses_ports_sglang_refuses(monkeypatch):
+    from megatron_gspo.rollout import standin_server
+
+    monkeypatch.delenv("SGLANG_GRPC_PORT", raising=False)
+    with pytest.raises(ValueError, match=r"SGLANG_GRPC_PORT \(70000\) must be between 1 and "
+                                         r"65535"):
+        standin_server.main(["--model-path", "/nonexistent", "--port", "60000"])
+    monkeypatch.setenv("SGLANG_GRPC_PORT", "70001")
+    with pytest.raises(ValueError, match=r"SGLANG_GRPC_PORT \(70001\)"):
+        standin_server.main(["--model-path", "/nonexistent", "--port", "3000"])
+
+
+def test_launch_env_and_argv_health_api_key():
+    from megatron_gspo.rollout.sglang_launch import redact_argv, server_env
+
+    spec = LaunchSpec(model_path="m", python="py", api_key="k3y", env={"A": "1"})
+    env = server_env(spec)
+    assert env == {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0", "A": "1"}
+    argv = server_argv(spec, 0, 30000)
+    assert argv[argv.index("--api-key") + 1] == "k3y"
+    assert "k3y" not in " ".join(redact_argv(argv)) and "--api-key" in redact_argv(argv)
+    assert "k3y" not in repr(spec)
+    r = router_argv(["http://a:1"], "127.0.0.1", 31000, python="py", api_key="k3y")
+    assert r[r.index("--api-key") + 1] == "k3y"
+    assert "--api-key" not in server_argv(LaunchSpec(model_path="m"), 0, 30000)

@@ -1,0 +1,344 @@
+"""The generation side of the stand-in SGLang server (`standin_server.StandinServer` mixes it
+in): `/generate` (micro-batched into one embedded-engine batch), `/health`, `/health_generate`,
+`/model_info`, `/server_info`, `/abort_request`, `/pause_generation`, `/continue_generation`,
+switchable faults and the `--api-key` check.
+
+Strict where SGLang 0.5.12 is (rules in `sglang_protocol`, each naming its upstream file):
+over-long requests get SGLang's 400; `/health` runs a one-token generation unless
+`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` is false (`/health_generate` always does), and that
+generation fails while memory is released; `/release_memory_occupation` is refused while any
+request is in flight (`release_if_idle`; upstream the scheduler asserts it is idle,
+managers/scheduler_update_weights_mixin.py); with an API key every path but /health* needs
+`Authorization: Bearer <key>` (401 otherwise); `/server_info` reports tp_size, dp_size and the
+`--context-length` argument (null when not given), as upstream's dump of its server args.
+
+Faults (POST /standin/faults or `.faults`), each counting down per /generate call: `error_5xx`
+(503), `drop` (close the connection), `slow` (answer `delay_s` late), `abort` (finish reason
+abort with half the output, as after /abort_request), `cut` (body cut mid-way), `garbage`
+(200 with a non-JSON body), `nested` (200 with JSON nested too deeply to parse), `bad_ids` (a
+negative token id); `crash` stops serving (a subprocess exits with code 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from megatron_gspo.rollout.base import SamplingParams
+from megatron_gspo.rollout.sglang_protocol import (
+    HEALTH_GENERATION_ENV,
+    auth_allowed,
+    context_length_of,
+    env_bool,
+    length_error,
+)
+
+# entrypoints/http_server.py HEALTH_CHECK_TIMEOUT: a health generation that gets no answer
+# within this many seconds fails.
+HEALTH_CHECK_TIMEOUT_S = 20.0
+
+
+@dataclass
+class Faults:
+    """Switchable faults of the stand-in server (see module docstring)."""
+
+    error_5xx: int = 0
+    drop: int = 0
+    slow: int = 0
+    delay_s: float = 1.0
+    crash: bool = False
+    abort: int = 0
+    cut: int = 0
+    garbage: int = 0
+    nested: int = 0
+    bad_ids: int = 0
+
+
+def _params(d: dict[str, Any]) -> SamplingParams:
+    top_k = int(d.get("top_k", -1))
+    return SamplingParams(
+        max_new_tokens=int(d.get("max_new_tokens", 128)),
+        temperature=float(d.get("temperature", 1.0)),
+        top_p=float(d.get("top_p", 1.0)),
+        top_k=top_k if top_k > 0 else -1,
+        n=int(d.get("n", 1)),
+        stop_token_ids=tuple(d.get("stop_token_ids") or ()),
+        ignore_eos=bool(d.get("ignore_eos", False)),
+    )
+
+
+def _bad(msg: str) -> web.Response:
+    return web.json_response({"object": "error", "message": msg, "code": 400}, status=400)
+
+
+def _error(msg: str, status: int = 400) -> web.Response:
+    """entrypoints/http_server.py `_create_error_response`."""
+    return web.json_response({"error": {"message": msg}}, status=status)
+
+
+def api_key_middleware(api_key: str) -> Any:
+    """aiohttp middleware answering 401 like SGLang's utils/auth.py (health stays open)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if not auth_allowed(request.path, request.headers.get("Authorization"), api_key):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
+class GenerationEndpoints:
+    """Mixin of `StandinServer`: the generation and information endpoints."""
+
+    engine: Any
+    faults: Faults
+    stats: dict[str, int]
+    released: bool
+    weight_version: str
+    model_path: str
+    tp_size: int
+    exit_on_crash: bool
+    _queue: list
+    _wake: asyncio.Event | None
+    _paused: bool
+    _stopped: Any
+
+    def _init_generation(self, dp_size: int, context_length: int | None,
+                         health_generation: bool | None) -> None:
+        self.dp_size = dp_size
+        self.context_length_arg = context_length
+        self.context_length = context_length or context_length_of(
+            self.engine.model.config.to_dict())
+        if health_generation is None:
+            health_generation = env_bool(os.environ, HEALTH_GENERATION_ENV, True)
+        self.health_generation = health_generation
+        self.aborts: list[str] = []  # rids of /abort_request calls ("*" for abort_all)
+        self.in_flight = 0
+        self.stats.update(health_generations=0)
+
+    # ------------------------------------------------------------ generation
+    async def _batcher(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(0.005)  # let concurrent requests join the batch
+            while self._paused:
+                await asyncio.sleep(0.01)
+            batch, self._queue = self._queue, []
+            if not batch:
+                continue
+            rows = [row for rows, _, _ in batch for row in rows]
+            try:
+                outs = await asyncio.to_thread(self.engine.sample_rows, rows)
+            except Exception as e:  # answered to every waiting request
+                for _, fut, _ in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            k = 0
+            for rows_i, fut, _ in batch:
+                if not fut.done():
+                    fut.set_result(outs[k : k + len(rows_i)])
+                k += len(rows_i)
+
+    async def _run_rows(self, rows: list, rid: str) -> list:
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue.append((rows, fut, rid))
+        assert self._wake is not None
+        self._wake.set()
+        return await fut
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        f = self.faults
+        if f.crash:
+            return await self._crash(request)
+        if f.drop > 0:
+            f.drop -= 1
+            request.transport.close()  # type: ignore[union-attr]
+            raise asyncio.CancelledError()
+        if f.error_5xx > 0:
+            f.error_5xx -= 1
+            return web.json_response({"error": {"message": "injected fault"}}, status=503)
+        broken = await self._broken_answer(request)
+        if broken is not None:
+            return broken
+        body = await request.json()
+        if body.get("stream"):
+            return _bad("stand-in server does not stream")
+        ids = body.get("input_ids")
+        if not ids:
+            return _bad("input_ids is required")
+        single = isinstance(ids[0], int)
+        prompts = [ids] if single else ids
+        sp = body.get("sampling_params") or {}
+        sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+        if len(sps) != len(prompts):
+            return _bad(f"{len(sps)} sampling_params for {len(prompts)} prompts")
+        try:
+            params = [_params(d) for d in sps]
+        except (TypeError, ValueError) as e:
+            return _bad(str(e))
+        for p, d in zip(prompts, sps, strict=True):
+            msg = length_error(len(p), d.get("max_new_tokens"), self.context_length)
+            if msg:
+                return _error(msg)
+        if self.released:
+            return _bad("memory is released; call /resume_memory_occupation first")
+        rows = [
+            (list(p), s.with_n(1))
+            for p, s in zip(prompts, params, strict=True)
+            for _ in range(s.n)
+        ]
+        self.stats["generate_calls"] += 1
+        rid = body.get("rid") or uuid.uuid4().hex
+        slow, aborted, bad_ids = f.slow > 0, f.abort > 0, f.bad_ids > 0
+        f.slow, f.abort, f.bad_ids = f.slow - slow, f.abort - aborted, f.bad_ids - bad_ids
+        self.in_flight += 1
+        try:
+            outs = await self._run_rows(rows, rid)
+            if slow:
+                await asyncio.sleep(f.delay_s)
+        finally:
+            self.in_flight -= 1
+        results = []
+        for i, ((prompt, _), (tok, lps, reason)) in enumerate(zip(rows, outs, strict=True)):
+            fr: dict[str, Any] = {"type": reason}
+            if aborted:  # as after /abort_request: part of the output, finish reason abort
+                tok, lps = tok[: len(tok) // 2], lps[: len(tok) // 2]
+                fr = {"type": "abort", "message": "Abort in waiting queue"}
+            elif reason == "stop":
+                fr["matched"] = tok[-1]
+            elif reason == "length":
+                fr["length"] = len(tok)
+            if bad_ids and tok:
+                tok = [-1, *tok[1:]]
+            meta = {
+                "id": rid if len(rows) == 1 else f"{rid}-{i}",
+                "finish_reason": fr,
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(tok),
+                "cached_tokens": 0,
+                "weight_version": self.weight_version,
+            }
+            if body.get("return_logprob"):  # text is null unless return_text_in_logprobs
+                meta["output_token_logprobs"] = [
+                    [lp, t, None] for lp, t in zip(lps, tok, strict=True)
+                ]
+            results.append({"text": "", "output_ids": tok, "meta_info": meta})
+        self.stats["samples"] += len(results)
+        return web.json_response(results[0] if single and len(results) == 1 else results)
+
+    async def _broken_answer(self, request: web.Request) -> web.StreamResponse | None:
+        """The `cut`, `garbage` and `nested` faults (None when none is armed)."""
+        f = self.faults
+        if f.garbage > 0:
+            f.garbage -= 1
+            return web.Response(text="<html>502 Bad Gateway</html>", content_type="text/html")
+        if f.nested > 0:
+            f.nested -= 1
+            return web.Response(text="[" * 100_000 + "]" * 100_000,
+                                content_type="application/json")
+        if f.cut > 0:
+            f.cut -= 1
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            resp.content_length = 1000
+            await resp.prepare(request)
+            await resp.write(b'{"meta_info": {"output_token_logprobs": [[-0.5, 3, null], ')
+            request.transport.close()  # type: ignore[union-attr]
+            return resp
+        return None
+
+    async def _crash(self, request: web.Request) -> web.StreamResponse:
+        if self.exit_on_crash:
+            os._exit(1)
+        request.transport.close()  # type: ignore[union-attr]
+        self._stopped.set()  # the serving thread then closes the listener
+        raise asyncio.CancelledError()
+
+    # ------------------------------------------------------------ information
+    async def health(self, request: web.Request) -> web.Response:
+        """entrypoints/http_server.py `health_generate` (serves /health and /health_generate)."""
+        if self.faults.crash:
+            return await self._crash(request)  # type: ignore[return-value]
+        if request.path == "/health" and not self.health_generation:
+            return web.Response(status=200)
+        if self.released:  # a generation on released (unmapped) memory gets no answer
+            return web.Response(status=503)
+        self.stats["health_generations"] += 1
+        self.in_flight += 1
+        try:
+            rows = [([0], SamplingParams(max_new_tokens=1, temperature=0.0))]
+            await asyncio.wait_for(self._run_rows(rows, f"HEALTH_CHECK_{uuid.uuid4().hex}"),
+                                   HEALTH_CHECK_TIMEOUT_S)
+        except Exception:
+            return web.Response(status=503)
+        finally:
+            self.in_flight -= 1
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"model_path": self.model_path, "is_generation": True,
+             "weight_version": self.weight_version,
+             "model_type": getattr(self.engine.model.config, "model_type", None)}
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
+             "context_length": self.context_length_arg, "version": "standin",
+             "weight_version": self.weight_version}
+        )
+
+    # ------------------------------------------------------------ control
+    async def release_if_idle(self, request: web.Request) -> web.StreamResponse:
+        """/release_memory_occupation, refused while requests are in flight. Upstream the
+        scheduler asserts it is idle (and the failed assertion ends the server); the stand-in
+        refuses with the assertion's message and goes on serving."""
+        if self.in_flight or self._queue:
+            return _error("release_memory_occupation should be called only when server is "
+                          f"idle ({self.in_flight} requests in flight).", status=500)
+        return await self.release(request)  # type: ignore[attr-defined]
+
+    async def pause(self, request: web.Request) -> web.Response:
+        text = await request.text()
+        mode = (await request.json()).get("mode", "abort") if text.strip() else "abort"
+        if mode == "abort":  # requests not yet started come back with finish reason abort
+            for rows, fut, _ in self._queue:
+                if not fut.done():
+                    fut.set_result([([], [], "abort")] * len(rows))
+            self._queue = []
+        self._paused = True
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def cont(self, request: web.Request) -> web.Response:
+        self._paused = False
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort(self, request: web.Request) -> web.Response:
+        b = await request.json()
+        self.aborts.append("*" if b.get("abort_all") else str(b.get("rid")))
+        keep = []
+        for rows, fut, rid in self._queue:  # only requests not yet started can be aborted
+            if b.get("abort_all") or rid == b.get("rid"):
+                if not fut.done():
+                    fut.set_result([([], [], "abort")] * len(rows))
+            else:
+                keep.append((rows, fut, rid))
+        self._queue = keep
+        return web.Response(status=200)
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        b = await request.json()
+        for k, v in b.items():
+            if not hasattr(self.faults, k):
+                return _bad(f"unknown fault {k!r}")
+            setattr(self.faults, k, type(getattr(self.faults, k))(v))
+        return web.json_response({"success": True})
