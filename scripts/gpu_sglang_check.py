@@ -7,12 +7,19 @@ Builds a small random Qwen3 model (no hub access needed), launches `sglang.launc
      mean |diff| must stay under --logprob-tol);
   2. colocated weight update (`update_weights_from_tensor`, flattened CUDA buckets): greedy
      answers change and the version is reported; restoring the weights restores the answers;
-  3. `update_weights_from_disk` and `release_memory_occupation` / `resume_memory_occupation`;
+  3. `update_weights_from_disk`, then `release_memory_occupation` / `resume_memory_occupation`
+     in the trainer's colocated order: release everything, resume `weights`, push the weights
+     again, resume `kv_cache` and `cuda_graph`. A server started without
+     `--enable-weights-cpu-backup` (the launcher does not pass it) does not keep its weights
+     across a release, so the same answers after resume prove the push, not the release;
   4. killing the server makes generation fail with a clear error.
 Exits 0 when every check passes; prints one line per check.
 
 Usage: python scripts/gpu_sglang_check.py [--workdir DIR] [--tp-size 1] [--keep]
-Needs CUDA and `sglang` installed (`pip install -e .[sglang]`).
+Needs CUDA and `sglang` installed (`pip install -e .[sglang]`). Server ports come from the
+launcher (at most 55535: SGLang adds 10000 for its gRPC port and refuses more than 65535).
+`run_checks(..., module="megatron_gspo.rollout.standin_server")` runs the same checks on the CPU
+against the stand-in server, which follows SGLang's rules (weights lost on release included).
 """
 
 from __future__ import annotations
@@ -38,19 +45,31 @@ def _ok(name: str, cond: bool, detail: str = "") -> bool:
 
 
 def run_checks(workdir: str, tp_size: int = 1, logprob_tol: float = 0.05,
-               colocated: bool = True) -> bool:
-    """Run all checks; returns True when all passed."""
+               colocated: bool = True, module: str = "sglang.launch_server") -> bool:
+    """Run all checks; returns True when all passed.
+
+    Args:
+        workdir: model directory and server logs go here.
+        tp_size: tensor-parallel size of the server.
+        logprob_tol: bound on the mean |engine - HF fp32| log-prob difference.
+        colocated: also check memory release/resume (server started with memory saving).
+        module: server module taking SGLang's flags (SGLang's; the stand-in on a CPU).
+    """
     from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
     from megatron_gspo.rollout.embedded import build_hf_model, sequence_logprobs
     from megatron_gspo.rollout.sglang import SGLangEngine
     from megatron_gspo.rollout.sglang_launch import LaunchSpec
 
     torch.manual_seed(0)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    if not cuda:  # CPU tensors reach the (stand-in) server process through shared files
+        torch.multiprocessing.set_sharing_strategy("file_system")
     model_dir = os.path.join(workdir, "small_qwen3")
     hf = build_hf_model(SMALL, dtype="bfloat16")
     hf.save_pretrained(model_dir)
-    ref = build_hf_model(model_dir, dtype="float32", device="cuda")
-    spec = LaunchSpec(
+    ref = build_hf_model(model_dir, dtype="float32", device=device)
+    spec = LaunchSpec(module=module,
         model_path=model_dir, tp_size=tp_size, base_port=0, mem_fraction_static=0.3,
         colocated=colocated, dtype="bfloat16", log_dir=os.path.join(workdir, "logs"),
         extra_args=["--skip-tokenizer-init", "--skip-server-warmup", "--disable-cuda-graph"],
@@ -83,7 +102,7 @@ def run_checks(workdir: str, tp_size: int = 1, logprob_tol: float = 0.05,
         greedy = [GenerateRequest([11, 12, 13], SamplingParams(max_new_tokens=12, temperature=0.0,
                                                                ignore_eos=True))]
         base = eng.generate(greedy)[0].response_ids
-        orig = [(k, v.cuda()) for k, v in hf.state_dict().items()]
+        orig = [(k, v.to(device)) for k, v in hf.state_dict().items()]
         noisy = [(k, v + 0.05 * torch.randn_like(v)) for k, v in orig]
         eng.update_weights([noisy[:8], noisy[8:]], version=1)
         changed = eng.generate(greedy)[0]
@@ -100,13 +119,17 @@ def run_checks(workdir: str, tp_size: int = 1, logprob_tol: float = 0.05,
                            disk.weight_version == 3))
 
         if colocated:
-            free0 = torch.cuda.mem_get_info()[0]
+            free0 = torch.cuda.mem_get_info()[0] if cuda else 0
             eng.release_memory()
-            free1 = torch.cuda.mem_get_info()[0]
-            eng.resume_memory()
+            free1 = torch.cuda.mem_get_info()[0] if cuda else 1
+            # Released weights are gone without --enable-weights-cpu-backup: resume the weight
+            # memory, push the weights, then resume the KV cache and CUDA graphs.
+            eng.resume_memory(("weights",))
+            eng.update_weights([orig], version=4)
+            eng.resume_memory(("kv_cache", "cuda_graph"))
             again = eng.generate(greedy)[0]
-            results.append(_ok("release/resume memory", free1 > free0 and
-                               again.response_ids == base,
+            results.append(_ok("release/resume memory + weight push", free1 > free0 and
+                               again.response_ids == base and again.weight_version == 4,
                                f"freed {(free1 - free0) / 2**30:.2f} GiB"))
 
         eng.procs[0].stop(grace_s=5)
