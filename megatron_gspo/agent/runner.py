@@ -262,7 +262,9 @@ class EpisodeRunner:
                 glp = list(out.rollout_logprobs or [0.0] * len(gen))
                 versions.append(out.weight_version)
                 resp += gen
-                mask += [1] * len(gen)
+                mask += list(out.loss_mask)  # 0 where the engine gave up on the turn
+                if "rollout_error" in out.metadata:
+                    metrics["rollout_error"] = out.metadata["rollout_error"]
                 lps += glp
                 tids += [turn] * len(gen)
                 if out.finish_reason != "stop":

@@ -293,3 +293,29 @@ def test_group_sampler_drops_groups_with_failed_samples(standin):
     assert len(samples) == 4 and all("rollout_error" not in s.metadata for s in samples)
     assert {s.prompt for s in samples} == {"p0", "p2"}
     assert m["groups_failed"] == 1 and m["samples_failed"] == 2 and m["groups_kept"] == 2
+
+
+def test_agent_turn_the_engine_gave_up_on_is_masked():
+    """An episode turn that comes back as a per-sample failure (finish abort, loss mask 0)
+    ends the episode without training on that turn's tokens."""
+    from megatron_gspo.agent.envs import CalculatorEnv
+    from megatron_gspo.agent.runner import EpisodeLimits, EpisodeRunner
+    from tests.agent.agent_helpers import ScriptedEngine, ToyTokenizer
+
+    class GivesUp(ScriptedEngine):
+        async def agenerate(self, requests):
+            out = await super().agenerate(requests)
+            for s in out:
+                s.finish_reason, s.loss_mask = "abort", [0] * len(s.response_ids)
+                s.metadata["rollout_error"] = "aborted by http://h:1 3 times"
+            return out
+
+    tok = ToyTokenizer()
+    eng = GivesUp(lambda p, k: [tok.ids[c] for c in "The answer"])
+    runner = EpisodeRunner(eng, tok, lambda: CalculatorEnv(),
+                           sampling=SamplingParams(max_new_tokens=64),
+                           limits=EpisodeLimits(max_new_tokens_per_turn=200))
+    s = runner.run_batch_sync([{"prompt": "What is 2*3?", "label": "6"}], n_per_prompt=1)[0]
+    assert s.finish_reason == "abort" and s.metadata["stop_reason"] == "engine_abort"
+    assert len(s.response_ids) == 10 and s.num_trainable == 0
+    assert "aborted" in s.metadata["rollout_error"]
