@@ -55,6 +55,8 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int):
                                drop_zero_variance=cfg.rollout.drop_zero_variance_groups)
         samples, gm = sampler.collect(_requests(prompts), cfg.train.prompts_per_step)
         m = {f"rollout/{k}": v for k, v in gm.items()}
+    for k, v in getattr(engine, "metrics", {}).items():  # SGLang client counters, since start
+        m[f"rollout/engine_{k}_total"] = float(v)
     if not samples:
         raise RuntimeError(f"step {step}: the rollout produced no complete group")
     if _colocated_sglang(cfg):  # hand the GPUs to the learner until the next weight sync

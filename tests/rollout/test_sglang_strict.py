@@ -319,3 +319,37 @@ def test_agent_turn_the_engine_gave_up_on_is_masked():
     assert s.finish_reason == "abort" and s.metadata["stop_reason"] == "engine_abort"
     assert len(s.response_ids) == 10 and s.num_trainable == 0
     assert "aborted" in s.metadata["rollout_error"]
+
+
+def test_rollout_phase_counts_failed_and_aborted_samples(standin):
+    from types import SimpleNamespace
+
+    from megatron_gspo import phases
+    from megatron_gspo.config import config_from_dict
+
+    class Tok:
+        eos_token_id = 1
+
+        def get_vocab(self):
+            return {}
+
+    cfg = config_from_dict({"model": {"path": "m"}, "rollout": {
+        "engine": "sglang", "server_urls": [standin.url], "colocate": False, "group_size": 2,
+        "max_new_tokens": 4}, "train": {"prompts_per_step": 2}})
+    rows = iter([SimpleNamespace(prompt_ids=[5] * (300 if i == 1 else 3), prompt=f"p{i}",
+                                 label=None, row=i) for i in range(10)])
+    eng = SGLangEngine(server_urls=[standin.url], backoff_s=0.01, context_length=256)
+    standin.faults.abort = 1
+
+    def score(samples):
+        for s in samples:
+            s.reward = float(len(s.response_ids))
+
+    try:
+        samples, m = phases.rollout(cfg, eng, rows, score, Tok(), step=0)
+    finally:
+        standin.faults.abort = 0
+        eng.shutdown()
+    assert len(samples) == 4 and m["rollout/samples_failed"] == 2.0
+    assert m["rollout/groups_failed"] == 1.0 and m["rollout/engine_aborted_total"] == 1.0
+    assert m["rollout/engine_failed_total"] == 2.0
