@@ -23,7 +23,6 @@ import math
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 NO_CUDA = "skipped: no CUDA"
 
@@ -44,30 +45,13 @@ class Row:
     detail: str = ""
 
 
-# SGLang 0.5.12 sets grpc_port = port + 10000 for every server and refuses to start when that
-# is above 65535 (sglang/srt/server_args.py, `_handle_deprecated_args`), gRPC on or off.
-MAX_SERVER_PORT = 65535 - 10000
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1, at most 55535: SGLang 0.5.12 sets
+    grpc_port = port + 10000 for every server and refuses one above 65535 (the launcher's
+    `pick_ports` keeps to that bound)."""
+    from megatron_gspo.rollout.sglang_launch import pick_ports
 
-
-def free_port(max_port: int = MAX_SERVER_PORT, tries: int = 200) -> int:
-    """A TCP port at most `max_port` that was free a moment ago on 127.0.0.1.
-
-    The OS picks ports up to ~61000, about one in five above SGLang's bound; those are skipped.
-    """
-    for _ in range(tries):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port <= max_port:
-            return port
-    for port in range(max_port, 1023, -1):  # the OS kept picking high ports: scan down
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise OSError(f"no free TCP port at most {max_port} on 127.0.0.1")
+    return pick_ports("127.0.0.1", 0, 1)[0]
 
 
 def run_isolated(fn, nprocs: int, timeout_s: float, *args) -> list:
