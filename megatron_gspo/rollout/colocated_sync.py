@@ -75,6 +75,21 @@ def entry_ranks(
             "rollout.weight_sync=tensor with rollout.server_urls on GPUs: which GPU each server "
             "TP rank uses is unknown, so CUDA IPC handles cannot be placed; launch the servers "
             "(rollout.colocate=true, no server_urls) or use rollout.weight_sync=distributed")
+    return plan_entry_ranks(infos, num_servers, tp_size, base_gpu_id)
+
+
+def plan_entry_ranks(
+    infos: Sequence[tuple[str, int]], num_servers: int, tp_size: int, base_gpu_id: int = 0
+) -> list[list[int]]:
+    """[server][tp rank] -> the learner rank on the same GPU of the first node.
+
+    Args:
+        infos: (host, CUDA device) of every learner rank, by rank (rank 0 on the first node).
+        num_servers, tp_size, base_gpu_id: server i's TP rank k runs on GPU
+            base_gpu_id + i * tp_size + k of the first node.
+    Raises:
+        RolloutError naming the first server GPU without a learner rank.
+    """
     by_gpu: dict[int, int] = {}
     for rank, (host, dev) in enumerate(infos):
         if host == infos[0][0]:

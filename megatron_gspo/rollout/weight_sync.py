@@ -2,7 +2,8 @@
 
 `update_weights_from_tensor` (colocated): each entry of `serialized_named_tensors` (one per
 tensor-parallel rank of the server; rank k deserializes entry k) is a base64 string of a
-`ForkingPickler` dump: CUDA tensors travel as IPC handles, CPU tensors as shared memory. With
+`ForkingPickler` dump: CUDA tensors travel as IPC handles, CPU tensors as shared memory named by
+file (torch's "file_system" strategy, so a server in an unrelated process can open it). With
 `load_format="flattened_bucket"` the pickled object is `{"flattened_tensor": 1-D uint8 tensor,
 "metadata": [...]}`: every tensor of the bucket flattened to its BYTES, concatenated, and per
 tensor `name, shape, dtype, start_idx, end_idx, numel` counted in bytes; the server rebuilds a
@@ -113,8 +114,15 @@ def serialize(obj: Any) -> str:
                 "rollout.weight_sync=distributed")
         sg["patch"]()
         ForkingPickler(buf).dump(obj)
-    else:
-        _HostPickler(buf).dump(obj)
+    else:  # shared memory by file name: any process may open it (no fd passing, no authkey)
+        import torch.multiprocessing as tmp
+
+        before = tmp.get_sharing_strategy()
+        tmp.set_sharing_strategy("file_system")
+        try:
+            _HostPickler(buf).dump(obj)
+        finally:
+            tmp.set_sharing_strategy(before)
     return base64.b64encode(buf.getvalue()).decode("utf-8")
 
 
@@ -221,7 +229,7 @@ def tensor_update_payloads(
     Args:
         bucket: (HF name, full tensor) pairs.
         tp_size: the server's tensor-parallel size; each rank gets its own serialization of
-            the same tensors (a shared-memory handle may be opened only once per copy).
+            the same tensors.
         flattened: one flattened bucket per dtype (else a plain list of named tensors).
     Returns:
         (bodies, keep_alive): request bodies, and the payloads that must stay alive until the

@@ -53,3 +53,43 @@ def test_memory_order_and_live_bucket_bytes(result):
         assert r["weight_sync/max_bucket_bytes"] == max(BOUND, biggest)
         assert r["weight_sync/buckets"] > total / (2 * BOUND)
         assert r["weight_sync/peak_live_bucket_bytes"] < total / 4  # never the whole model
+
+
+IPC_WORKER = Path(__file__).with_name("_ipc_worker.py")
+
+
+def _two_ranks(mode):
+    from megatron_gspo.megatron.parallel import free_port
+
+    port = free_port()
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(IPC_WORKER), str(r), str(port), mode],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads(next(x for x in o.splitlines() if x.startswith("RESULT "))[7:])
+            for o, _ in outs]
+
+
+@pytest.mark.slow
+def test_each_tp_rank_entry_comes_from_its_learner_rank():
+    r0, r1 = _two_ranks("same")
+    assert r0["ok"] and r1["ok"] and r0["version"] == "7" and r0["equal"]
+    assert r0["stats"]["requests"] == r0["stats"]["buckets"] > 1
+    # Rank 1 serializes other tensors: the server's TP rank 1 sees them (its entry is rank 1's
+    # copy), and every learner rank fails with the same one-line error.
+    r0, r1 = _two_ranks("mismatch")
+    assert "TP rank 1's entry holds other tensors" in r0["error"]
+    assert r0["error"] == r1["error"] and r0["version"] != "7"
+
+
+def test_entry_rank_plan_follows_gpus_of_the_first_node():
+    from megatron_gspo.rollout.base import RolloutError
+    from megatron_gspo.rollout.colocated_sync import plan_entry_ranks
+
+    infos = [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0), ("b", 1)]
+    assert plan_entry_ranks(infos, num_servers=2, tp_size=2) == [[0, 1], [2, 3]]
+    with pytest.raises(RolloutError, match="server 1 TP rank 1 runs on GPU 3 of the first node"):
+        plan_entry_ranks(infos[:3] + infos[4:], num_servers=2, tp_size=2)

@@ -83,7 +83,7 @@ def test_every_tp_rank_decodes_its_own_entry(engine):
         body = dict(bodies[0], weight_version="5")
         with pytest.raises(RolloutError, match="one entry per TP rank"):
             eng.sync(eng._post(srv.url, "/update_weights_from_tensor", body))
-        bodies, _ = tensor_update_payloads(named, tp_size=1)  # a shared-memory entry opens once
+        bodies, _ = tensor_update_payloads(named, tp_size=1)
         other, _ = tensor_update_payloads([(n, t + 1) for n, t in named], tp_size=1)
         body = dict(bodies[0], weight_version="5")
         body["serialized_named_tensors"] += other[0]["serialized_named_tensors"]
