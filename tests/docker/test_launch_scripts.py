@@ -411,3 +411,18 @@ def test_two_node_rendezvous_runs_for_real(tmp_path):
     assert [row[:4] for row in seen] == [["0", "4", "0", "0"], ["1", "4", "1", "0"],
                                          ["2", "4", "0", "1"], ["3", "4", "1", "1"]]
     assert all(row[4:] == ["train", str(tmp_path / "c.yaml"), "train.seed=3"] for row in seen)
+
+
+def test_multinode_guide_names_every_launch_variable():
+    """Every ROLLOUT_* / SGLANG_* variable the launch scripts read is explained in the guide,
+    and the guide says what the servers expose."""
+    import re
+
+    used = set()
+    for p in SCRIPTS:
+        used |= set(re.findall(r"\$\{?((?:ROLLOUT|SGLANG)_[A-Z_]+)", p.read_text()))
+    assert {"ROLLOUT_HOST", "ROLLOUT_DTYPE", "SGLANG_API_KEY"} <= used
+    guide = (ROOT / "docs" / "multinode.md").read_text()
+    assert sorted(v for v in used if v not in guide) == []
+    assert "## Security" in guide and "/update_weights_from_tensor" in guide
+    assert "55535" in guide
