@@ -172,3 +172,35 @@ def test_launch_env_and_argv_health_api_key():
     r = router_argv(["http://a:1"], "127.0.0.1", 31000, python="py", api_key="k3y")
     assert r[r.index("--api-key") + 1] == "k3y"
     assert "--api-key" not in server_argv(LaunchSpec(model_path="m"), 0, 30000)
+
+
+@pytest.mark.slow
+def test_launched_server_gets_health_env_and_api_key(tiny_model_dir, tmp_path):
+    """A launched (stand-in) server process: /health does not generate (so it answers while
+    memory is released), the key is required, and the client sends it everywhere."""
+    import asyncio
+
+    import aiohttp
+
+    spec = LaunchSpec(model_path=tiny_model_dir, module=STANDIN, base_port=0,
+                      python=sys.executable, log_dir=str(tmp_path), dtype="float32",
+                      api_key="k3y", extra_args=["--context-length", "64"])
+    eng = SGLangEngine(launch=spec, backoff_s=0.01, startup_timeout_s=120)
+
+    async def status(path):
+        async with aiohttp.ClientSession() as s, s.get(eng.urls[0] + path) as r:
+            return r.status
+
+    try:
+        out = eng.generate([GenerateRequest([4] * 60, SamplingParams(max_new_tokens=20, n=2))])
+        assert [len(s.response_ids) <= 4 for s in out] == [True, True]  # capped to 64
+        assert eng.context_length == 64 and eng.metrics["capped"] == 2
+        eng.release_memory()
+        assert asyncio.run(status("/health")) == 200
+        assert asyncio.run(status("/health_generate")) == 503
+        assert asyncio.run(status("/model_info")) == 401
+        eng.resume_memory()
+        assert len(eng.generate([GenerateRequest([4, 5], SamplingParams(max_new_tokens=3))])) == 1
+    finally:
+        eng.shutdown()
+    assert "k3y" not in (tmp_path / "sglang_server_0.log").read_text()
