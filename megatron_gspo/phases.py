@@ -222,21 +222,29 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
         st = colocated_sync(buckets, engine, version, num_servers=len(r.server_urls) or
                             r.num_servers, tp_size=r.tp_size, attached=bool(r.server_urls))
     else:
-        if engine is not None:
-            engine.resume_memory()  # no-op unless released after the rollout
-        if engine is None:
-            for _ in buckets:  # other ranks take part in the gathers
-                pass
-        elif isinstance(engine, EmbeddedEngine):
-            engine.load_buckets(buckets, version)
+        def send() -> None:
+            if engine is None:
+                for _ in buckets:  # other ranks take part in the gathers
+                    pass
+            elif isinstance(engine, EmbeddedEngine):
+                engine.load_buckets(buckets, version)
+            else:
+                engine.update_weights(buckets, version)
+
+        st = {}
+        if _colocated_sglang(cfg):  # NCCL broadcast into servers on the learner's GPUs
+            from megatron_gspo.rollout.colocated_sync import in_memory_order
+
+            st["order"] = in_memory_order(engine, send)
         else:
-            engine.update_weights(buckets, version)
-        st = dict(getattr(engine, "sync_stats", None) or {})
+            if engine is not None:
+                engine.resume_memory()  # no-op unless released after the rollout
+            send()
     order = st.pop("order", None)
     if event is not None and order:
-        event(f"weight sync v{version}: " + " -> ".join(order) + f"; peak live bucket bytes "
-              f"{int(st['peak_live_bucket_bytes'])} (largest bucket "
-              f"{int(st['max_bucket_bytes'])}, bound {r.bucket_bytes})")
+        peak = (f"; peak live bucket bytes {int(st['peak_live_bucket_bytes'])} (largest bucket "
+                f"{int(st['max_bucket_bytes'])}, bound {r.bucket_bytes})") if st else ""
+        event(f"weight sync v{version}: " + " -> ".join(order) + peak)
     return {f"weight_sync/{k}": float(v) for k, v in st.items()}
 
 

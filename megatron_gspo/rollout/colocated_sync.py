@@ -21,7 +21,7 @@ are refused with one line.
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -180,11 +180,32 @@ def _entries(
     return [[got[r] for r in row] for row in plan]
 
 
+def in_memory_order(engine: Any, send: Callable[[], None]) -> list[str] | None:
+    """Run `send` (the weight stream, collective) between SGLang's two resume stages: free the
+    learner cache + barrier, resume `weights`, send, free + barrier, resume `kv_cache` and
+    `cuda_graph` (each a no-op for a region that is not released).
+
+    Returns:
+        on rank 0, the memory calls since the last sync with "stream" where `send` ran.
+    """
+    free_learner_cache()
+    if engine is not None:
+        engine.resume_memory(RESUME_FIRST)
+    send()
+    free_learner_cache()
+    if engine is None:
+        return None
+    n_calls = len(engine.memory_calls)
+    engine.resume_memory(RESUME_AFTER)
+    calls, engine.memory_calls = engine.memory_calls, []
+    return [*calls[:n_calls], "stream", *calls[n_calls:]]
+
+
 def colocated_sync(
     buckets: Iterable[list], engine: Any, version: int, *, num_servers: int, tp_size: int,
     attached: bool,
 ) -> dict[str, Any]:
-    """The whole colocated update in SGLang's memory order (collective over learner ranks).
+    """The whole tensor update in SGLang's memory order (collective over learner ranks).
 
     Args:
         buckets: the export stream (every rank iterates it: it is collective).
@@ -196,25 +217,22 @@ def colocated_sync(
         {} elsewhere.
     """
     plan = entry_ranks(num_servers, tp_size, attached)
-    free_learner_cache()
-    if engine is not None:
-        engine.resume_memory(RESUME_FIRST)
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    stream_buckets(buckets, engine, version, plan, num_servers, tp_size)
-    extra = torch.cuda.max_memory_allocated() - base if cuda else None
-    free_learner_cache()
+    extra: list[int] = []
+
+    def send() -> None:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        stream_buckets(buckets, engine, version, plan, num_servers, tp_size)
+        if cuda:
+            extra.append(torch.cuda.max_memory_allocated() - base)
+
+    order = in_memory_order(engine, send)
     if engine is None:
         return {}
-    n_calls = len(engine.memory_calls)
-    engine.resume_memory(RESUME_AFTER)
     out: dict[str, Any] = dict(engine.sync_stats)
-    if extra is not None:
-        out["cuda_peak_extra_bytes"] = float(extra)
-    calls = engine.memory_calls
-    stream = f"{int(out['buckets'])} buckets"
-    out["order"] = [*calls[:n_calls], stream, *calls[n_calls:]]
-    engine.memory_calls = []
+    if extra:
+        out["cuda_peak_extra_bytes"] = float(extra[0])
+    out["order"] = [f"{int(out['buckets'])} buckets" if c == "stream" else c for c in order]
     return out
