@@ -150,7 +150,8 @@ class Chaos:
         self.check(run)
 
     def kill_window(self, run: Path) -> None:
-        point = self.rng.choice(["kill_before_rename", "kill_before_complete"])
+        points = ["kill_before_complete", "kill_before_rename"]  # alternate: both windows
+        point = points[sum(self.counts[f"kill_window:{p}"] for p in points) % 2]
         step = self.rng.randint(1, STEPS)
         p = self.start(run, f"{point}@{step}")
         p.communicate(timeout=900)
@@ -212,7 +213,8 @@ class Chaos:
         fault = f"nan_loss@{NAN_STEP}"
         p = self.start(run, fault)
         time.sleep(self.rng.uniform(0.3, 1.0) * self.ref_time)
-        self._kill(p)
+        if self._kill(p):
+            self.counts["kill_random"] += 1
         self.counts["nan_step"] += 1
         self.finish(run, fault)
         self.check(run, fault)

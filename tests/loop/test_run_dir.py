@@ -207,3 +207,38 @@ def test_other_world_size_skips_rng_with_an_event(tmp_path):
     state = ck.load(path, FileLearner())
     assert state["step"] == 2
     assert any("RNG states not restored" in e for e in ck.events), ck.events
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_past_a_damaged_checkpoint_and_skip_nan_steps(tmp_path):
+    """Under torchrun (TP=2) the collective paths agree: checkpoint verification on rank 0,
+    the fallback broadcast, the non-finite skip decision."""
+    cfg = str(ROOT / "examples" / "tiny" / "config.yaml")
+    run = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]
+    args = ["-m", "megatron_gspo.cli", "train", cfg, "--run-dir", str(run), "parallel.tensor=2",
+            "checkpoint.interval=1", "checkpoint.keep_last=3", *FAST[1:]]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               MEGATRON_GSPO_FAULT="nan_loss@1")
+    out = subprocess.run([*torchrun, *args, "train.max_steps=3"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update_skipped"] for r in rows] == [0.0, 1.0, 0.0]
+    ck = Checkpointer(run / "checkpoints")
+    assert [s for s, _ in ck.complete()] == [1, 2, 3]
+    shard = max((f for f in (run / "checkpoints" / "step_00000003" / "model").rglob("*")
+                 if f.is_file()), key=lambda f: f.stat().st_size)
+    _flip_byte(shard, at=shard.stat().st_size // 2)
+    out = subprocess.run([*torchrun, *args, "train.max_steps=4"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    events = (run / "events.log").read_text()
+    assert "damaged_step_00000003" in events and "resumed from" in events
+    again = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [0, 1, 2, 3]
+    timing = ("time", "time/", "tokens_per_s", "time_fwd_bwd", "time_optimizer")
+    strip = [{k: v for k, v in r.items() if not k.startswith(timing)} for r in (rows[2], again[2])]
+    assert strip[0] == strip[1]  # step 2 re-run from the step-2 checkpoint reproduces itself
+    assert [s for s, _ in ck.complete()][-1] == 4 and not (run / "run.lock").exists()
