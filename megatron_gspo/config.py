@@ -122,7 +122,8 @@ class RolloutConfig:
         None, "name of the environment variable holding SGLang's --api-key: launched servers "
         "and router get it, every request sends it as 'Authorization: Bearer'; the key itself "
         "is never written to the config, logs or metrics")
-    bucket_bytes: int = option(512 * 2**20, "size bound of one weight-sync bucket", ge=1)
+    bucket_bytes: int = option(512 * 2**20, "size bound of one weight-sync bucket (a larger "
+                               "tensor travels alone in its own bucket)", ge=1)
 
 
 @dataclass
