@@ -23,8 +23,8 @@
 # Environment: PYTHON (GPU default python3; dry run: .venv/bin/python if present),
 #   GPU_CHECKS_LIMIT_<STAGE>=SECONDS overrides a stage's limit (e.g. GPU_CHECKS_LIMIT_DEMO=120),
 #   GPU_CHECKS_WORK=DIR keeps the work files (default: a temp dir).
-# On the device machine (wheels travel in .whl):
-#   run(command="bash scripts/gpu_checks.sh", carry=[".whl"], timeout_s=540)
+# The kit folder (.whl, ignored by git) must travel with the working tree to the GPU machine;
+# allow the command about 540 s (the limits plus start-up and the summary).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 

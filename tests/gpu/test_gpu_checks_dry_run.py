@@ -213,3 +213,18 @@ def test_whole_dry_run(tmp_path):
     assert len((out / "metrics.jsonl").read_text().splitlines()) >= 2
     assert sorted(p.name for p in out.iterdir()) == ["checks.log", "metrics.jsonl",
                                                      "results.json", "summary.md"]
+
+
+@pytest.mark.parametrize("script", ["gpu_checks.sh", "gpu_wheels.sh"])
+def test_scripts_lint(script):
+    import shutil
+
+    path = ROOT / "scripts" / script
+    assert os.access(path, os.X_OK), f"{path} is not executable"
+    r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    exe = shutil.which("shellcheck")
+    if exe is None:
+        pytest.skip("shellcheck binary not installed (apt-get install -y shellcheck)")
+    r = subprocess.run([exe, "-x", str(path)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -7,10 +7,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = "megatron_gspo.rollout.standin_server"
 
 
+@pytest.mark.slow
 def test_sglang_check_passes_against_the_standin(tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
