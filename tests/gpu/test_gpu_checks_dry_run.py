@@ -228,3 +228,32 @@ def test_scripts_lint(script):
         pytest.skip("shellcheck binary not installed (apt-get install -y shellcheck)")
     r = subprocess.run([exe, "-x", str(path)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _learner_check():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_learner_check
+    finally:
+        sys.path.pop(0)
+    return gpu_learner_check
+
+
+def test_learner_check_workers_keep_the_callers_pythonpath(monkeypatch):
+    """Packages installed with `pip --target` (the GPU kit) reach the worker processes."""
+    glc = _learner_check()
+    monkeypatch.setenv("PYTHONPATH", "/kit/site")
+    env = glc.worker_env({"CUDA_VISIBLE_DEVICES": "0"})
+    assert env == {"PYTHONPATH": f"{ROOT}{os.pathsep}/kit/site", "CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_learner_check_without_cpu_layer_asks_for_a_reference(monkeypatch, tmp_path, capsys):
+    glc = _learner_check()
+    monkeypatch.setattr(glc, "cpu_layer_usable", lambda: False)
+    out_json = tmp_path / "r.json"
+    assert glc.main(["--reference-only", "--out", str(tmp_path), "--json", str(out_json)]) == 1
+    assert "make it on a CPU machine with --reference-only" in capsys.readouterr().out
+    assert json.loads(out_json.read_text())["stages"]["ref"]["status"] == "FAIL"
+    assert glc.main(["--reference-only", "--reference", str(tmp_path / "none.pt"),
+                     "--out", str(tmp_path)]) == 1
+    assert "no such file" in capsys.readouterr().out
