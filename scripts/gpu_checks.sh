@@ -16,7 +16,8 @@
 #   OUT_DIR       default $OUT, else runs/gpu_checks; receives summary.md, results.json,
 #                 checks.log (every stage's output) and metrics.jsonl (the demo's)
 #   --cpu-dry-run the same stages on this CPU machine with tiny sizes (CUDA hidden): exercises
-#                 the kit check, the stage runner, the time limits and the summary
+#                 the kit check, the stage runner, the time limits (three times the GPU ones)
+#                 and the summary
 #   --kit DIR     the kit folder (default .whl in the repository root)
 #   --stages      run only these stages, in the usual order
 #   --list        print the stages and their time limits, and exit
@@ -53,6 +54,9 @@ while (( $# )); do
 done
 
 for s in "${STAGES[@]}"; do
+    # A CPU is slower than the GPU machine for the same stages (imports, the demo's steps):
+    # the dry run allows three times as long, unless a limit is given explicitly.
+    [[ "$mode" == dry ]] && LIMIT[$s]=$(( 3 * LIMIT[$s] ))
     var="GPU_CHECKS_LIMIT_${s^^}"
     if [[ -n "${!var:-}" ]]; then
         if ! [[ "${!var}" =~ ^[0-9]+$ ]] || (( ${!var} == 0 )); then

@@ -62,6 +62,8 @@ def test_stage_list_fits_the_gpu_budget():
     assert sum(limits) <= 540 and all(v >= 30 for v in limits)
     r = run_checks("--list", "--stages", "demo,wheels", env={"GPU_CHECKS_LIMIT_DEMO": "7"})
     assert r.stdout.splitlines() == ["wheels\t45", "demo\t7", "total\t52"]
+    r = run_checks("--list", "--cpu-dry-run", "--stages", "demo")  # a CPU gets 3x as long
+    assert r.stdout.splitlines() == ["demo\t270", "total\t270"]
 
 
 @pytest.mark.parametrize("args, env, message", [
