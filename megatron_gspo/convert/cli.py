@@ -7,6 +7,12 @@
 Without torchrun the needed local processes are started here; under torchrun the launcher's
 ranks are used (WORLD_SIZE must be a multiple of what the layout needs). Exit code 0 on
 success, 1 on bad input (one-line error) with no output directory left behind.
+
+mcore-to-hf also takes the trainer's run checkpoints (runs/NAME/checkpoints/step_N), verified
+against their COMPLETE marker. A --hf-config that describes another model than the checkpoint
+(stored config or tensor shapes), or an --out that is, contains or lies inside an input, is
+refused. Temp directories of killed conversions are removed by the next conversion writing
+into the same directory.
 """
 
 from __future__ import annotations
@@ -23,11 +29,18 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True, help="checkpoint directory to create")
     a.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (default fp32)")
     b = sub.add_parser("mcore-to-hf", help="Megatron-Core dist checkpoint -> HF safetensors")
-    b.add_argument("--ckpt", required=True, help="distributed checkpoint directory")
+    b.add_argument(
+        "--ckpt",
+        required=True,
+        help="converted checkpoint, or a run checkpoint (runs/NAME/checkpoints/step_N, its "
+        "model/ folder, or the run / checkpoints directory: newest complete checkpoint)",
+    )
     b.add_argument(
         "--hf-config",
         default=None,
-        help="directory with config.json/tokenizer (default: CKPT/hf_config)",
+        help="directory with config.json/tokenizer, checked against the checkpoint (default: "
+        "the config stored with the checkpoint; tokenizer files from CKPT/hf_config or the "
+        "run's model.path)",
     )
     b.add_argument("--out", required=True, help="HF directory to create")
     b.add_argument("--dtype", default=None, help="output dtype (default: checkpoint's)")
@@ -66,12 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if args.max_shard_size <= 0:
                 raise ConversionError(f"--max-shard-size must be > 0, got {args.max_shard_size}")
-            cfg_dir = conv.check_mcore_to_hf(args.ckpt, args.hf_config, args.out, args.force)
+            plan = conv.check_mcore_to_hf(args.ckpt, args.hf_config, args.out, args.force)
             conv.launch(
                 conv.mcore_to_hf,
                 world,
-                ckpt=args.ckpt,
-                hf_config_dir=cfg_dir,
+                **plan,
                 out=args.out,
                 dtype=dtype,
                 max_shard_bytes=int(args.max_shard_size * 2**30),

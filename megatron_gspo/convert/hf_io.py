@@ -5,7 +5,8 @@ for a missing config, a missing tensor, or a corrupt file.
 Writer: size-bounded shards plus ``model.safetensors.index.json``, non-weight files (config,
 tokenizer, generation config) copied from a source directory; everything is written to a hidden
 temporary directory next to the target and renamed into place only on success, so a failed run
-never leaves output that looks complete.
+never leaves output that looks complete; the temp directory of a killed run is removed by the
+next one writing next to it (`convert.tempdirs`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.tempdirs import make_temp_dir, mark_owned, release
 
 INDEX_NAME = "model.safetensors.index.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".ckpt")
@@ -126,7 +128,8 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]
 
 
 def prepare_output_dir(out_dir: str | os.PathLike, force: bool) -> Path:
-    """Check the target and create a fresh hidden temp directory next to it.
+    """Check the target and create a fresh hidden temp directory next to it (owned by this
+    process; stale ones of interrupted conversions in the same parent are removed first).
 
     Returns:
         the temporary directory; pass it to `commit_output_dir` once complete.
@@ -134,20 +137,17 @@ def prepare_output_dir(out_dir: str | os.PathLike, force: bool) -> Path:
     out = Path(out_dir)
     if out.exists() and not force:
         raise ConversionError(f"output directory {out} exists (pass --force to overwrite)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    return tmp
+    return make_temp_dir(out)
 
 
 def commit_output_dir(tmp: Path, out_dir: str | os.PathLike) -> None:
     """Atomically move a completed temp directory into place (replacing an old target)."""
     out = Path(out_dir)
+    release(tmp)
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
+        mark_owned(old)  # removed by a later run if this process dies before deleting it
         tmp.rename(out)
         shutil.rmtree(old, ignore_errors=True)
     else:
@@ -231,6 +231,7 @@ def save_hf_checkpoint(
     max_shard_bytes: int = 5 * 2**30,
     dtype: torch.dtype | None = None,
     force: bool = False,
+    config: dict | None = None,
 ) -> dict:
     """Write a complete Hugging Face checkpoint atomically.
 
@@ -241,6 +242,7 @@ def save_hf_checkpoint(
         max_shard_bytes: shard size bound.
         dtype: optional floating dtype to cast to; config.json's dtype is updated to match.
         force: replace an existing target.
+        config: written as config.json in place of the copied one (None: keep the copy).
     Returns:
         the index dict written.
     """
@@ -251,13 +253,15 @@ def save_hf_checkpoint(
         index = writer.finish()
         if side_files_from is not None:
             copy_side_files(side_files_from, tmp)
-            if dtype is not None and (tmp / "config.json").is_file():
-                cfg = json.loads((tmp / "config.json").read_text())
-                key = "dtype" if "dtype" in cfg else "torch_dtype"
-                name = str(dtype).removeprefix("torch.")
-                if cfg.get(key) != name:
-                    cfg[key] = name
-                    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if dtype is not None and (tmp / "config.json").is_file():
+            cfg = json.loads((tmp / "config.json").read_text())
+            key = "dtype" if "dtype" in cfg else "torch_dtype"
+            name = str(dtype).removeprefix("torch.")
+            if cfg.get(key) != name:
+                cfg[key] = name
+                (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         commit_output_dir(tmp, out_dir)
         return index
     except BaseException:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,12 +24,22 @@ import torch
 
 from megatron_gspo.convert import get_adapter
 from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.guards import (
+    check_config_against_shapes,
+    check_out_disjoint,
+    checkpoint_shapes,
+    compare_configs,
+    model_fields,
+)
 from megatron_gspo.convert.hf_io import (
     HFCheckpointReader,
+    commit_output_dir,
     read_config,
     save_hf_checkpoint,
     validate_hf_checkpoint,
 )
+from megatron_gspo.convert.sources import resolve_checkpoint
+from megatron_gspo.convert.tempdirs import make_temp_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,6 +82,7 @@ def _is_rank0() -> bool:
 
 def check_hf_to_mcore(hf_dir: str, out: str, force: bool) -> dict:
     """Validate inputs of `hf_to_mcore` without touching torch.distributed; returns the config."""
+    check_out_disjoint(out, {"--hf": hf_dir})
     if Path(out).exists() and not force:
         raise ConversionError(f"output directory {out} exists (pass --force to overwrite)")
     adapter = get_adapter(read_config(hf_dir))
@@ -122,28 +135,96 @@ def hf_to_mcore(
             "written_layout": {"tp": tp, "pp": pp, "ep": ep},
             "source": str(Path(hf_dir).resolve()),
         }
-        cio.save_checkpoint(models, out, metadata=meta, hf_side_files=hf_dir, force=force)
+        # written inside an owned temp dir (removed by a later run if this one is killed),
+        # then moved into place (replacing `out` when forced; the launcher checked --force)
+        work = _shared_temp_dir(Path(out))
+        try:
+            cio.save_checkpoint(models, work / "ckpt", metadata=meta, hf_side_files=hf_dir)
+            if _is_rank0():
+                commit_output_dir(work / "ckpt", out)
+        finally:
+            if _is_rank0():
+                shutil.rmtree(work, ignore_errors=True)
     finally:
         shutdown()
 
 
-def check_mcore_to_hf(ckpt: str, hf_config_dir: str | None, out: str, force: bool) -> str:
-    """Validate inputs of `mcore_to_hf`; returns the directory the HF config is read from."""
-    from megatron_gspo.megatron.checkpoint_io import HF_SIDE_DIR, read_checkpoint_metadata
+def _shared_temp_dir(target: Path) -> Path:
+    """An owned temp dir next to `target`, created by rank 0 and named to every rank."""
+    import torch.distributed as dist
 
+    obj = [str(make_temp_dir(target)) if _is_rank0() else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(obj, src=0)
+    return Path(obj[0])
+
+
+def check_mcore_to_hf(ckpt: str, hf_config_dir: str | None, out: str, force: bool) -> dict:
+    """Validate inputs of `mcore_to_hf` without touching torch.distributed.
+
+    Resolves ``--ckpt`` (converted or run checkpoint, see `convert.sources`), picks the config
+    (``--hf-config``, else the one stored with the checkpoint, else the run's ``model.path``),
+    and refuses a config that differs from the stored one or from the tensor shapes, and an
+    output directory that overlaps an input.
+
+    Returns:
+        keyword arguments of `mcore_to_hf` (ckpt, hf_config, side_dir, write_config,
+        ckpt_dtype).
+    """
+    src = resolve_checkpoint(ckpt)
+    stored_name = f"the config stored with {src.root}"
+    if hf_config_dir is not None:
+        cfg, cfg_name, side = read_config(hf_config_dir), f"--hf-config {hf_config_dir}", \
+            Path(hf_config_dir)
+    elif src.stored_config is not None:
+        cfg, cfg_name, side = src.stored_config, stored_name, src.side_dir
+    elif src.side_dir is not None:
+        cfg, side = read_config(src.side_dir), src.side_dir
+        cfg_name = f"{side / 'config.json'} (model.path of the run)"
+        src.notes.append(f"no config stored with {src.root}; using {cfg_name}")
+    else:
+        raise ConversionError(
+            f"{ckpt}: no Hugging Face config stored with the checkpoint and none found through "
+            "the run's config.yaml; pass --hf-config DIR"
+        )
+    check_out_disjoint(out, {"--ckpt": ckpt, "--ckpt checkpoint": src.root,
+                             "--hf-config": hf_config_dir, "model.path of the run": side})
     if Path(out).exists() and not force:
         raise ConversionError(f"output directory {out} exists (pass --force to overwrite)")
-    read_checkpoint_metadata(ckpt)
-    cfg_dir = hf_config_dir or str(Path(ckpt) / HF_SIDE_DIR)
-    get_adapter(read_config(cfg_dir))
-    return cfg_dir
+    adapter = get_adapter(cfg)
+    from megatron_gspo.megatron.checkpoint_io import normalize_hf_config
+
+    adapter.dims(normalize_hf_config(cfg))
+    if src.stored_config is not None and cfg is not src.stored_config:
+        compare_configs(cfg, src.stored_config, cfg_name, stored_name)
+    shapes = checkpoint_shapes(src.dist_dir)
+    check_config_against_shapes(cfg, shapes, cfg_name, str(src.root))
+    write_config = None  # the side dir's config.json is copied when it describes this model
+    if side is None or not (side / "config.json").is_file() or (
+        model_fields(read_config(side)) != model_fields(cfg)
+    ):
+        write_config = cfg
+    emb = shapes.get("embedding.word_embeddings.weight")
+    dtype = src.dtype or (emb[1] if emb else "float32")
+    for note in src.notes:
+        print(f"convert_checkpoint: {note}", file=sys.stderr)
+    return {
+        "ckpt": str(src.dist_dir),
+        "hf_config": cfg,
+        "side_dir": None if side is None else str(side),
+        "write_config": write_config,
+        "ckpt_dtype": dtype,
+    }
 
 
 def mcore_to_hf(
     ckpt: str,
-    hf_config_dir: str,
+    hf_config: dict,
     out: str,
     *,
+    side_dir: str | None = None,
+    write_config: dict | None = None,
+    ckpt_dtype: str = "float32",
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
@@ -156,9 +237,13 @@ def mcore_to_hf(
     writes sharded safetensors (one shard in memory at a time).
 
     Args:
-        ckpt: checkpoint written by `hf_to_mcore` or the learner.
-        hf_config_dir: directory with config.json (+ tokenizer files, copied to `out`).
+        ckpt: torch_dist folder written by `hf_to_mcore` or the learner (model/ of a run
+            checkpoint); see `check_mcore_to_hf`, which resolves all of these.
+        hf_config: the model's parsed config.json.
         out: HF directory to create.
+        side_dir: directory whose config / tokenizer files are copied to `out` (None: none).
+        write_config: written as config.json instead of the copied one (None: keep it).
+        ckpt_dtype: parameter dtype of the checkpoint ("float32", "bfloat16", "float16").
         tp, pp, ep: layout to load under (1/1/1 fits models that fit one process).
         dtype: output dtype (None: the checkpoint's).
         max_shard_bytes: safetensors shard size bound.
@@ -169,13 +254,12 @@ def mcore_to_hf(
     from megatron_gspo.megatron.export import export_hf_weights
     from megatron_gspo.megatron.parallel import initialize, shutdown
 
-    meta = cio.read_checkpoint_metadata(ckpt)
-    cfg = cio.normalize_hf_config(read_config(hf_config_dir))
+    cfg = cio.normalize_hf_config(hf_config)
     adapter = get_adapter(cfg)
     dims = adapter.dims(cfg)
-    params_dtype = getattr(torch, str(meta.get("dtype", "float32")), None)
+    params_dtype = getattr(torch, str(ckpt_dtype), None)
     if params_dtype not in DTYPES.values():
-        raise ConversionError(f"{ckpt}: unknown checkpoint dtype {meta.get('dtype')!r}")
+        raise ConversionError(f"{ckpt}: unknown checkpoint dtype {ckpt_dtype!r}")
     out_dtype = dtype or params_dtype
     largest = (
         max(math.prod(s) for pm in adapter.param_maps(dims) for s in pm.shapes)
@@ -203,10 +287,11 @@ def mcore_to_hf(
             save_hf_checkpoint(
                 items,
                 out,
-                side_files_from=hf_config_dir,
+                side_files_from=side_dir,
                 max_shard_bytes=max_shard_bytes,
                 dtype=out_dtype,
                 force=force,
+                config=write_config,
             )
         else:
             for _ in items:  # take part in the collectives

@@ -340,6 +340,10 @@ class Learner:
         dist.barrier()
         install_checkpoint_results_queue()  # its server dies with this process
         dist_checkpointing.save(self._full_sharded_sd(False), path)
+        if dist.get_rank() == 0:  # the config `convert mcore-to-hf` rebuilds and checks with
+            from megatron_gspo.convert.sources import write_model_info
+
+            write_model_info(path, self.hf_config, str(self.params_dtype).removeprefix("torch."))
 
     def load_checkpoint(self, path: str) -> None:
         """Load a checkpoint written by `save_checkpoint` (any parallel layout).

@@ -82,6 +82,15 @@ def test_mcore_to_hf_out_overlapping_input_is_refused(mcore_ckpt, tiny_hf, tmp_p
     assert (_snapshot(ck), _snapshot(cfg)) == before
 
 
+def test_mcore_to_hf_existing_out_needs_force(mcore_ckpt, tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    rc, err = _run(capsys, "mcore-to-hf", "--ckpt", str(mcore_ckpt), "--out", str(out))
+    assert rc == 1 and "output directory" in err and "--force" in err, err
+    assert (out / "keep.txt").read_text() == "x"
+
+
 # ----------------------------------------------------------------------------- --hf-config
 
 

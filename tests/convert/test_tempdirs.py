@@ -43,11 +43,11 @@ def _hidden(d: Path) -> set[str]:
 
 
 def test_dead_conversions_temp_dir_is_cleaned_live_one_kept(tmp_path, capfd):
-    dead = _start_writer(tmp_path / "model_a", tmp_path / "ready_a")
-    dead.send_signal(signal.SIGKILL)
-    dead.wait()
     live = _start_writer(tmp_path / "model_b", tmp_path / "ready_b")
     try:
+        dead = _start_writer(tmp_path / "model_a", tmp_path / "ready_a")
+        dead.send_signal(signal.SIGKILL)
+        dead.wait()
         left = _hidden(tmp_path)
         assert len(left) == 2, left  # both temp dirs exist
         capfd.readouterr()

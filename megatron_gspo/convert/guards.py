@@ -1,0 +1,221 @@
+"""Checks that keep a conversion from destroying its input or writing a wrong model.
+
+- `check_out_disjoint`: the output directory must not be, contain, or sit inside an input
+  (after resolving symlinks), because replacing it (``--force``) would delete the input.
+- `model_fields` / `compare_configs`: the config fields that decide what the model computes
+  (sizes, tied embeddings, norm epsilon, RoPE, MoE routing), with Hugging Face's defaults
+  filled in, compared between a given config and the one stored with a checkpoint.
+- `checkpoint_shapes` / `check_config_against_shapes`: the same fields checked against the
+  global tensor shapes recorded in a torch_dist checkpoint's metadata (no tensor is read).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from megatron_gspo.convert.base import ConversionError
+
+VOCAB_PAD_MULTIPLE = 128  # as megatron_gspo.megatron.model pads the vocabulary
+
+
+def check_out_disjoint(out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None]):
+    """Refuse an output directory that is, contains, or lies inside one of `inputs`.
+
+    Args:
+        out: the output directory (need not exist).
+        inputs: what names each input in the message (e.g. "--hf") -> its path (None: skip).
+    """
+    o = Path(os.path.realpath(out))
+    for flag, path in inputs.items():
+        if path is None:
+            continue
+        i = Path(os.path.realpath(path))
+        if o == i:
+            how = "is"
+        elif o in i.parents:
+            how = "contains"
+        elif i in o.parents:
+            how = "is inside"
+        else:
+            continue
+        raise ConversionError(
+            f"--out {out} {how} the input {flag} {path}; choose an output directory outside "
+            "the inputs (--force would delete or mix with input files)"
+        )
+
+
+def _rope(cfg: Mapping) -> tuple[float, tuple | None]:
+    params = cfg.get("rope_parameters") or {}
+    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or (
+        params if params.get("rope_type", "default") != "default" else None
+    )
+    if scaling and scaling.get("rope_type", scaling.get("type")) != "default":
+        kept = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
+        kept["rope_type"] = scaling.get("rope_type", scaling.get("type"))
+        return theta, tuple(sorted((k, repr(v)) for k, v in kept.items()))
+    return theta, None
+
+
+def model_fields(cfg: Mapping) -> dict:
+    """Fields of a Hugging Face config that change the model's function, defaults filled in.
+
+    Args:
+        cfg: parsed config.json.
+    Returns:
+        field name -> value (comparable with ==).
+    """
+    heads = int(cfg.get("num_attention_heads") or 0)
+    hidden = int(cfg.get("hidden_size") or 0)
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    theta, scaling = _rope(cfg)
+    archs = cfg.get("architectures") or [cfg.get("model_type")]
+    out = {
+        "architectures": archs[0],
+        "num_hidden_layers": cfg.get("num_hidden_layers"),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": int(cfg.get("head_dim") or (hidden // heads if heads else 0)),
+        "intermediate_size": cfg.get("intermediate_size"),
+        "vocab_size": cfg.get("vocab_size"),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "hidden_act": cfg.get("hidden_act", "silu"),
+        "attention_bias": bool(cfg.get("attention_bias", False)),
+        "mlp_bias": bool(cfg.get("mlp_bias", False)),
+        "use_sliding_window": bool(cfg.get("use_sliding_window", False)),
+        "num_experts": experts,
+    }
+    if experts:
+        out.update(
+            num_experts_per_tok=cfg.get("num_experts_per_tok"),
+            moe_intermediate_size=cfg.get("moe_intermediate_size"),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        )
+    return out
+
+
+def compare_configs(given: Mapping, stored: Mapping, given_name: str, stored_name: str) -> None:
+    """Refuse (one line naming every differing field) when `given` and `stored` describe
+    different models."""
+    a, b = model_fields(given), model_fields(stored)
+    diff = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+    if diff:
+        shown = "; ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in diff)
+        raise ConversionError(
+            f"{given_name} does not describe the model of {stored_name} "
+            f"({', '.join(diff)} differ; given vs stored: {shown})"
+        )
+
+
+def checkpoint_shapes(dist_dir: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Global shape and dtype of every tensor of a torch_dist checkpoint (metadata only).
+
+    Returns:
+        key -> (shape, dtype name such as "float32"); ConversionError when unreadable.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        meta = FileSystemReader(str(dist_dir)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure means an unreadable checkpoint
+        raise ConversionError(f"{dist_dir}: unreadable checkpoint metadata ({e})") from None
+    return {
+        k: (tuple(v.size), str(v.properties.dtype).removeprefix("torch."))
+        for k, v in meta.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
+
+
+def _vocab_rows_fit(vocab: int, rows: int) -> bool:
+    """Whether `rows` is the padded vocabulary of `vocab` under some TP size."""
+    for tp in range(1, 65):
+        m = math.lcm(VOCAB_PAD_MULTIPLE, tp)
+        if math.ceil(vocab / m) * m == rows:
+            return True
+    return False
+
+
+def check_config_against_shapes(cfg: Mapping, shapes: Mapping, cfg_name: str, ckpt: str) -> None:
+    """Refuse (one line naming the fields) a config whose sizes disagree with the checkpoint's
+    tensors. Tensors the checkpoint spells differently are not checked.
+
+    Args:
+        cfg: the Hugging Face config to convert with.
+        shapes: from `checkpoint_shapes`.
+        cfg_name, ckpt: how to name the config and the checkpoint in the message.
+    """
+    f = model_fields(cfg)
+    L, H = f["num_hidden_layers"], f["hidden_size"]
+    nh, nkv, hd = f["num_attention_heads"], f["num_key_value_heads"], f["head_dim"]
+    F, E = f["intermediate_size"], f["num_experts"]
+    heads = ("num_attention_heads", "num_key_value_heads", "head_dim")
+    layers = (L, ("num_hidden_layers",))
+    hid = (H, ("hidden_size",))
+    # key -> per dimension: (expected size, fields deciding it)
+    want = {
+        "decoder.final_layernorm.weight": [hid],
+        "decoder.layers.self_attention.linear_qkv.weight": [layers, ((nh + 2 * nkv) * hd, heads),
+                                                            hid],
+        "decoder.layers.self_attention.linear_proj.weight": [layers, hid, (nh * hd, heads)],
+        "decoder.layers.self_attention.q_layernorm.weight": [layers, (hd, ("head_dim",))],
+    }
+    if E:
+        Fe = f.get("moe_intermediate_size")
+        experts = (E, ("num_experts",))
+        moe_ffn = ("moe_intermediate_size",)
+        want["decoder.layers.mlp.router.weight"] = [layers, experts, hid]
+        want["decoder.layers.mlp.experts.experts.linear_fc1.weight"] = [
+            layers, experts, (2 * (Fe or 0), moe_ffn), hid]
+        want["decoder.layers.mlp.experts.experts.linear_fc2.weight"] = [
+            layers, experts, hid, (Fe, moe_ffn)]
+    else:
+        ffn = (2 * (F or 0), ("intermediate_size",))
+        want["decoder.layers.mlp.linear_fc1.weight"] = [layers, ffn, hid]
+        want["decoder.layers.mlp.linear_fc2.weight"] = [layers, hid, (F, ("intermediate_size",))]
+    problems: dict[str, str] = {}
+    for key, dims in want.items():
+        if key not in shapes:
+            continue
+        got = shapes[key][0]
+        if len(got) != len(dims):
+            problems.setdefault(key, f"{key} has {len(got)} dims, expected {len(dims)}")
+            continue
+        for (size, fields), g in zip(dims, got, strict=True):
+            if size != g:
+                name = "/".join(fields)
+                problems.setdefault(name, f"{name}: {key} has {g} where the config gives {size}")
+    emb = shapes.get("embedding.word_embeddings.weight")
+    if emb is not None:
+        rows, width = emb[0][0], emb[0][-1]
+        if width != H:
+            problems.setdefault("hidden_size", f"hidden_size: embedding width {width}, config {H}")
+        if not _vocab_rows_fit(int(f["vocab_size"] or 0), rows):
+            problems["vocab_size"] = (f"vocab_size: {f['vocab_size']} does not pad to the "
+                                      f"checkpoint's {rows} embedding rows")
+        has_output = "output_layer.weight" in shapes
+        if f["tie_word_embeddings"] and has_output:
+            problems["tie_word_embeddings"] = ("tie_word_embeddings: true, but the checkpoint "
+                                               "has a separate output_layer.weight")
+        elif not f["tie_word_embeddings"] and not has_output:
+            problems["tie_word_embeddings"] = ("tie_word_embeddings: false, but the checkpoint "
+                                               "has no output_layer.weight")
+    if "decoder.layers.self_attention.linear_qkv.weight" in shapes:
+        has_bias = "decoder.layers.self_attention.linear_qkv.bias" in shapes
+        want_bias = f["attention_bias"] or f["architectures"] == "Qwen2ForCausalLM"
+        if has_bias != want_bias:
+            problems["attention_bias"] = (f"attention_bias: the checkpoint "
+                                          f"{'has' if has_bias else 'has no'} q/k/v biases")
+    if problems:
+        raise ConversionError(
+            f"{cfg_name} does not match the tensors of {ckpt}: " + "; ".join(problems.values())
+        )

@@ -1,0 +1,157 @@
+"""What `mcore-to-hf` converts: a converted checkpoint or one of the trainer's run checkpoints.
+
+Accepted as ``--ckpt``:
+- a checkpoint written by ``hf-to-mcore`` (``megatron_gspo_checkpoint.json``, ``hf_config/``);
+- a run checkpoint ``runs/<name>/checkpoints/step_N`` (``COMPLETE``, ``model/``), its
+  ``model/`` folder, the checkpoints folder or the run directory (newest complete checkpoint).
+
+A run checkpoint is verified against the sizes / sha256 sums its COMPLETE marker lists. Its
+Hugging Face config is the one the learner stored next to the weights (`MODEL_INFO`); the
+tokenizer and other side files come from ``model.path`` of the run's ``config.yaml`` when that
+directory still exists (or from ``--hf-config``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.hf_io import read_config
+
+MODEL_INFO = "megatron_gspo_model.json"
+_STEP_RE = re.compile(r"^step_\d{8}$")
+
+
+def write_model_info(model_dir: str | os.PathLike, hf_config: dict, dtype: str) -> None:
+    """Store the Hugging Face config a learner checkpoint was written with (rank 0 only).
+
+    Args:
+        model_dir: the torch_dist folder just written.
+        hf_config: the learner's parsed config.json.
+        dtype: parameter dtype name ("float32", "bfloat16", "float16").
+    """
+    info = {"hf_config": hf_config, "dtype": dtype}
+    (Path(model_dir) / MODEL_INFO).write_text(json.dumps(info, indent=1, default=str) + "\n")
+
+
+@dataclass
+class CheckpointSource:
+    """A resolved ``--ckpt``.
+
+    Attributes:
+        kind: "converted" or "run".
+        root: the checkpoint directory (converted checkpoint, or the run's step_N folder).
+        dist_dir: the torch_dist folder holding the weights.
+        stored_config: the config stored with the checkpoint (None: none stored).
+        side_dir: where config/tokenizer files can be copied from (None: none known).
+        dtype: parameter dtype name recorded with the checkpoint (None: read the tensors').
+        notes: lines to show the user (which checkpoint was picked, what was verified).
+    """
+
+    kind: str
+    root: Path
+    dist_dir: Path
+    stored_config: dict | None = None
+    side_dir: Path | None = None
+    dtype: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _step_dir(path: Path, notes: list[str]) -> Path | None:
+    """The run checkpoint (step_N folder) `path` designates, or None if it is not one."""
+    from megatron_gspo.checkpoint import Checkpointer
+
+    if (path / "COMPLETE").is_file() or (_STEP_RE.match(path.name) and (path / "model").is_dir()):
+        return path
+    if path.name == "model" and (path / "metadata.json").is_file() and (
+        (path.parent / "COMPLETE").is_file() or _STEP_RE.match(path.parent.name)
+    ):
+        return path.parent
+    for root in (path / "checkpoints", path):
+        done = Checkpointer(root).complete() if root.is_dir() else []
+        if done:
+            notes.append(f"newest complete checkpoint under {root}: {done[-1][1].name}")
+            return done[-1][1]
+    return None
+
+
+def _run_model_path(step: Path) -> Path | None:
+    """``model.path`` from the run's config.yaml (the run dir holds checkpoints/step_N)."""
+    run_dir = step.parent.parent
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        return None
+    try:
+        model = (yaml.safe_load(cfg_file.read_text()) or {}).get("model") or {}
+    except (yaml.YAMLError, UnicodeDecodeError, AttributeError):
+        return None
+    path = model.get("path") if isinstance(model, dict) else None
+    if not isinstance(path, str) or not path:
+        return None
+    for cand in (Path(path), run_dir / path):
+        if (cand / "config.json").is_file():
+            return cand
+    return None
+
+
+def _run_source(step: Path, notes: list[str]) -> CheckpointSource:
+    from megatron_gspo.checkpoint import read_marker, verify
+
+    if not (step / "COMPLETE").is_file():
+        raise ConversionError(
+            f"run checkpoint {step} is incomplete (no COMPLETE marker: its save did not finish)"
+        )
+    try:
+        listed = isinstance(read_marker(step).get("files"), dict)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    if listed:
+        problem = verify(step)
+        if problem is not None:
+            raise ConversionError(f"{problem}; refusing to convert a damaged checkpoint")
+        notes.append(f"verified {step} against its COMPLETE marker")
+    else:
+        notes.append(f"{step}: COMPLETE lists no file sizes or checksums; not verified")
+    dist_dir = step / "model"
+    if not (dist_dir / "metadata.json").is_file():
+        raise ConversionError(f"run checkpoint {step} has no model/ torch_dist checkpoint")
+    stored, dtype = None, None
+    info_file = dist_dir / MODEL_INFO
+    if info_file.is_file():
+        try:
+            info = json.loads(info_file.read_text())
+            stored, dtype = dict(info["hf_config"]), info.get("dtype")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConversionError(f"{info_file}: unreadable ({e})") from None
+    return CheckpointSource("run", step, dist_dir, stored, _run_model_path(step), dtype, notes)
+
+
+def resolve_checkpoint(ckpt: str | os.PathLike) -> CheckpointSource:
+    """Resolve ``--ckpt`` (see the module docstring); one-line ConversionError otherwise."""
+    from megatron_gspo.megatron.checkpoint_io import HF_SIDE_DIR, META_NAME
+
+    path = Path(ckpt)
+    if not path.is_dir():
+        raise ConversionError(f"--ckpt {ckpt}: no such directory")
+    if (path / META_NAME).is_file():
+        from megatron_gspo.megatron.checkpoint_io import read_checkpoint_metadata
+
+        meta = read_checkpoint_metadata(path)
+        side = path / HF_SIDE_DIR
+        stored = read_config(side) if (side / "config.json").is_file() else None
+        return CheckpointSource("converted", path, path, stored, side if side.is_dir() else None,
+                                meta.get("dtype"))
+    notes: list[str] = []
+    step = _step_dir(path, notes)
+    if step is None:
+        raise ConversionError(
+            f"{ckpt}: not a megatron_gspo checkpoint (neither {META_NAME} of a converted "
+            "checkpoint nor a run checkpoint step_N with COMPLETE and model/)"
+        )
+    return _run_source(step, notes)
