@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,26 +53,13 @@ from megatron_gspo.rollout.base import (
     make_sample,
     plan_slots,
 )
-from megatron_gspo.rollout.sglang_launch import (
-    LaunchSpec,
-    ServerProcess,
-    pick_ports,
-    redact_argv,
-    router_argv,
-    server_argv,
-    server_env,
-)
-from megatron_gspo.rollout.sglang_protocol import (
-    context_length_of,
-    decode_json,
-    parse_generate_output,
-)
+from megatron_gspo.rollout.sglang_launch import LaunchSpec, ServerProcess
+from megatron_gspo.rollout.sglang_protocol import decode_json, http_error, parse_generate_output
+from megatron_gspo.rollout.sglang_servers import RETRYABLE, SGLangServers
 from megatron_gspo.rollout.sglang_weights import SGLangWeightSync
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError,
-              aiohttp.ClientPayloadError, asyncio.TimeoutError)
 __all__ = ["SGLangEngine", "parse_generate_output"]
 
 
@@ -86,26 +71,7 @@ class _Refused(Exception):
     """The server refused this one request (HTTP 400): a per-sample failure."""
 
 
-def _http_error(url: str, status: int, text: str) -> str:
-    """One line for a non-200 answer (a hint on 401/403, never the key)."""
-    hint = (" (the server wants SGLang's --api-key: set rollout.api_key_env)"
-            if status in (401, 403) else "")
-    return f"{url} answered HTTP {status}{hint}: {text[:300]}"
-
-
-def _local_context_length(model_path: Any) -> int | None:
-    """Context length from `model_path`/config.json when that is readable here, else None."""
-    if not isinstance(model_path, str) or not os.path.isfile(
-            os.path.join(model_path, "config.json")):
-        return None
-    try:
-        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
-            return context_length_of(json.load(f))
-    except (OSError, ValueError):
-        return None
-
-
-class SGLangEngine(SGLangWeightSync, RolloutEngine):
+class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
     """Rollouts from SGLang servers.
 
     Args:
@@ -207,116 +173,6 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
             )
             self._session_loop = loop
         return self._session
-
-    # --------------------------------------------------------------- startup
-    async def astart(self) -> None:
-        """Launch (if configured), wait until every server answers /health_generate, then read
-        and check every server's /server_info."""
-        if self._closed:
-            raise RolloutError("SGLang engine is shut down")
-        if self._started:
-            return
-        try:
-            if self.spec is not None:
-                await self._launch()
-            if self.launch_router and self.router_url is None:
-                await self._start_router()
-            infos = await asyncio.gather(*(self._read_server_info(u) for u in self.urls))
-            self._check_server_info(infos)
-            self._started = True
-        except BaseException:
-            await self._stop_processes()
-            raise
-        for u in self.urls:
-            self._inflight.setdefault(u, 0)
-
-    async def _launch(self) -> None:
-        spec = self.spec
-        assert spec is not None
-        ports = pick_ports(spec.host, spec.base_port, spec.num_servers)
-        for i, port in enumerate(ports):
-            logp = os.path.join(spec.log_dir, f"sglang_server_{i}.log") if spec.log_dir else None
-            if spec.log_dir:
-                os.makedirs(spec.log_dir, exist_ok=True)
-            argv = server_argv(spec, i, port)
-            log.info("launching rollout server %d: %s", i, " ".join(redact_argv(argv)))
-            name = f"sglang server {i} (port {port})"
-            self.procs.append(ServerProcess(argv, name, server_env(spec), logp))
-            self.urls.append(f"http://{spec.host}:{port}")
-        waits = [self._wait_healthy(u, p) for u, p in zip(self.urls, self.procs, strict=True)]
-        await asyncio.gather(*waits)
-
-    async def _start_router(self) -> None:
-        host = self.spec.host if self.spec else "127.0.0.1"
-        port = self.router_port or pick_ports(host, 0, 1)[0]
-        argv = router_argv(self.urls, host, port, self.router_policy, api_key=self._api_key)
-        log.info("launching sglang router: %s", " ".join(redact_argv(argv)))
-        self.router_proc = ServerProcess(argv, f"sglang router (port {port})")
-        self.router_url = f"http://{host}:{port}"
-        await self._wait_healthy(self.router_url, self.router_proc, path="/health")
-
-    async def _read_server_info(self, url: str) -> dict:
-        """GET /server_info (the pre-0.5 name /get_server_info when that is 404)."""
-        for path in ("/server_info", "/get_server_info"):
-            try:
-                async with self._sess().get(url + path,
-                                            timeout=aiohttp.ClientTimeout(total=60)) as r:
-                    text = await r.text()
-                    if r.status == 404 and path == "/server_info":
-                        continue
-                    if r.status != 200:
-                        raise RolloutError(_http_error(url + path, r.status, text))
-            except (*_RETRYABLE, aiohttp.ClientError) as e:
-                raise RolloutError(f"{url}{path} failed: {type(e).__name__}: {e}") from e
-            try:
-                info = decode_json(text)
-            except ValueError as e:
-                raise RolloutError(f"{url}{path}: {e}") from None
-            if not isinstance(info, dict):
-                raise RolloutError(f"{url}{path}: expected a JSON object, got {text[:100]!r}")
-            return info
-        raise AssertionError("unreachable")
-
-    def _check_server_info(self, infos: Sequence[dict]) -> None:
-        """Refuse tp/dp sizes that differ from the configuration; take the context length."""
-        contexts = []
-        for url, info in zip(self.urls, infos, strict=True):
-            self.server_info[url] = info
-            tp, dp = info.get("tp_size", 1), info.get("dp_size", 1)
-            if tp != self.tp_size:
-                raise RolloutError(
-                    f"{url} reports tp_size={tp} but rollout.tp_size={self.tp_size}: set "
-                    "rollout.tp_size to the servers' tensor-parallel size")
-            if dp != 1:
-                raise RolloutError(
-                    f"{url} reports dp_size={dp}: servers with data parallelism inside are not "
-                    "supported; start one server per replica and list each in "
-                    "rollout.server_urls")
-            ctx = info.get("context_length")
-            if not isinstance(ctx, int) or isinstance(ctx, bool):
-                ctx = _local_context_length(info.get("model_path"))
-            if ctx is not None:
-                contexts.append(ctx)
-        if contexts:
-            self.context_length = min(contexts)
-
-    async def _wait_healthy(
-        self, url: str, proc: ServerProcess | None, path: str = "/health_generate"
-    ) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            if proc is not None and not proc.alive():
-                raise RolloutError(f"{proc.describe()} before becoming healthy")
-            try:
-                tmo = aiohttp.ClientTimeout(total=30)
-                async with self._sess().get(url + path, timeout=tmo) as r:
-                    if r.status == 200:
-                        return
-            except (*_RETRYABLE, aiohttp.ClientError):
-                pass
-            if time.monotonic() > deadline:
-                raise RolloutError(f"{url} not healthy after {self.startup_timeout_s:.0f} s")
-            await asyncio.sleep(0.5)
 
     # ------------------------------------------------------------ generation
     def _pick(self, avoid: str | None) -> str:
@@ -445,7 +301,7 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
             ) as r:
                 text = await r.text()
                 status = r.status
-        except _RETRYABLE as e:
+        except RETRYABLE as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from e
         except UnicodeDecodeError as e:
             raise _Retryable(f"answer is not UTF-8 text ({e})") from e
@@ -454,7 +310,7 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
         if status == 400:
             raise _Refused(f"{url}/generate refused the request (HTTP 400): {text[:300]}")
         if status != 200:
-            raise RolloutError(f"{where}: {_http_error(url + '/generate', status, text)}")
+            raise RolloutError(f"{where}: {http_error(url + '/generate', status, text)}")
         try:
             return decode_json(text)
         except ValueError as e:
@@ -487,8 +343,8 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
                               timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 text = await r.text()
                 if r.status != 200:
-                    raise RolloutError(_http_error(url + path, r.status, text))
-        except (*_RETRYABLE, aiohttp.ClientError) as e:
+                    raise RolloutError(http_error(url + path, r.status, text))
+        except (*RETRYABLE, aiohttp.ClientError) as e:
             raise RolloutError(f"{url}{path} failed: {type(e).__name__}: {e}") from e
         try:
             data = decode_json(text) if text.strip() else None
@@ -526,10 +382,6 @@ class SGLangEngine(SGLangWeightSync, RolloutEngine):
         return True
 
     # -------------------------------------------------------------- shutdown
-    async def _stop_processes(self) -> None:
-        procs = [p for p in [self.router_proc, *self.procs] if p is not None]
-        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs))
-
     async def ashutdown(self) -> None:
         if self._closed:
             return

@@ -115,6 +115,13 @@ def auth_allowed(path: str, authorization: str | None, api_key: str | None) -> b
     return secrets.compare_digest(parts[1], api_key)
 
 
+def http_error(url: str, status: int, text: str) -> str:
+    """One line for a non-200 answer (a hint on 401/403, never the key)."""
+    hint = (" (the server wants SGLang's --api-key: set rollout.api_key_env)"
+            if status in (401, 403) else "")
+    return f"{url} answered HTTP {status}{hint}: {text[:300]}"
+
+
 def decode_json(text: str) -> Any:
     """Parse a server answer; ValueError (with a short reason) when it is not usable JSON."""
     try:
