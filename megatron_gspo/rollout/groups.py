@@ -17,7 +17,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.rollout.base import GenerateRequest, RolloutEngine, SamplingParams
+from megatron_gspo.rollout.base import (
+    GenerateRequest,
+    RolloutEngine,
+    RolloutError,
+    SamplingParams,
+)
 
 
 def split_groups(samples: Sequence[Sample]) -> list[list[Sample]]:
@@ -105,6 +110,8 @@ class GroupSampler:
             (generated beyond need), groups_short (missing at the end), groups_failed (dropped
             for a failed sample), samples_failed, zero_variance_share, rounds,
             samples_generated.
+        Raises:
+            RolloutError: every sampled group had a failed sample (names the first failure).
         """
         kept: list[list[Sample]] = []
         m = {"groups_generated": 0, "groups_zero_variance": 0, "groups_surplus": 0,
@@ -138,6 +145,11 @@ class GroupSampler:
                     kept.append(group)
                 else:
                     m["groups_surplus"] += 1
+        if not kept and m["groups_failed"] and m["groups_failed"] == m["groups_generated"]:
+            first = next(s.metadata["rollout_error"] for s in samples
+                         if "rollout_error" in s.metadata)
+            raise RolloutError(f"every one of {m['groups_generated']} sampled groups has a failed "
+                               f"sample; the last round's first failure: {first}")
         out = renumber(kept)
         m["groups_kept"] = len(kept)
         m["groups_short"] = num_groups - len(kept)

@@ -353,3 +353,17 @@ def test_rollout_phase_counts_failed_and_aborted_samples(standin):
     assert len(samples) == 4 and m["rollout/samples_failed"] == 2.0
     assert m["rollout/groups_failed"] == 1.0 and m["rollout/engine_aborted_total"] == 1.0
     assert m["rollout/engine_failed_total"] == 2.0
+
+
+def test_group_sampler_names_the_failure_when_every_group_fails(standin):
+    from megatron_gspo.rollout.groups import GroupSampler
+
+    prompts = iter([GenerateRequest([5] * 300, prompt=f"p{i}") for i in range(20)])
+    eng = SGLangEngine(server_urls=[standin.url], backoff_s=0.01, context_length=256)
+    try:
+        sampler = GroupSampler(eng, 2, lambda s: None, SamplingParams(max_new_tokens=4), 1.0)
+        with pytest.raises(RolloutError, match=r"every one of 4 sampled groups has a failed "
+                                               r"sample.*300 tokens does not fit .* 256"):
+            sampler.collect(prompts, num_groups=1)
+    finally:
+        eng.shutdown()
