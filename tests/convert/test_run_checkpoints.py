@@ -111,3 +111,41 @@ def test_damaged_or_incomplete_run_checkpoint_is_refused(runs, tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert rc == 1 and "COMPLETE" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_run_checkpoint_config_sources_and_checks(runs, tiny_hf, tmp_path, capsys):
+    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.sources import MODEL_INFO
+    from megatron_gspo.megatron import conversion as conv
+
+    arch = CASES["tied_tp2_pp2"][0]
+    run = tmp_path / "run"
+    shutil.copytree(runs / "tied_tp2_pp2", run)
+    step = run / STEP
+    # the learner stored its config: a --hf-config that differs from it is refused
+    cfg_dir = tmp_path / "cfg"
+    shutil.copytree(tiny_hf[arch], cfg_dir)
+    cfg = json.loads((cfg_dir / "config.json").read_text())
+    (cfg_dir / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
+    with pytest.raises(ConversionError, match="rms_norm_eps"):
+        conv.check_mcore_to_hf(str(step), str(cfg_dir), str(tmp_path / "o"), False)
+    plan = conv.check_mcore_to_hf(str(step), None, str(tmp_path / "o"), False)
+    assert plan["hf_config"]["rms_norm_eps"] == cfg["rms_norm_eps"]
+    assert plan["side_dir"] == str(tiny_hf[arch])  # tokenizer files from the run's model.path
+    # a checkpoint without a stored config (older learner): the run's model.path config.json
+    (step / "model" / MODEL_INFO).unlink()
+    marker = json.loads((step / "COMPLETE").read_text())
+    del marker["files"]["model/" + MODEL_INFO]
+    (step / "COMPLETE").write_text(json.dumps(marker))
+    plan = conv.check_mcore_to_hf(str(step), None, str(tmp_path / "o"), False)
+    assert plan["hf_config"] == json.loads((tiny_hf[arch] / "config.json").read_text())
+    assert "model.path" in capsys.readouterr().err
+    # ... still checked against the tensor shapes
+    (cfg_dir / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
+    with pytest.raises(ConversionError, match="num_hidden_layers"):
+        conv.check_mcore_to_hf(str(step), str(cfg_dir), str(tmp_path / "o"), False)
+    # ... and with no config.yaml either, --hf-config is required
+    (run / "config.yaml").unlink()
+    with pytest.raises(ConversionError, match="--hf-config"):
+        conv.check_mcore_to_hf(str(step), None, str(tmp_path / "o"), False)

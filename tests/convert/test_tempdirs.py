@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron_gspo.convert.hf_io import save_hf_checkpoint
@@ -74,3 +75,47 @@ def test_same_target_rewritten_after_a_kill(tmp_path, capfd):
     save_hf_checkpoint([("x", torch.ones(2))], tmp_path / "m", side_files_from=None)
     assert _hidden(tmp_path) == set() and (tmp_path / "m").is_dir()
     assert "removed" in capfd.readouterr().err
+
+
+def test_reused_pid_and_old_foreign_dirs(tmp_path, monkeypatch):
+    """A live pid with another start time is a reused pid (owner gone); a directory of another
+    host counts as stale only after STALE_AFTER_S without changes; foreign hidden dirs stay."""
+    import json
+
+    from megatron_gspo.convert import tempdirs
+
+    parent_pid = os.getppid()  # alive, but not the process that wrote the record
+    reused = tmp_path / ".a.tmp-1"
+    reused.mkdir()
+    (reused / tempdirs.OWNER_FILE).write_text(json.dumps(
+        {"pid": parent_pid, "host": tempdirs.socket.gethostname(), "started": 1.0}))
+    remote = tmp_path / ".b.tmp-2"
+    remote.mkdir()
+    (remote / tempdirs.OWNER_FILE).write_text(json.dumps({"pid": 2, "host": "elsewhere"}))
+    foreign = tmp_path / ".c.tmp"  # not ours: no owner record, not the target being written
+    foreign.mkdir()
+    removed = tempdirs.clean_stale(tmp_path, "d")
+    assert removed == [reused] and remote.exists() and foreign.exists()
+    monkeypatch.setattr(tempdirs, "STALE_AFTER_S", -1.0)
+    assert tempdirs.clean_stale(tmp_path, "d") == [remote] and foreign.exists()
+
+
+@pytest.mark.slow
+def test_killed_hf_to_mcore_is_cleaned_by_the_next(tiny_hf, tmp_path):
+    """hf-to-mcore (Megatron, torch_dist writer) killed while writing; the rerun cleans up."""
+    argv = [sys.executable, "-W", "ignore", str(ROOT / "tools" / "convert_checkpoint.py"),
+            "hf-to-mcore", "--hf", str(tiny_hf["Qwen3ForCausalLM"]), "--out",
+            str(tmp_path / "ck"), "--no-progress"]
+    p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while not _hidden(tmp_path):
+        assert p.poll() is None and time.time() - t0 < 120, "conversion ended before the check"
+        time.sleep(0.02)
+    p.kill()
+    p.wait()
+    (left,) = _hidden(tmp_path)
+    assert not (tmp_path / "ck").exists()
+    q = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert q.returncode == 0, q.stderr[-2000:]
+    assert f"removed {tmp_path / left}" in q.stderr
+    assert _hidden(tmp_path) == set() and (tmp_path / "ck" / "metadata.json").is_file()
