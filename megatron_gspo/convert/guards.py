@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.registry import get_adapter
 
 VOCAB_PAD_MULTIPLE = 128  # as megatron_gspo.megatron.model pads the vocabulary
 
@@ -72,9 +73,12 @@ def model_fields(cfg: Mapping) -> dict:
     hidden = int(cfg.get("hidden_size") or 0)
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     theta, scaling = _rope(cfg)
-    archs = cfg.get("architectures") or [cfg.get("model_type")]
+    try:  # a config naming only its model_type is the same architecture
+        arch = get_adapter(cfg).architectures[0]
+    except ConversionError:
+        arch = (cfg.get("architectures") or [cfg.get("model_type")])[0]
     out = {
-        "architectures": archs[0],
+        "architectures": arch,
         "num_hidden_layers": cfg.get("num_hidden_layers"),
         "hidden_size": hidden,
         "num_attention_heads": heads,
