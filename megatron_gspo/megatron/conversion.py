@@ -204,6 +204,9 @@ def check_mcore_to_hf(ckpt: str, hf_config_dir: str | None, out: str, force: boo
         model_fields(read_config(side)) != model_fields(cfg)
     ):
         write_config = cfg
+    if side is None:
+        src.notes.append("no tokenizer files copied (the run's model.path is not reachable "
+                         "from here); pass --hf-config DIR to copy them")
     emb = shapes.get("embedding.word_embeddings.weight")
     dtype = src.dtype or (emb[1] if emb else "float32")
     for note in src.notes:
