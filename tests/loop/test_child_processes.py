@@ -99,3 +99,25 @@ def test_no_child_outlives_kill_9_of_the_trainer(random_tiny_model, tmp_path):
     left = _wait_gone(tag)
     _kill_leftovers(left)
     assert left == [], f"processes outlived the killed trainer: {left}"
+
+
+@pytest.mark.slow
+def test_checkpoint_queue_server_dies_with_os_exit(tmp_path):
+    """The torch_dist results-queue server ends with a process that leaves through os._exit
+    (as multi-process test workers do), where atexit finalizers never run."""
+    tag = uuid.uuid4().hex
+    code = ("import os\n"
+            "from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa\n"
+            "from megatron_gspo.megatron.child_procs import install_checkpoint_results_queue\n"
+            "assert install_checkpoint_results_queue()\n"
+            "q = fsa._get_write_results_queue()\n"
+            "q.put(1); assert q.get() == 1\n"
+            "print('ok', flush=True)\n"
+            "os._exit(0)\n")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", MEGATRON_GSPO_LEAK_TAG=tag)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    left = _wait_gone(tag)
+    _kill_leftovers(left)
+    assert left == [], f"processes outlived os._exit: {left}"
