@@ -66,13 +66,16 @@ def learner(cfg: Config, hf_config: dict):
                           total_steps=total, decay_style=o.lr_decay_style,
                           use_distributed_optimizer=o.distributed_optimizer)
     loss = LossSettings(kind=a.loss, eps_low=lo, eps_high=hi, grpo_aggregation=a.grpo_aggregation,
-                        temperature=cfg.rollout.temperature, logratio_bound=a.logratio_bound)
+                        temperature=cfg.rollout.temperature, logratio_bound=a.logratio_bound,
+                        kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0,
+                        kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
     use_te = {"auto": None, "local": False, "transformer_engine": True}[cfg.model.transformer_impl]
     return Learner(hf_config, layout=layout, optim=optim, loss=loss,
                    batching=BatchSettings(max_tokens_per_microbatch=a.micro_batch_tokens,
                                           pad_id=int(hf_config.get("pad_token_id") or 0)),
                    params_dtype=DTYPES[cfg.model.dtype], seed=cfg.train.seed, use_te=use_te,
-                   recompute=cfg.model.recompute_activations)
+                   recompute=cfg.model.recompute_activations, reference=a.kl_coef > 0,
+                   reference_offload=cfg.model.reference_offload)
 
 
 def load_initial_weights(cfg: Config, learner_, hf_config: dict) -> None:
@@ -94,6 +97,38 @@ def load_initial_weights(cfg: Config, learner_, hf_config: dict) -> None:
         finally:
             reader.close()
     learner_._refresh_main_params()
+
+
+def load_reference(cfg: Config, learner_, hf_config: dict) -> int:
+    """Fill the frozen KL reference from `model.reference_path`, else from the initial weights
+    (`model.load_checkpoint` or `model.path`): the same on a fresh start and on resume, so the
+    reference never depends on the run checkpoint. No-op without a reference (kl_coef 0).
+
+    Returns:
+        bytes of this rank's reference parameters (0 when none is built).
+    """
+    from megatron_gspo.convert.hf_io import HFCheckpointReader
+    from megatron_gspo.convert.registry import get_adapter
+    from megatron_gspo.megatron import checkpoint_io
+
+    chunks = learner_.reference_chunks
+    if chunks is None:
+        return 0
+    path = cfg.model.reference_path
+    if path is None and cfg.model.load_checkpoint:
+        checkpoint_io.load_checkpoint(chunks, cfg.model.load_checkpoint)
+        return learner_.reference_bytes()
+    path = path or cfg.model.path
+    ref_cfg = read_hf_config(path) if cfg.model.reference_path else hf_config
+    adapter = get_adapter(ref_cfg)
+    dims = adapter.dims(checkpoint_io.normalize_hf_config(ref_cfg))
+    reader = HFCheckpointReader(path)
+    try:
+        with torch.no_grad():
+            checkpoint_io.load_hf_weights(chunks, reader, adapter, dims)
+    finally:
+        reader.close()
+    return learner_.reference_bytes()
 
 
 def tokenizer(cfg: Config):

@@ -46,6 +46,11 @@ class ModelConfig:
     recompute_activations: bool = option(False, "full activation recomputation in the learner")
     load_checkpoint: str | None = option(
         None, "Megatron dist checkpoint to initialise from instead of the HF weights")
+    reference_path: str | None = option(
+        None, "Hugging Face model directory of the KL reference policy; default: the initial "
+        "weights (model.load_checkpoint or model.path); needs algorithm.kl_coef > 0")
+    reference_offload: bool = option(False, "keep the KL reference's weights in CPU memory "
+                                     "between its forward passes")
 
 
 @dataclass
@@ -141,6 +146,15 @@ class AlgorithmConfig:
     logratio_bound: float = option(20.0, "bound on log-ratios before exp", gt=0)
     mini_batches: int = option(4, "optimizer steps per rollout batch (global mini-batches)", ge=1)
     micro_batch_tokens: int = option(4096, "token budget of one packed micro-batch", ge=1)
+    kl_coef: float = option(0.0, "weight beta of the KL to the frozen reference policy; 0 = off "
+                            "(no reference model is built)", ge=0)
+    kl_estimator: str = option("k3", "per-token KL estimator with d = logp - ref_logp: k1 = d, "
+                               "k2 = d^2/2, k3 = exp(-d)-1+d", choices=("k1", "k2", "k3"))
+    kl_in: str = option("loss", "where the KL goes: added to the loss (aggregated like the policy "
+                        "term) or subtracted from the reward before advantages",
+                        choices=("loss", "reward"))
+    entropy_coef: float = option(0.0, "weight of the entropy bonus subtracted from the loss; "
+                                 "0 = off", ge=0)
 
     def clip_range(self) -> tuple[float, float]:
         """(eps_low, eps_high) with per-loss defaults filled in."""
@@ -283,6 +297,15 @@ class Config:
             raise ConfigError("model.path: required to launch SGLang servers")
         if self.agent.advantage == "turn" and a.loss != "gspo_token":
             raise ConfigError("agent.advantage: 'turn' needs algorithm.loss 'gspo_token'")
+        if a.kl_coef == 0 and (a.kl_estimator != "k3" or a.kl_in != "loss"):
+            raise ConfigError("algorithm.kl_estimator/kl_in: set while algorithm.kl_coef is 0 "
+                              "(KL off); set kl_coef > 0 or drop them")
+        if a.kl_coef == 0 and (self.model.reference_path or self.model.reference_offload):
+            raise ConfigError("model.reference_path/reference_offload: set while "
+                              "algorithm.kl_coef is 0 (no reference model is built)")
+        if a.kl_in == "reward" and self.agent.enabled and self.agent.advantage == "turn":
+            raise ConfigError("algorithm.kl_in: 'reward' is not used by turn-level advantages "
+                              "(agent.advantage 'turn'); use kl_in 'loss'")
         return self
 
 

@@ -12,6 +12,7 @@ import random
 import torch
 
 from megatron_gspo.algo.advantages import group_advantages
+from megatron_gspo.algo.kl import sequence_kl
 from megatron_gspo.algo.precision import (
     apply_correction,
     audit_sums,
@@ -104,6 +105,37 @@ def fill_advantages(cfg: Config, samples: list[Sample]) -> None:
         s.advantage = [v] * len(s.response_ids) if a.loss == "gspo_token" else v
 
 
+def reference_logprobs(cfg: Config, learner, samples: list[Sample]):
+    """Reference log-probs (one forward of the frozen reference), the KL metrics and, with
+    `algorithm.kl_in: reward`, the KL penalty subtracted from every sample's reward (so this
+    phase runs before the advantages).
+
+    kl/mean and kl/max are the sequence KL (chosen estimator) of the sampling policy's
+    log-probs (the engine's, or the learner's when the engine returned none) to the reference.
+
+    Returns:
+        (per-sample reference log-prob lists, or None when KL is off; metrics dict).
+    """
+    a = cfg.algorithm
+    if a.kl_coef == 0:
+        return None, {}
+    ref = learner.forward_logprobs(samples, reference=True)
+    if all(s.rollout_logprobs is not None for s in samples):
+        sampled = [list(s.rollout_logprobs) for s in samples]
+    else:
+        sampled = learner.forward_logprobs(samples)
+    mask = _padded([list(map(float, s.loss_mask)) for s in samples])  # [B, T]
+    seq, count = sequence_kl(_padded(sampled), _padded(ref), mask, a.kl_estimator)  # [B]
+    has = count > 0
+    m = {"kl/mean": float(seq[has].mean()) if has.any() else 0.0,
+         "kl/max": float(seq[has].max()) if has.any() else 0.0}
+    if a.kl_in == "reward":
+        for s, k in zip(samples, seq.tolist(), strict=True):
+            s.reward = float(s.reward) - a.kl_coef * k
+        m["kl/reward_penalty_mean"] = a.kl_coef * m["kl/mean"]
+    return ref, m
+
+
 def _padded(rows: list[list[float]]) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     out = torch.zeros(len(rows), width, dtype=torch.float32)
@@ -161,8 +193,10 @@ def _correct(samples, d, mask, p) -> None:
         s.advantage = new_adv[i, :r].tolist() if tok_adv else float(new_adv[i])
 
 
-def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int) -> dict:
-    """`algorithm.mini_batches` optimizer steps, each on a disjoint share of the batch.
+def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int,
+                   ref=None) -> dict:
+    """`algorithm.mini_batches` optimizer steps, each on a disjoint share of the batch (`ref`:
+    per-sample reference log-probs for the KL term in the loss).
 
     Returns:
         metrics averaged over the mini-batches (tokens and `update_skipped`, the updates skipped
@@ -181,7 +215,8 @@ def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int) 
             for s in mb:
                 s.advantage = [math.nan] * len(s.response_ids) if isinstance(
                     s.advantage, list) else math.nan
-        per.append(learner.train_step(mb, None if old is None else [old[i] for i in idx]))
+        per.append(learner.train_step(mb, None if old is None else [old[i] for i in idx],
+                                      None if ref is None else [ref[i] for i in idx]))
     out: dict = {}
     for key in per[0]:
         vals = [p[key] for p in per if key in p]

@@ -69,6 +69,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
         controller.load_state_dict(state["precision"])
     else:
         build.load_initial_weights(cfg, learner, hf_config)
+    ref_bytes = build.load_reference(cfg, learner, hf_config)  # initial weights, also on resume
     log = MetricsLogger(run_dir, enabled=rank0, total_steps=cfg.train.max_steps,
                         start_step=start, tensorboard=cfg.logging.tensorboard,
                         wandb_project=cfg.logging.wandb_project, wandb_name=cfg.logging.wandb_name,
@@ -80,6 +81,10 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
                 log.event(note)
         log.event(f"run dir {run_dir}; " + (f"resumed from {latest.path} at step {start}"
                                             if latest else "starting from the initial weights"))
+        if cfg.algorithm.kl_coef > 0:
+            where = "CPU between uses" if cfg.model.reference_offload else str(learner.device)
+            log.event(f"KL reference ({cfg.model.reference_path or 'initial weights'}, frozen): "
+                      f"{ref_bytes / 2**20:.1f} MiB of parameters on rank 0, kept on {where}")
         if cfg.algorithm.loss == "grpo" and cfg.precision.old_logprobs != "recompute":
             log.event("warning: GRPO's token-level ratios tolerate engine/learner mismatch less "
                       "than GSPO's sequence ratios; the audit reports per-token numbers")
@@ -99,7 +104,9 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
         samples = phases.broadcast(samples)
         m["time/rollout"] = time.perf_counter() - t_step
 
-        # 3. Group-relative advantages (episode- or turn-level).
+        # 3. Reference log-probs (KL; off when kl_coef is 0), then group-relative advantages.
+        ref, kl_m = phases.reference_logprobs(cfg, learner, samples)
+        m.update(kl_m)
         phases.fill_advantages(cfg, samples)
 
         # 4. pi_old: the engine's log-probs, or the learner's recompute; audited on schedule.
@@ -115,7 +122,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
 
         # 5. Optimizer steps over the mini-batches of this rollout batch.
         t_train = time.perf_counter()
-        m.update(phases.train_on_batch(cfg, learner, samples, old, step))
+        m.update(phases.train_on_batch(cfg, learner, samples, old, step, ref))
         m["time/train"] = time.perf_counter() - t_train
 
         # 6. New weights to the rollout engine.

@@ -50,13 +50,17 @@ class Learner:
         use_te: force the TE (True) / local (False) layer spec; None = TE when importable.
         recompute: full activation recompute.
         model_kwargs: extra `build_model_config` arguments (e.g. moe_aux_loss_coeff).
+        reference: also build a frozen reference policy (KL term) in the same parallel layout;
+            its weights are set by `load_reference` (None = no reference parameters at all).
+        reference_offload: keep the reference's weights in CPU memory between its forwards.
     """
 
     def __init__(self, hf_config: dict, *, layout: parallel.ParallelLayout | None = None,
                  optim: OptimSettings | None = None, loss: step.LossSettings | None = None,
                  batching: BatchSettings | None = None, params_dtype: torch.dtype = torch.float32,
                  seed: int = 1234, use_te: bool | None = None, recompute: bool = False,
-                 model_kwargs: dict | None = None):
+                 model_kwargs: dict | None = None, reference: bool = False,
+                 reference_offload: bool = False):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.transformer.module import Float16Module
@@ -107,6 +111,23 @@ class Learner:
             vocab_start=tp_rank * vocab_local, vocab_size=int(hf_config["vocab_size"]))
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.steps = 0
+        self.reference_offload = reference_offload
+        self.reference_chunks = None  # frozen KL reference; None = none built
+        self.reference_model = None
+        if reference:
+            self.reference_chunks = []
+            for vp in range(n_chunks):
+                vps = vp if n_chunks > 1 else None
+                m = build_gpt_model(
+                    hf_config, config=self.config, use_te=use_te, vp_stage=vps,
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vps),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vps))
+                m.requires_grad_(False)
+                m.eval()
+                m.to("cpu" if reference_offload else self.device)
+                self.reference_chunks.append(m)
+            self.reference_model = [Float16Module(self.config, m) if params_dtype != torch.float32
+                                    else m for m in self.reference_chunks]
 
     # ----------------------------------------------------------------------------- packing
     def _micro_batches(self, samples: list[Sample], old_logprobs) -> list[MicroBatch]:
@@ -133,27 +154,29 @@ class Learner:
             mbs = [pad_microbatch(mb, int(longest), self.batching.pad_id) for mb in mbs]
         return mbs
 
-    def _run(self, forward_step_func, data: list[dict], forward_only: bool):
+    def _run(self, forward_step_func, data: list[dict], forward_only: bool, model=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        iters = [iter(data) for _ in self.model] if len(self.model) > 1 else iter(data)
+        model = self.model if model is None else model
+        iters = [iter(data) for _ in model] if len(model) > 1 else iter(data)
         seq = max(int(d["seq_len"]) for d in data)  # full row (schedules divide by cp / tp)
         return get_forward_backward_func()(
             forward_step_func=forward_step_func, data_iterator=iters,
-            model=self.model if len(self.model) > 1 else self.model[0],
+            model=model if len(model) > 1 else model[0],
             num_microbatches=len(data), seq_length=seq, micro_batch_size=1,
             forward_only=forward_only)
 
     # ----------------------------------------------------------------------------- API
     @torch.no_grad()
     def forward_logprobs(self, samples: list[Sample], *, temperature: float | None = None,
-                         with_entropy: bool = False):
+                         with_entropy: bool = False, reference: bool = False):
         """Token log-probs of every sample's response under the current weights.
 
         Args:
             samples: the global mini-batch (same list on every rank).
             temperature: sampling temperature (default: the loss settings').
             with_entropy: also return per-token entropies.
+            reference: use the frozen reference policy instead of the current weights.
         Returns:
             list (one per sample) of response log-prob lists [, list of entropy lists];
             identical on every rank.
@@ -161,13 +184,23 @@ class Learner:
         from megatron.core import parallel_state as ps
 
         temp = self.loss_settings.temperature if temperature is None else temperature
-        for m in self.model:
+        if reference and self.reference_model is None:
+            raise ValueError("no reference model was built (kl_coef is 0)")
+        model = self.reference_model if reference else self.model
+        if reference and self.reference_offload:
+            for m in self.reference_chunks:
+                m.to(self.device)
+        for m in model:
             m.eval()
         mbs = self._micro_batches(samples, None)
         data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
-        out = self._run(step.logprob_forward_step_factory(self.ctx, temp), data, True)
-        for m in self.model:
-            m.train()
+        out = self._run(step.logprob_forward_step_factory(self.ctx, temp), data, True, model)
+        if not reference:
+            for m in self.model:
+                m.train()
+        elif self.reference_offload:
+            for m in self.reference_chunks:
+                m.to("cpu")
         width = max(len(s.response_ids) for s in samples)
         buf = torch.zeros(2, len(samples), width, dtype=torch.float64, device=self.device)
         contribute = (self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
@@ -186,13 +219,15 @@ class Learner:
             return lps, [buf[1, k, :len(s.response_ids)].tolist() for k, s in enumerate(samples)]
         return lps
 
-    def forward_backward(self, samples: list[Sample], old_logprobs=None) -> dict[str, float]:
+    def forward_backward(self, samples: list[Sample], old_logprobs=None,
+                         ref_logprobs=None) -> dict[str, float]:
         """Zero the gradients, run forward + backward over the mini-batch (gradients reduced
         over DP, ready for the optimizer) and return loss metrics.
 
         Args:
             samples: the global mini-batch (same list on every rank), advantages filled in.
             old_logprobs: per-sample pi_old response log-probs; None = `rollout_logprobs`.
+            ref_logprobs: per-sample reference response log-probs (needed when kl_coef > 0).
         """
         if not samples:
             raise ValueError("train batch is empty")
@@ -211,6 +246,12 @@ class Learner:
         n_seq = float(sum(1 for s in samples if s.num_trainable > 0))
         n_tok = float(sum(s.num_trainable for s in samples))
         data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
+        if self.loss_settings.kl_coef > 0:
+            if ref_logprobs is None:
+                raise ValueError("kl_coef > 0 needs the reference log-probs of the batch")
+            # same plan and packing as `mbs`: the reference values land on the same positions
+            for d, rmb in zip(data, self._micro_batches(samples, ref_logprobs), strict=True):
+                d["ref_logprobs"] = rmb.old_logprobs.to(self.device).reshape(-1)  # [S]
         fstep = step.forward_step_factory(self.loss_settings, self.ctx,
                                           num_sequences=max(n_seq, 1.0),
                                           num_tokens=max(n_tok, 1.0),
@@ -260,7 +301,8 @@ class Learner:
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "lr": lr, "update_skipped": float(not ok)}
 
-    def train_step(self, samples: list[Sample], old_logprobs=None) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], old_logprobs=None,
+                   ref_logprobs=None) -> dict[str, float]:
         """One optimizer step over a global mini-batch.
 
         Returns:
@@ -269,7 +311,7 @@ class Learner:
             tokens_per_s (all ranks' packed tokens / step time).
         """
         t0 = time.perf_counter()
-        metrics = self.forward_backward(samples, old_logprobs)
+        metrics = self.forward_backward(samples, old_logprobs, ref_logprobs)
         t1 = time.perf_counter()
         metrics.update(self.optimizer_step(math.isfinite(metrics["loss"])))
         t2 = time.perf_counter()
@@ -295,6 +337,25 @@ class Learner:
             raise ValueError("full_grads needs use_distributed_optimizer=False (gradients are "
                              "reduce-scattered otherwise)")
         return weights.gather_full(self.chunks, self.tied, grads=True)
+
+    def load_reference(self, full: dict[str, torch.Tensor] | None = None) -> None:
+        """Set the frozen reference's weights: from a full (TP=PP=1) Megatron-named state dict,
+        or (None) a copy of the current policy weights."""
+        if self.reference_chunks is None:
+            raise ValueError("no reference model was built (kl_coef is 0)")
+        with torch.no_grad():
+            if full is None:
+                for src, dst in zip(self.chunks, self.reference_chunks, strict=True):
+                    dst.load_state_dict(src.state_dict())
+            else:
+                weights.load_full_state_dict(self.reference_chunks, full, self.tied)
+
+    def reference_bytes(self) -> int:
+        """Bytes of this rank's reference parameters (0 when none is built)."""
+        if self.reference_chunks is None:
+            return 0
+        return sum(p.numel() * p.element_size() for m in self.reference_chunks
+                   for p in m.parameters())
 
     def _refresh_main_params(self) -> None:
         opt = self.optimizer

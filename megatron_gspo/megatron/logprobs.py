@@ -78,6 +78,62 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+class _VocabParallelEntropy(torch.autograd.Function):
+    """H = lse - sum_v p_v z_v over the TP-sharded vocabulary; dH/dz_v = -p_v (log p_v + H) / T."""
+
+    @staticmethod
+    def forward(ctx, logits, temperature, vocab_start, vocab_size, group, chunk):
+        n = logits.shape[0]
+        ent = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(ent)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            z = _mask_padded(logits[s:e].float() / temperature, vocab_start, vocab_size)
+            m, se, _ = _stats_chunk(z, torch.zeros(e - s, dtype=torch.long, device=z.device),
+                                    torch.zeros(e - s, dtype=torch.bool, device=z.device), group)
+            lse[s:e] = m + se.log()
+            p = (z - lse[s:e, None]).exp()  # [C, V/tp]
+            pz = torch.where(p > 0, p * z, torch.zeros_like(p)).sum(-1)  # [C]
+            if group is not None:
+                dist.all_reduce(pz, group=group)
+            ent[s:e] = lse[s:e] - pz
+        ctx.save_for_backward(logits, lse, ent)
+        ctx.cfg = (temperature, vocab_start, vocab_size, chunk)
+        return ent
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, lse, ent = ctx.saved_tensors
+        temperature, vocab_start, vocab_size, chunk = ctx.cfg
+        grad = torch.empty_like(logits)
+        g = grad_out.float()
+        for s in range(0, logits.shape[0], chunk):
+            e = min(s + chunk, logits.shape[0])
+            z = _mask_padded(logits[s:e].float() / temperature, vocab_start, vocab_size)
+            logp = z - lse[s:e, None]  # [C, V/tp]
+            p = logp.exp()
+            d = torch.where(p > 0, -p * (logp + ent[s:e, None]), torch.zeros_like(p))
+            grad[s:e] = (d * (g[s:e, None] / temperature)).to(grad.dtype)
+        return grad, None, None, None, None, None
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, *, temperature: float = 1.0,
+                           vocab_start: int = 0, vocab_size: int | None = None, group=None,
+                           chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Differentiable entropy of softmax(logits / T) over a vocabulary sharded across `group`.
+
+    Args:
+        logits: [N, V_local] this rank's vocabulary slice (with grad).
+        temperature, vocab_start, vocab_size, group, chunk_size: as in `vocab_parallel_logprobs`.
+    Returns:
+        [N] float32 entropies (identical on every TP rank).
+    """
+    if group is not None and dist.get_world_size(group) == 1:
+        group = None
+    return _VocabParallelEntropy.apply(logits, float(temperature), int(vocab_start), vocab_size,
+                                       group, max(1, int(chunk_size)))
+
+
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,

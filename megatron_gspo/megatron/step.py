@@ -27,14 +27,16 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.algo import kl as kl_terms
 from megatron_gspo.algo import losses
 from megatron_gspo.data.batch import MicroBatch, cp_local_index
-from megatron_gspo.megatron.logprobs import cp_gather, vocab_parallel_logprobs
+from megatron_gspo.megatron.logprobs import (cp_gather, vocab_parallel_entropy,
+                                              vocab_parallel_logprobs)
 
 LOSS_KINDS = ("gspo", "gspo_token", "grpo")
 SUM_KEYS = ("loss", "clipped_tokens", "clipped_tokens_low", "clipped_tokens_high",
             "trainable_tokens", "sequences", "ratio_sum", "ratio_count", "logratio_bound_hits",
-            "entropy_sum")
+            "entropy_sum", "kl_loss", "entropy_loss")
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class LossSettings:
 
     kind: "gspo" | "gspo_token" | "grpo"; eps_low / eps_high: clip range; grpo_aggregation:
     "seq-mean-token-mean" | "token-mean"; temperature: sampling temperature of the rollouts;
-    logratio_bound: bound on log-ratios before exp.
+    logratio_bound: bound on log-ratios before exp; kl_coef / kl_estimator: KL-to-reference term
+    in the loss (0 = off; needs `ref_logprobs` in the batch); entropy_coef: entropy bonus.
     """
 
     kind: str = "gspo"
@@ -52,6 +55,9 @@ class LossSettings:
     grpo_aggregation: str = "seq-mean-token-mean"
     temperature: float = 1.0
     logratio_bound: float = losses.LOGRATIO_BOUND
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -124,8 +130,43 @@ def _rows(flat: torch.Tensor, data: dict) -> torch.Tensor:
 
 
 def compute_loss(lp_full: torch.Tensor, data: dict, settings: LossSettings, *,
+                 num_sequences: float, num_tokens: float, entropy: torch.Tensor | None = None):
+    """Policy loss + KL-to-reference + entropy bonus of one micro-batch, GLOBAL normalisation.
+
+    Args:
+        lp_full: [S] current token log-probs (with grad).
+        data: `device_batch` output (+ `ref_logprobs` [S] when settings.kl_coef > 0).
+        num_sequences / num_tokens: global divisors.
+        entropy: [S] token entropies with grad (needed when settings.entropy_coef > 0).
+    Returns:
+        (loss, stats); stats gain `kl_loss` and `entropy_loss` (their parts of the loss).
+    """
+    loss, stats = _policy_loss(lp_full, data, settings, num_sequences=num_sequences,
+                               num_tokens=num_tokens)
+    agg = settings.grpo_aggregation if settings.kind == "grpo" else "seq-mean-token-mean"
+    mask = _rows(data["loss_mask"], data)  # [n, L]
+    zero = torch.zeros((), dtype=torch.float32, device=lp_full.device)
+    kl_part, ent_part = zero, zero
+    if settings.kl_coef > 0:
+        if "ref_logprobs" not in data:
+            raise ValueError("kl_coef > 0 but the batch has no reference log-probs")
+        kl_part = kl_terms.kl_loss(_rows(lp_full, data), _rows(data["ref_logprobs"], data), mask,
+                                   coef=settings.kl_coef, estimator=settings.kl_estimator,
+                                   aggregation=agg, num_sequences=num_sequences,
+                                   num_tokens=num_tokens)
+    if settings.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 but no differentiable entropy was given")
+        ent_part = kl_terms.entropy_loss(_rows(entropy, data), mask, coef=settings.entropy_coef,
+                                         aggregation=agg, num_sequences=num_sequences,
+                                         num_tokens=num_tokens)
+    stats = dict(stats, kl_loss=kl_part.detach(), entropy_loss=ent_part.detach())
+    return loss + kl_part + ent_part, stats
+
+
+def _policy_loss(lp_full: torch.Tensor, data: dict, settings: LossSettings, *,
                  num_sequences: float, num_tokens: float):
-    """Algo loss of one micro-batch, normalised by the GLOBAL counts.
+    """Policy loss of one micro-batch, normalised by the GLOBAL counts.
 
     Args:
         lp_full: [S] current token log-probs (with grad).
@@ -158,8 +199,14 @@ def loss_func(data: dict, settings: LossSettings, ctx: ParallelContext, num_sequ
               num_tokens: float, num_microbatches: int, output: torch.Tensor):
     """Megatron loss_func (2-tuple contract): returns (scaled loss, metrics dict)."""
     lp_full, ent = token_logprobs_full(output, data, ctx, settings.temperature, True)
+    ent_grad = None
+    if settings.entropy_coef > 0:  # vocab-parallel entropy with gradient, reduced over TP
+        e = vocab_parallel_entropy(output[0], temperature=settings.temperature,
+                                   vocab_start=ctx.vocab_start, vocab_size=ctx.vocab_size,
+                                   group=ctx.tp_group)  # [S/cp]
+        ent_grad = cp_gather(e, data["local_index"], data["seq_len"], ctx.cp_group)  # [S]
     loss, stats = compute_loss(lp_full, data, settings, num_sequences=num_sequences,
-                               num_tokens=num_tokens)
+                               num_tokens=num_tokens, entropy=ent_grad)
     metrics = {k: v.detach().float() for k, v in stats.items()}
     metrics["loss"] = loss.detach().float()
     metrics["entropy_sum"] = (ent * data["loss_mask"]).sum().detach()
@@ -227,4 +274,5 @@ def reduce_metrics(per_mb: list[dict], dp_group, device) -> dict[str, float]:
     out["ratio_min"] = float(lo) if torch.isfinite(lo) else 1.0
     out["ratio_max"] = float(hi) if torch.isfinite(hi) else 1.0
     out["entropy"] = out.pop("entropy_sum") / max(out["trainable_tokens"], 1.0)
+    out["entropy/mean"] = out["entropy"]
     return out
