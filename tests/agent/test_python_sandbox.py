@@ -1,6 +1,7 @@
 """The sandboxed Python tool: no files outside its temp dir, no network, limits enforced."""
 
 import asyncio
+import os
 import socket
 import time
 
@@ -100,3 +101,139 @@ def test_limits_kill(sb):
     out = asyncio.run(sb({"code": "print('y' * 10000)"}))
     assert "output truncated" in out and len(out) < 300
     assert "exit code 1" in asyncio.run(sb({"code": "raise SystemExit(1)"}))
+
+
+# Clears the policy the way an attacker would if it were reachable: module globals of
+# `__main__`, frames via a traceback, and objects found by the garbage collector.
+_BYPASS = r"""
+import sys
+def _clear(ns):
+    for k in list(ns):
+        v = ns[k]
+        if isinstance(v, (set, dict, list)):
+            v.clear()
+        elif isinstance(v, tuple) and k.startswith('_DENY'):
+            ns[k] = ()
+    if '_tmp' in ns:
+        ns['_tmp'] = ''
+for how in ('main', 'frame', 'gc'):
+    try:
+        if how == 'main':
+            _clear(sys.modules['__main__'].__dict__)
+        elif how == 'frame':
+            try:
+                raise ValueError
+            except ValueError as e:
+                f = e.__traceback__.tb_frame
+            while f is not None:
+                _clear(f.f_globals)
+                f = f.f_back
+        else:
+            import gc
+            for o in gc.get_objects():
+                if callable(o) and getattr(o, '__closure__', None):
+                    for c in o.__closure__:
+                        try:
+                            c.cell_contents = frozenset() if isinstance(c.cell_contents, frozenset) else c.cell_contents
+                        except Exception:
+                            pass
+    except BaseException as e:
+        print('bypass', how, 'failed:', type(e).__name__)
+"""
+
+
+def _ancestor_pids():
+    pids, pid = [], os.getpid()
+    while pid > 1:
+        pids.append(pid)
+        with open(f"/proc/{pid}/status") as f:
+            pid = int(next(line for line in f if line.startswith("PPid:")).split()[1])
+    return pids
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "print(open('/etc/passwd').read())",
+        "import io; print(io.FileIO('/etc/passwd').read())",
+        "import os; print(os.read(os.open('/etc/passwd', os.O_RDONLY), 200))",
+        "import subprocess; print(subprocess.run(['id'], capture_output=True, text=True).stdout)",
+        "import os; os.system('id')",
+        "import pty; pty.spawn(['id'])",
+        "import ctypes; print(ctypes.CDLL(None).system(b'id'))",
+        "import importlib, os; importlib.reload(os); os.system('id')",
+    ],
+)
+def test_policy_cannot_be_cleared(sb, attack):
+    rc, out, err, _ = run(sb, _BYPASS + attack)
+    assert "root:" not in out and "uid=" not in out and "uid=" not in err, (out, err)
+
+
+def test_trainer_environment_and_outside_files_stay_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("GSPO_SANDBOX_SECRET", "s3cr3t-value")
+    sb = PythonSandbox(cpu_seconds=2, wall_timeout_s=10, max_output_chars=20000)
+    target = tmp_path / "outside.txt"
+    code = _BYPASS + (
+        "out = ''\n"
+        f"for pid in {_ancestor_pids()!r} + [__import__('os').getppid()]:\n"
+        "    try:\n"
+        "        out += open(f'/proc/{pid}/environ').read()\n"
+        "    except Exception as e:\n"
+        "        out += repr(e)\n"
+        "print(out)\n"
+        f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept Exception as e:\n    print(repr(e))\n"
+    )
+    rc, out, err, _ = asyncio.run(sb.run(code))
+    assert "s3cr3t-value" not in out + err
+    assert not target.exists()
+
+
+def test_no_descendant_outlives_the_run(tmp_path):
+    """A setsid/double-forked child is dead when the tool returns, also after a timeout."""
+    marker = tmp_path / "alive"
+    shared = tmp_path
+    os.chmod(shared, 0o777)
+    child = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(1.5)\n"
+        f"        open({str(marker)!r}, 'w').write('x')\n"
+        "    os._exit(0)\n"
+        "print('parent done')\n"
+    )
+    for wall, tail in ((10, ""), (0.8, "time.sleep(30)\n")):
+        sb = PythonSandbox(cpu_seconds=2, wall_timeout_s=wall)
+        sb._audit_hook = False  # test the OS layer alone
+        asyncio.run(sb.run(_BYPASS + child + tail))
+        time.sleep(2.2)
+        assert not marker.exists(), f"a descendant outlived the run (wall {wall})"
+
+
+def test_fork_bomb_is_bounded():
+    sb = PythonSandbox(cpu_seconds=2, wall_timeout_s=10)
+    sb._audit_hook = False  # the OS layer alone must bound it
+    code = (
+        "import os, time\nn = 0\n"
+        "try:\n"
+        "    for _ in range(400):\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(5); os._exit(0)\n"
+        "        n += 1\n"
+        "except OSError as e:\n"
+        "    print('stopped', n)\n"
+        "print('forked', n)\n"
+    )
+    t0 = time.monotonic()
+    rc, out, err, _ = asyncio.run(sb.run(code))
+    assert "stopped" in out, (out, err)
+    assert int(out.split()[-1]) <= sb.max_processes + 4  # + the launcher processes
+    assert time.monotonic() - t0 < 8
+
+
+def test_output_is_capped_while_reading():
+    sb = PythonSandbox(cpu_seconds=3, wall_timeout_s=10, max_output_chars=100)
+    rc, out, err, _ = asyncio.run(sb.run("import sys\nfor _ in range(2000):\n    sys.stdout.write('z' * 10000)\n"))
+    assert len(out) <= 100 * 4 + 1024
+    assert "z" * 100 in out

@@ -19,90 +19,162 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any, ClassVar
 
 from megatron_gspo.agent.tools.base import ToolError, truncate_output
 
-# Runs in the child as `python -I -S -c BOOTSTRAP <tmpdir> <cpu_s> <mem_bytes> <fsize_bytes>`.
+# Runs in the child as `python -I -S -c BOOTSTRAP <tmpdir> <cpu_s> <mem_bytes> <fsize_bytes> <nproc> <hook>`.
+# Everything lives inside _boot(); the policy is frozensets/tuples captured by the hook's closure,
+# and user code runs in a fresh `__main__` module that holds none of it.
 _BOOTSTRAP = r"""
-import sys, os, resource
-_tmp = os.path.realpath(sys.argv[1])
-_cpu, _mem, _fsize = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-resource.setrlimit(resource.RLIMIT_CPU, (_cpu, _cpu))
-resource.setrlimit(resource.RLIMIT_AS, (_mem, _mem))
-resource.setrlimit(resource.RLIMIT_FSIZE, (_fsize, _fsize))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-_ro = tuple(os.path.realpath(p) for p in sys.path if p and os.path.isdir(p))
-_src = open(os.path.join(_tmp, "main.py")).read()
-_realpath, _sep, _fspath = os.path.realpath, os.sep, os.fspath
-_DENY_PREFIX = ("subprocess.", "os.exec", "os.spawn", "os.posix_spawn", "ctypes.", "socket.",
-                "resource.", "sys.setrecursionlimit")
-_DENY = {"os.system", "os.fork", "os.forkpty", "os.link", "os.symlink", "os.chmod", "os.chown",
-         "os.chdir", "os.chroot", "os.kill", "os.killpg", "pty.spawn", "sys.addaudithook",
-         "os.putenv", "os.unsetenv", "mmap.__new__", "syslog.openlog", "fcntl.ioctl",
-         "sys.settrace", "sys.setprofile", "os.startfile"}
-_NOIMPORT = {"ctypes", "_ctypes", "socket", "_socket", "subprocess", "_posixsubprocess",
-             "multiprocessing", "_multiprocessing", "mmap", "pty", "fcntl", "_ssl", "ssl",
-             "signal", "_signal"}
+def _boot():
+    import sys, os, resource
+    argv = sys.argv
+    tmp = os.path.realpath(argv[1])
+    cpu, mem, fsize, nproc = (int(a) for a in argv[2:6])
+    use_hook = argv[6] == "1"
+    for lim, val in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem),
+                     (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0),
+                     (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_NOFILE, 64)):
+        resource.setrlimit(lim, (val, val))
+    ro = tuple(os.path.realpath(p) for p in sys.path if p and os.path.isdir(p))
+    with open(os.path.join(tmp, "main.py")) as f:
+        src = f.read()
+    code = compile(src, "main.py", "exec")
+    sep, lstat, readlink, stat_, getcwd = (
+        os.sep, os.lstat, os.readlink, os.stat, os.getcwd)
+    deny_prefix = ("subprocess.", "os.exec", "os.spawn", "os.posix_spawn", "ctypes.", "socket.",
+                   "resource.", "gc.", "sys._current_frames", "pty.", "winreg.")
+    deny = frozenset({
+        "os.system", "os.fork", "os.forkpty", "os.link", "os.symlink", "os.chmod", "os.chown",
+        "os.chdir", "os.chroot", "os.kill", "os.killpg", "sys.addaudithook", "os.putenv",
+        "os.unsetenv", "mmap.__new__", "syslog.openlog", "fcntl.ioctl", "sys.settrace",
+        "sys.setprofile", "os.startfile", "sys.setrecursionlimit",
+        "function.__new__", "code.__new__",
+        "cpython.run_command", "cpython.run_module", "cpython.run_file",
+        "os.setuid", "os.setgid", "os.setsid", "os.setpgid", "signal.pthread_kill"})
+    noimport = frozenset({
+        "ctypes", "_ctypes", "socket", "_socket", "subprocess", "_posixsubprocess",
+        "multiprocessing", "_multiprocessing", "mmap", "pty", "fcntl", "_ssl", "ssl", "signal",
+        "_signal", "gc", "_posixshmem", "_testcapi", "_testinternalcapi", "resource", "_ctypes_test"})
+    path_events = frozenset({
+        "os.listdir", "os.scandir", "os.remove", "os.rmdir", "os.rename", "os.mkdir",
+        "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "glob.glob", "os.walk",
+        "shutil.move", "shutil.copytree"})
+    list_events = frozenset({"os.listdir", "os.scandir", "glob.glob"})
+    tmp_roots = (tmp,)
 
-def _inside(path, roots):
-    return any(path == r or path.startswith(r + _sep) for r in roots)
+    def resolve(p):
+        # Own resolver (C functions only): module attributes the user can patch are not used.
+        # Only plain str/bytes: anything else could run user code inside the hook.
+        if type(p) is int:
+            return None
+        if type(p) is bytes:
+            p = p.decode("utf-8", "replace")
+        elif type(p) is not str:
+            raise PermissionError("sandbox: paths must be str or bytes")
+        if not p.startswith(sep):
+            p = getcwd() + sep + p
+        todo, parts, hops = p.split(sep), [], 0
+        while todo:
+            c = todo.pop(0)
+            if c in ("", "."):
+                continue
+            if c == "..":
+                if parts:
+                    parts.pop()
+                continue
+            cur = sep + sep.join(parts + [c])
+            try:
+                is_link = (lstat(cur).st_mode & 0o170000) == 0o120000
+            except OSError:
+                is_link = False
+            if is_link:
+                hops += 1
+                if hops > 40:
+                    return cur
+                target = readlink(cur)
+                if target.startswith(sep):
+                    parts = []
+                todo = target.split(sep) + todo
+                continue
+            parts.append(c)
+        return sep + sep.join(parts)
 
-def _resolve(p):
-    if isinstance(p, int):
-        return None
-    p = _fspath(p)
-    if isinstance(p, bytes):
-        p = p.decode(errors="replace")
-    return _realpath(p)
+    def inside(path, roots):
+        return any(path == r or path.startswith(r + sep) for r in roots)
 
-def _hook(event, args):
-    if event in _DENY or event.startswith(_DENY_PREFIX):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "import" and args[0].split(".")[0] in _NOIMPORT:
-        raise ImportError(f"sandbox: import of {args[0]} is not allowed")
-    if event == "open":
-        path = _resolve(args[0])
-        if path is None:
-            return
-        mode, flags = args[1], args[2]
-        writing = (mode is not None and any(c in mode for c in "wax+")) or (
-            mode is None and (flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)))
-        if _inside(path, (_tmp,)) or (not writing and _inside(path, _ro)):
-            return
-        raise PermissionError(f"sandbox: access to {args[0]!r} is denied")
-    if event in ("os.listdir", "os.scandir", "os.remove", "os.rmdir", "os.rename", "os.mkdir",
-                 "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "glob.glob",
-                 "os.walk", "shutil.move", "shutil.copytree"):
-        for a in args[:2]:
-            if isinstance(a, (str, bytes, os.PathLike)):
-                path = _resolve(a)
-                ok = _inside(path, (_tmp,)) or (
-                    event in ("os.listdir", "os.scandir", "glob.glob") and _inside(path, _ro))
-                if not ok:
-                    raise PermissionError(f"sandbox: access to {a!r} is denied")
+    def is_dir(path):
+        try:
+            return (stat_(path).st_mode & 0o170000) == 0o040000
+        except OSError:
+            return False
 
-_code = compile(_src, "main.py", "exec")
-sys.addaudithook(_hook)
-del resource
-_g = {"__name__": "__main__", "__builtins__": __builtins__}
-exec(_code, _g)
+    def hook(event, args):
+        if event in deny or event.startswith(deny_prefix):
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        # frames (tracebacks, generators) would lead to the hook's own frame and closure
+        if event == "object.__getattr__" and args[1] != "__code__":
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "import" and args[0].split(".")[0] in noimport:
+            raise ImportError(f"sandbox: import of {args[0]} is not allowed")
+        if event == "open":
+            path = resolve(args[0])
+            if path is None:
+                return
+            mode, flags = args[1], args[2]
+            writing = (mode is not None and any(c in mode for c in "wax+")) or (
+                mode is None and bool(flags & 0o3 or flags & 0o100))
+            if inside(path, tmp_roots):
+                return
+            # no directory fds outside: a dir_fd would let relative paths escape the check
+            if not writing and inside(path, ro) and not is_dir(path):
+                return
+            raise PermissionError(f"sandbox: access to {path!r} is denied")
+        if event in path_events:
+            for a in args[:2]:
+                if type(a) in (str, bytes) or (type(a) is not int and a is not None):
+                    path = resolve(a)
+                    if not (inside(path, tmp_roots) or (event in list_events and inside(path, ro))):
+                        raise PermissionError(f"sandbox: access to {path!r} is denied")
+
+    import types
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
+    g = main.__dict__
+    if use_hook:
+        sys.addaudithook(hook)
+    return code, g
+
+_c, _g = _boot()
+del _boot
+exec(_c, _g)
 """
 
 
 @functools.lru_cache(maxsize=1)
-def network_namespace_prefix() -> tuple[str, ...]:
-    """Command prefix that runs a process without network, or () if the host does not allow it."""
+def isolation_prefix() -> tuple[str, ...]:
+    """Command prefix giving the child its own user, PID, mount (fresh /proc) and network
+    namespaces, strongest first; () if the host allows none."""
     exe = shutil.which("unshare")
     if exe is None:
         return ()
-    for prefix in ((exe, "--net", "--map-root-user"), (exe, "--net")):
+    for prefix in (
+        (exe, "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount-proc",
+         "--net"),
+        (exe, "--pid", "--fork", "--kill-child", "--mount-proc", "--net"),
+        (exe, "--net", "--map-root-user"),
+        (exe, "--net"),
+    ):
         try:
             r = subprocess.run([*prefix, "true"], capture_output=True, timeout=10, check=False)
         except (OSError, subprocess.TimeoutExpired):
@@ -110,6 +182,64 @@ def network_namespace_prefix() -> tuple[str, ...]:
         if r.returncode == 0:
             return prefix
     return ()
+
+
+def network_namespace_prefix() -> tuple[str, ...]:
+    """Kept for callers of the old name: the isolation prefix (includes a network namespace)."""
+    return isolation_prefix()
+
+
+_PIDS_ROOT = "/sys/fs/cgroup/pids"
+
+
+def _make_pids_cgroup(max_processes: int) -> str | None:
+    """A fresh cgroup (v1 pids controller) capped at `max_processes`, or None if not writable."""
+    if not os.access(_PIDS_ROOT, os.W_OK):
+        return None
+    path = None
+    try:
+        path = os.path.join(_PIDS_ROOT, f"gspo-sandbox-{os.getpid()}-{next(_CG_IDS)}")
+        os.mkdir(path)
+        with open(os.path.join(path, "pids.max"), "w") as f:
+            f.write(str(max_processes))
+        return path
+    except OSError:
+        if path is not None:
+            _remove_cgroup(path)
+        return None
+
+
+def _kill_cgroup(path: str) -> None:
+    """SIGKILL every process in the cgroup until it is empty, then remove it."""
+    for _ in range(200):
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                pids = [int(x) for x in f.read().split()]
+        except OSError:
+            return
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    _remove_cgroup(path)
+
+
+def _remove_cgroup(path: str) -> None:
+    for _ in range(100):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)
+
+
+_CG_IDS = itertools.count()
 
 
 class PythonSandbox:
@@ -121,11 +251,13 @@ class PythonSandbox:
         wall_timeout_s: wall-clock limit; the process group is killed after it.
         max_output_chars: cap on the returned text.
         max_file_mb: largest file the code may write inside its temp dir.
-        isolate_network: run in a new network namespace when available (sockets are refused
-            by the audit hook either way).
+        isolate_network: run in new user/PID/mount/network namespaces when available (sockets
+            are refused by the audit hook either way).
+        max_processes: RLIMIT_NPROC and pids-cgroup cap on the child's processes.
     """
 
     name = "python"
+    _audit_hook = True  # the Python audit-hook layer; tests turn it off to test the OS layers
     description = (
         "Run a short Python program (standard library only, no files outside the working "
         "directory, no network) and return what it prints."
@@ -146,6 +278,7 @@ class PythonSandbox:
         max_file_mb: int = 16,
         isolate_network: bool = True,
         max_code_chars: int = 20000,
+        max_processes: int = 16,
     ):
         if cpu_seconds <= 0 or memory_mb <= 0 or wall_timeout_s <= 0 or max_output_chars <= 0:
             raise ValueError("PythonSandbox: limits must be positive")
@@ -156,17 +289,25 @@ class PythonSandbox:
         self.max_file_bytes = int(max_file_mb) * 1024 * 1024
         self.isolate_network = isolate_network
         self.max_code_chars = max_code_chars
+        self.max_processes = int(max_processes)
 
     async def run(self, code: str) -> tuple[int | None, str, str, bool]:
         """Run `code`; returns (exit code or None if killed, stdout, stderr, timed_out)."""
         tmp = tempfile.mkdtemp(prefix="gspo-sandbox-")
+        cgroup = _make_pids_cgroup(self.max_processes + 4)
         try:
             _write_text(os.path.join(tmp, "main.py"), code)
-            prefix = network_namespace_prefix() if self.isolate_network else ()
+            prefix = isolation_prefix() if self.isolate_network else ()
+            # in a PID namespace a shell is init, so the program's death by signal reads as 128+N
+            init = ("/bin/sh", "-c", '"$@"; exit $?', "sh") if "--pid" in prefix else ()
             cmd = [
-                *prefix, sys.executable, "-I", "-S", "-c", _BOOTSTRAP, tmp,
+                *prefix, *init, sys.executable, "-I", "-S", "-c", _BOOTSTRAP, tmp,
                 str(self.cpu_seconds), str(self.memory_bytes), str(self.max_file_bytes),
+                str(self.max_processes), "1" if self._audit_hook else "0",
             ]
+            if cgroup is not None:  # join the cgroup before anything else starts
+                procs = os.path.join(cgroup, "cgroup.procs")
+                cmd = ["/bin/sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", *cmd]
             env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
             proc = await asyncio.create_subprocess_exec(
                 *cmd, cwd=tmp, env=env, stdin=asyncio.subprocess.DEVNULL,
@@ -182,16 +323,29 @@ class PythonSandbox:
             except asyncio.TimeoutError:
                 timed_out, out, err, rc = True, b"", b"", None
             finally:
+                # Everything started from the child dies: its process group/session, the PID
+                # namespace (killing its init kills all), and every member of the cgroup.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
                 if proc.returncode is None:
                     try:
-                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.kill()
                     except ProcessLookupError:
                         pass
                     await proc.wait()
+                if cgroup is not None:
+                    _kill_cgroup(cgroup)
+                    cgroup = None
+            if init and rc is not None and rc > 128:
+                rc = 128 - rc
             if rc is not None and rc < 0:
                 rc = None if rc == -signal.SIGKILL else rc
             return rc, out.decode(errors="replace"), err.decode(errors="replace"), timed_out
         finally:
+            if cgroup is not None:
+                _kill_cgroup(cgroup)
             shutil.rmtree(tmp, ignore_errors=True)
 
     async def __call__(self, arguments: dict[str, Any]) -> str:
