@@ -297,12 +297,14 @@ class Config:
             raise ConfigError("model.path: required to launch SGLang servers")
         if self.agent.advantage == "turn" and a.loss != "gspo_token":
             raise ConfigError("agent.advantage: 'turn' needs algorithm.loss 'gspo_token'")
-        if a.kl_coef == 0 and (a.kl_estimator != "k3" or a.kl_in != "loss"):
-            raise ConfigError("algorithm.kl_estimator/kl_in: set while algorithm.kl_coef is 0 "
-                              "(KL off); set kl_coef > 0 or drop them")
-        if a.kl_coef == 0 and (self.model.reference_path or self.model.reference_offload):
-            raise ConfigError("model.reference_path/reference_offload: set while "
-                              "algorithm.kl_coef is 0 (no reference model is built)")
+        unused = [name for name, on in (
+            ("algorithm.kl_estimator", a.kl_estimator != "k3"),
+            ("algorithm.kl_in", a.kl_in != "loss"),
+            ("model.reference_path", self.model.reference_path is not None),
+            ("model.reference_offload", self.model.reference_offload)) if on]
+        if a.kl_coef == 0 and unused:
+            raise ConfigError(f"{unused[0]}: set while algorithm.kl_coef is 0 (KL off, no "
+                              "reference model is built); set kl_coef > 0 or drop it")
         if a.kl_in == "reward" and self.agent.enabled and self.agent.advantage == "turn":
             raise ConfigError("algorithm.kl_in: 'reward' is not used by turn-level advantages "
                               "(agent.advantage 'turn'); use kl_in 'loss'")
