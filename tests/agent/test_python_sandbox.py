@@ -8,7 +8,7 @@ import time
 import pytest
 
 from megatron_gspo.agent.tools import ToolError
-from megatron_gspo.agent.tools.python_sandbox import PythonSandbox
+from megatron_gspo.agent.tools.python_sandbox import _PIDS_ROOT, PythonSandbox, isolation_prefix
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,8 @@ for how in ('main', 'frame', 'gc'):
                 if callable(o) and getattr(o, '__closure__', None):
                     for c in o.__closure__:
                         try:
-                            c.cell_contents = frozenset() if isinstance(c.cell_contents, frozenset) else c.cell_contents
+                            if isinstance(c.cell_contents, frozenset):
+                                c.cell_contents = frozenset()
                         except Exception:
                             pass
     except BaseException as e:
@@ -164,9 +165,42 @@ def _ancestor_pids():
         "import importlib, os; importlib.reload(os); os.system('id')",
     ],
 )
-def test_policy_cannot_be_cleared(sb, attack):
+@pytest.mark.parametrize("isolate", [True, False])
+def test_policy_cannot_be_cleared(attack, isolate):
+    """Holds with the OS layers and with the audit hook alone."""
+    sb = PythonSandbox(cpu_seconds=2, wall_timeout_s=10, isolate_network=isolate)
     rc, out, err, _ = run(sb, _BYPASS + attack)
     assert "root:" not in out and "uid=" not in out and "uid=" not in err, (out, err)
+    assert "bypass main failed" not in out  # the old module globals are simply not there
+    assert "bypass frame failed: PermissionError" in out and "bypass gc failed" in out
+
+
+# User code that would run inside the audit hook (a path object's __fspath__, a finalizer)
+# and walk up to the hook's frame to change its closure.
+_IN_HOOK = r"""
+import sys
+class P:
+    def __fspath__(self):
+        f = sys._getframe(1)
+        while f is not None:
+            for v in list(f.f_locals.values()):
+                for c in getattr(v, '__closure__', None) or ():
+                    if isinstance(c.cell_contents, tuple):
+                        c.cell_contents = ('',)
+            f = f.f_back
+        return '/etc/passwd'
+for attempt in range(2):
+    try:
+        print(open(P()).read())
+    except Exception as e:
+        print('refused', type(e).__name__)
+print(open('/etc/passwd').read())
+"""
+
+
+def test_user_code_never_runs_inside_the_hook(sb):
+    rc, out, err, _ = run(sb, _IN_HOOK)
+    assert "root:" not in out and "refused PermissionError" in out, (out, err)
 
 
 def test_trainer_environment_and_outside_files_stay_out(tmp_path, monkeypatch):
@@ -181,13 +215,19 @@ def test_trainer_environment_and_outside_files_stay_out(tmp_path, monkeypatch):
         "    except Exception as e:\n"
         "        out += repr(e)\n"
         "print(out)\n"
-        f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept Exception as e:\n    print(repr(e))\n"
+        f"try:\n    open({str(target)!r}, 'w').write('x')\n"
+        "except Exception as e:\n    print(repr(e))\n"
     )
     rc, out, err, _ = asyncio.run(sb.run(code))
     assert "s3cr3t-value" not in out + err
     assert not target.exists()
 
 
+def _has_pid_isolation():
+    return "--pid" in isolation_prefix() or os.access(_PIDS_ROOT, os.W_OK)
+
+
+@pytest.mark.skipif(not _has_pid_isolation(), reason="no PID namespace or pids cgroup here")
 def test_no_descendant_outlives_the_run(tmp_path):
     """A setsid/double-forked child is dead when the tool returns, also after a timeout."""
     marker = tmp_path / "alive"
@@ -211,6 +251,10 @@ def test_no_descendant_outlives_the_run(tmp_path):
         assert not marker.exists(), f"a descendant outlived the run (wall {wall})"
 
 
+@pytest.mark.skipif(
+    not os.access(_PIDS_ROOT, os.W_OK) and os.geteuid() == 0,
+    reason="RLIMIT_NPROC does not bind root and there is no writable pids cgroup here",
+)
 def test_fork_bomb_is_bounded():
     sb = PythonSandbox(cpu_seconds=2, wall_timeout_s=10)
     sb._audit_hook = False  # the OS layer alone must bound it
@@ -234,6 +278,7 @@ def test_fork_bomb_is_bounded():
 
 def test_output_is_capped_while_reading():
     sb = PythonSandbox(cpu_seconds=3, wall_timeout_s=10, max_output_chars=100)
-    rc, out, err, _ = asyncio.run(sb.run("import sys\nfor _ in range(2000):\n    sys.stdout.write('z' * 10000)\n"))
+    code = "import sys\nfor _ in range(2000):\n    sys.stdout.write('z' * 10000)\n"
+    rc, out, err, _ = asyncio.run(sb.run(code))
     assert len(out) <= 100 * 4 + 1024
     assert "z" * 100 in out

@@ -1,18 +1,29 @@
 """Sandboxed Python tool (off by default): runs model-written code in a child process.
 
-Layers, all applied to every run:
-- a fresh temporary directory as cwd and HOME, a clean environment, `python -I -S`
-  (no site-packages, no user paths, no PYTHON* variables);
-- resource limits set in the child before the code runs: RLIMIT_CPU (seconds), RLIMIT_AS
-  (address space), RLIMIT_FSIZE (largest file written), RLIMIT_CORE = 0;
-- a wall-clock timeout after which the whole process group is killed;
-- no network: the child runs in a new network namespace (`unshare --net`) when the host allows
-  it, and in every case an audit hook refuses sockets;
-- a Python audit hook installed before the code runs (hooks cannot be removed) that denies
-  opening or listing paths outside the temp dir (reads of the interpreter's own standard library
-  are allowed so imports work), process creation (subprocess, fork, exec, os.system), ctypes,
-  changing limits, links, and sockets;
-- stdout/stderr capped in size.
+Layers, strongest first; each applies where the host allows it (probed once per process):
+- OS namespaces via `unshare` (`isolation_prefix`): own user namespace (capabilities only there,
+  so RLIMIT_NPROC binds a root parent too), own PID namespace (a shell is init; when it dies the
+  kernel kills every process in it, `setsid`/double-forked ones included), own mount namespace
+  with a fresh /proc (the trainer's processes and /proc/<pid>/environ are not visible), own
+  network namespace (no interfaces). Falls back to fewer namespaces, then to none.
+- a pids cgroup (v1, `/sys/fs/cgroup/pids`) per run when writable: caps the number of processes
+  (fork bombs) and lets the parent SIGKILL every member at the end, whatever its session.
+- resource limits set in the child before the code runs: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE,
+  RLIMIT_CORE = 0, RLIMIT_NPROC (not enforced by the kernel for a real-root user, hence the
+  cgroup), RLIMIT_NOFILE.
+- the start: a fresh temporary directory as cwd and HOME, a minimal environment (nothing of the
+  trainer's), `python -I -S`, its own session; after the wall-clock limit (and after every run)
+  the session, the namespace and the cgroup are killed; stdout/stderr are read with a size cap.
+- a Python audit hook installed before the user code is compiled into a fresh `__main__`: its
+  policy is frozensets/tuples and C functions captured in a closure (nothing in module globals);
+  it denies paths outside the temp dir (reads of the interpreter's standard library allowed, but
+  no directory fds there), paths that are not plain str/bytes, process creation, ctypes,
+  sockets, limits, gc introspection and frame access (`tb_frame`, `gi_frame`, ...), so user code
+  can neither reach the hook's closure nor run its own code inside the hook.
+On this project's CPU host (root, unprivileged user namespaces allowed, cgroup v1 writable) all
+layers apply. The child's files are still accessed with the parent's uid (the interpreter lives
+in a home directory another uid cannot read), so the audit hook is what keeps file access inside
+the temp dir; the OS layers bound processes, network, visibility of the trainer and lifetime.
 """
 
 from __future__ import annotations
@@ -31,12 +42,14 @@ from typing import Any, ClassVar
 
 from megatron_gspo.agent.tools.base import ToolError, truncate_output
 
-# Runs in the child as `python -I -S -c BOOTSTRAP <tmpdir> <cpu_s> <mem_bytes> <fsize_bytes> <nproc> <hook>`.
+# Runs in the child as
+# `python -I -S -c BOOTSTRAP <tmpdir> <cpu_s> <mem_bytes> <fsize_bytes> <nproc> <hook 0|1>`.
 # Everything lives inside _boot(); the policy is frozensets/tuples captured by the hook's closure,
 # and user code runs in a fresh `__main__` module that holds none of it.
 _BOOTSTRAP = r"""
 def _boot():
-    import sys, os, resource
+    import sys, os, resource, gc
+    gc_isenabled, gc_disable, gc_enable = gc.isenabled, gc.disable, gc.enable
     argv = sys.argv
     tmp = os.path.realpath(argv[1])
     cpu, mem, fsize, nproc = (int(a) for a in argv[2:6])
@@ -51,8 +64,8 @@ def _boot():
     code = compile(src, "main.py", "exec")
     sep, lstat, readlink, stat_, getcwd = (
         os.sep, os.lstat, os.readlink, os.stat, os.getcwd)
-    deny_prefix = ("subprocess.", "os.exec", "os.spawn", "os.posix_spawn", "ctypes.", "socket.",
-                   "resource.", "gc.", "sys._current_frames", "pty.", "winreg.")
+    deny_prefix = ("subprocess.", "os.exec", "os.spawn", "os.posix_spawn", "ctypes.",
+                   "socket.", "resource.", "gc.", "sys._current_frames", "pty.", "winreg.")
     deny = frozenset({
         "os.system", "os.fork", "os.forkpty", "os.link", "os.symlink", "os.chmod", "os.chown",
         "os.chdir", "os.chroot", "os.kill", "os.killpg", "sys.addaudithook", "os.putenv",
@@ -64,7 +77,8 @@ def _boot():
     noimport = frozenset({
         "ctypes", "_ctypes", "socket", "_socket", "subprocess", "_posixsubprocess",
         "multiprocessing", "_multiprocessing", "mmap", "pty", "fcntl", "_ssl", "ssl", "signal",
-        "_signal", "gc", "_posixshmem", "_testcapi", "_testinternalcapi", "resource", "_ctypes_test"})
+        "_signal", "gc", "_posixshmem", "_testcapi", "_testinternalcapi", "resource",
+        "_ctypes_test"})
     path_events = frozenset({
         "os.listdir", "os.scandir", "os.remove", "os.rmdir", "os.rename", "os.mkdir",
         "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "glob.glob", "os.walk",
@@ -119,6 +133,17 @@ def _boot():
             return False
 
     def hook(event, args):
+        # No garbage collection while checking: a finalizer of the user's could otherwise run
+        # inside the hook and walk up to its frame.
+        was_enabled = gc_isenabled()
+        gc_disable()
+        try:
+            check(event, args)
+        finally:
+            if was_enabled:
+                gc_enable()
+
+    def check(event, args):
         if event in deny or event.startswith(deny_prefix):
             raise PermissionError(f"sandbox: {event} is not allowed")
         # frames (tracebacks, generators) would lead to the hook's own frame and closure
@@ -141,7 +166,8 @@ def _boot():
             raise PermissionError(f"sandbox: access to {path!r} is denied")
         if event in path_events:
             for a in args[:2]:
-                if type(a) in (str, bytes) or (type(a) is not int and a is not None):
+                t = type(a)
+                if t is str or t is bytes or not (t is int or t is bool or t is tuple or a is None):
                     path = resolve(a)
                     if not (inside(path, tmp_roots) or (event in list_events and inside(path, ro))):
                         raise PermissionError(f"sandbox: access to {path!r} is denied")
@@ -182,11 +208,6 @@ def isolation_prefix() -> tuple[str, ...]:
         if r.returncode == 0:
             return prefix
     return ()
-
-
-def network_namespace_prefix() -> tuple[str, ...]:
-    """Kept for callers of the old name: the isolation prefix (includes a network namespace)."""
-    return isolation_prefix()
 
 
 _PIDS_ROOT = "/sys/fs/cgroup/pids"
