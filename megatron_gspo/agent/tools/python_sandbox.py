@@ -195,8 +195,16 @@ def isolation_prefix() -> tuple[str, ...]:
     if exe is None:
         return ()
     for prefix in (
-        (exe, "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount-proc",
-         "--net"),
+        (
+            exe,
+            "--user",
+            "--map-root-user",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount-proc",
+            "--net",
+        ),
         (exe, "--pid", "--fork", "--kill-child", "--mount-proc", "--net"),
         (exe, "--net", "--map-root-user"),
         (exe, "--net"),
@@ -322,17 +330,31 @@ class PythonSandbox:
             # in a PID namespace a shell is init, so the program's death by signal reads as 128+N
             init = ("/bin/sh", "-c", '"$@"; exit $?', "sh") if "--pid" in prefix else ()
             cmd = [
-                *prefix, *init, sys.executable, "-I", "-S", "-c", _BOOTSTRAP, tmp,
-                str(self.cpu_seconds), str(self.memory_bytes), str(self.max_file_bytes),
-                str(self.max_processes), "1" if self._audit_hook else "0",
+                *prefix,
+                *init,
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                _BOOTSTRAP,
+                tmp,
+                str(self.cpu_seconds),
+                str(self.memory_bytes),
+                str(self.max_file_bytes),
+                str(self.max_processes),
+                "1" if self._audit_hook else "0",
             ]
             if cgroup is not None:  # join the cgroup before anything else starts
                 procs = os.path.join(cgroup, "cgroup.procs")
                 cmd = ["/bin/sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", *cmd]
             env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
             proc = await asyncio.create_subprocess_exec(
-                *cmd, cwd=tmp, env=env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                *cmd,
+                cwd=tmp,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
             )
             cap = self.max_output_chars * 4 + 1024
