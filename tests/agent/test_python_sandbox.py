@@ -223,6 +223,23 @@ def test_trainer_environment_and_outside_files_stay_out(tmp_path, monkeypatch):
     assert not target.exists()
 
 
+@pytest.mark.skipif("--mount-proc" not in isolation_prefix(), reason="no mount namespace here")
+def test_os_layer_alone_keeps_writes_inside(tmp_path):
+    """Without the audit hook, the read-only mounts still stop writes outside the temp dir."""
+    sb = PythonSandbox(cpu_seconds=2, wall_timeout_s=10)
+    sb._audit_hook = False
+    outside = [tmp_path / "f.txt", tmp_path / "fifo"]
+    code = (
+        "import os\nopen('in.txt', 'w').write('ok')\nprint(open('in.txt').read())\n"
+        f"f, q = {str(outside[0])!r}, {str(outside[1])!r}\n"
+        "for act in (lambda: open(f, 'w'), lambda: os.mkfifo(q)):\n"
+        "    try:\n        act()\n    except OSError as e:\n        print('refused', e.errno)\n"
+    )
+    rc, out, err, _ = asyncio.run(sb.run(code))
+    assert rc == 0 and out.split() == ["ok", "refused", "30", "refused", "30"], (out, err)
+    assert not any(p.exists() for p in outside)
+
+
 def _has_pid_isolation():
     return "--pid" in isolation_prefix() or os.access(_PIDS_ROOT, os.W_OK)
 

@@ -4,8 +4,9 @@ Layers, strongest first; each applies where the host allows it (probed once per 
 - OS namespaces via `unshare` (`isolation_prefix`): own user namespace (capabilities only there,
   so RLIMIT_NPROC binds a root parent too), own PID namespace (a shell is init; when it dies the
   kernel kills every process in it, `setsid`/double-forked ones included), own mount namespace
-  with a fresh /proc (the trainer's processes and /proc/<pid>/environ are not visible), own
-  network namespace (no interfaces). Falls back to fewer namespaces, then to none.
+  with a fresh /proc (the trainer's processes and /proc/<pid>/environ are not visible) in which
+  every mount is remounted read-only except the temp dir (`_INIT`), own network namespace (no
+  interfaces). Falls back to fewer namespaces, then to none.
 - a pids cgroup (v1, `/sys/fs/cgroup/pids`) per run when writable: caps the number of processes
   (fork bombs) and lets the parent SIGKILL every member at the end, whatever its session.
 - resource limits set in the child before the code runs: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE,
@@ -21,9 +22,10 @@ Layers, strongest first; each applies where the host allows it (probed once per 
   sockets, limits, gc introspection and frame access (`tb_frame`, `gi_frame`, ...), so user code
   can neither reach the hook's closure nor run its own code inside the hook.
 On this project's CPU host (root, unprivileged user namespaces allowed, cgroup v1 writable) all
-layers apply. The child's files are still accessed with the parent's uid (the interpreter lives
-in a home directory another uid cannot read), so the audit hook is what keeps file access inside
-the temp dir; the OS layers bound processes, network, visibility of the trainer and lifetime.
+layers apply. The child keeps the parent's uid (the interpreter lives in a home directory that
+another uid cannot read): the read-only mounts stop writes outside the temp dir (also those the
+audit hook does not see, such as os.mkfifo), but reads of world- or owner-readable files are
+kept inside the temp dir and the standard library only by the audit hook.
 """
 
 from __future__ import annotations
@@ -218,6 +220,22 @@ def isolation_prefix() -> tuple[str, ...]:
     return ()
 
 
+# Init of the PID namespace: in its own mount namespace, bind the temp dir onto itself, remount
+# every mount read-only, the temp dir read-write again, enter the new bind mount; then run the
+# program and pass on its status. A mount that cannot be remounted (odd names) stays as it was;
+# the audit hook still covers it. Only ever run inside a new mount namespace.
+_INIT = r"""
+T=$1; shift
+if mount --bind "$T" "$T" 2>/dev/null; then
+    while read -r _dev m _rest; do
+        mount -o remount,bind,ro "$m" 2>/dev/null
+    done < /proc/self/mounts
+    mount -o remount,bind,rw "$T" 2>/dev/null
+fi
+cd "$T" || exit 1
+"$@"; exit $?
+"""
+
 _PIDS_ROOT = "/sys/fs/cgroup/pids"
 
 
@@ -327,8 +345,10 @@ class PythonSandbox:
         try:
             _write_text(os.path.join(tmp, "main.py"), code)
             prefix = isolation_prefix() if self.isolate_network else ()
-            # in a PID namespace a shell is init, so the program's death by signal reads as 128+N
-            init = ("/bin/sh", "-c", '"$@"; exit $?', "sh") if "--pid" in prefix else ()
+            # in a PID namespace a shell is init (so the program's death by signal reads as
+            # 128+N); in its own mount namespace it first makes every mount read-only but tmp
+            ns = "--pid" in prefix and "--mount-proc" in prefix
+            init = ("/bin/sh", "-c", _INIT, "sh", tmp) if ns else ()
             cmd = [
                 *prefix,
                 *init,
