@@ -366,7 +366,8 @@ class PythonSandbox:
             ]
             if cgroup is not None:  # join the cgroup before anything else starts
                 procs = os.path.join(cgroup, "cgroup.procs")
-                cmd = ["/bin/sh", "-c", f'{{ echo $$ > "{procs}"; }} 2>/dev/null; exec "$@"', "sh", *cmd]
+                join = f'{{ echo $$ > "{procs}"; }} 2>/dev/null; exec "$@"'
+                cmd = ["/bin/sh", "-c", join, "sh", *cmd]
             env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
             proc = await asyncio.create_subprocess_exec(
                 *cmd,
