@@ -1,10 +1,13 @@
 """One writer per run directory, and no silent overwrite of an earlier run.
 
 - `RunDirLock`: `RUN_DIR/run.lock` holds the writer's pid and host (JSON) under an exclusive
-  `flock`. The kernel drops the flock when its process ends, however it ends (kill -9 too), so
-  a lock file whose flock is free is stale and is taken over (`takeover_note` says whose it
-  was). A held lock is refused with one line naming the holder's pid and host. On file systems
-  without flock support the pid decides: a holder on this host whose pid is gone is stale, a
+  POSIX record lock (`fcntl.lockf`). The kernel drops it when its process ends, however it ends
+  (kill -9 too), and, unlike `flock`, processes forked by the writer (checkpoint writers, the
+  multiprocessing manager) do not share it, so a child that outlives a killed trainer for a
+  moment cannot keep the run dir locked. A lock file whose lock is free is stale and is taken
+  over (`takeover_note` says whose it was). A held lock is refused with one line naming the
+  holder's pid and host. Nothing else in the writer may open and close `run.lock` (closing any
+  descriptor of the file drops a POSIX lock). On file systems without lock support the pid decides: a holder on this host whose pid is gone is stale, a
   holder on another host is refused (its liveness cannot be checked from here).
 - `check_fresh_start`: `train.resume: never` into a run dir that already holds checkpoints or
   metrics is an error naming the dir (a fresh run would overwrite both).
@@ -41,9 +44,15 @@ def _pid_alive(pid: int) -> bool:
 class RunDirLock:
     """Exclusive writer lock of a run directory (taken by the writing rank only).
 
+    POSIX record locks never conflict inside one process, so locks held by this process are
+    also kept in `_HELD` (a second acquire in the same process is refused, and never closes
+    the first one's descriptor, which would drop its lock).
+
     Args:
         run_dir: the run directory (created if missing).
     """
+
+    _HELD: dict[str, int] = {}
 
     def __init__(self, run_dir: str | os.PathLike):
         self.path = Path(run_dir) / LOCK_NAME
@@ -68,17 +77,20 @@ class RunDirLock:
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        key = os.path.realpath(self.path)
+        if key in RunDirLock._HELD:
+            raise self._refuse({"pid": os.getpid(), "host": socket.gethostname()})
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         for _ in range(20):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             flock_ok = True
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                held = self._read(fd)
-                os.close(fd)
-                raise self._refuse(held) from None
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
+                if e.errno in (errno.EACCES, errno.EAGAIN):
+                    held = self._read(fd)
+                    os.close(fd)
+                    raise self._refuse(held) from None
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     os.close(fd)
                     raise
@@ -104,6 +116,7 @@ class RunDirLock:
             os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
             os.fsync(fd)
             self._fd = fd
+            RunDirLock._HELD[key] = fd
             return self
         raise RunError(f"could not take the lock {self.path} (it keeps being replaced)")
 
@@ -115,6 +128,7 @@ class RunDirLock:
             os.unlink(self.path)  # before closing: a waiter then sees a new file, not ours
         except FileNotFoundError:
             pass
+        RunDirLock._HELD.pop(os.path.realpath(self.path), None)
         os.close(self._fd)
         self._fd = None
 

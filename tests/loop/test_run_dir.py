@@ -4,6 +4,7 @@ config bounds that rule out NaN."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -157,6 +158,40 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
     assert held["pid"] == os.getpid() and held["host"] == socket.gethostname()
     lock.release()
     assert not (run / "run.lock").exists()
+
+
+def test_a_child_forked_by_the_writer_does_not_keep_the_lock(tmp_path):
+    """A killed trainer's forked children (checkpoint writer, multiprocessing manager) may
+    outlive it for a moment; the run dir must be free as soon as the trainer itself is gone."""
+    from megatron_gspo.rundir import RunDirLock, RunError
+
+    run = tmp_path / "run"
+    code = ("import os, sys, time; from megatron_gspo.rundir import RunDirLock; "
+            f"lock = RunDirLock({str(run)!r}); lock.acquire(); "
+            "child = os.fork()\n"
+            "if child == 0:\n    time.sleep(120); os._exit(0)\n"
+            "print(child, flush=True); time.sleep(120)")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                         text=True)
+    child = int(p.stdout.readline())
+    try:
+        with pytest.raises(RunError):
+            RunDirLock(run).acquire()
+        with pytest.raises(RunError):  # one process never holds a run dir twice
+            with RunDirLock(tmp_path / "mine"):
+                RunDirLock(tmp_path / "mine").acquire()
+        p.kill()
+        p.wait()
+        os.kill(child, 0)  # the forked child still lives ...
+        with RunDirLock(run) as lock:  # ... and does not hold the run dir
+            assert f"pid {p.pid}" in lock.takeover_note
+    finally:
+        p.kill()
+        p.wait()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _cli(args, env_extra=None):
