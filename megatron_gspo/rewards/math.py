@@ -1,10 +1,21 @@
-"""Rule-based answer checking for math-style tasks.
+"""Rule-based answer checking for math-style tasks, with Hugging Face `math-verify` for the
+mathematical comparison (LaTeX, fractions, radicals, sets, intervals, symbolic equivalence).
 
-The model's answer is the content of its last \\boxed{...} (nested braces allowed) or, for the
-lenient `math` reward, the last number in the response when there is no box. Answers and labels
-are compared as numbers (integers, decimals, thousands separators, simple fractions, \\frac,
-percent signs) within a tolerance, and as normalised strings otherwise. A label written as a
-solution ("... #### 72", or with its own \\boxed{}) is reduced to its final answer first.
+The model's answer is the content of its last \\boxed{...} (nested braces allowed). A label
+written as a solution ("... #### 72", or with its own \\boxed{}) is reduced to its final answer
+first. Comparison, in order:
+
+1. both sides parse as plain numbers (integers, decimals, thousands separators, simple
+   fractions, \\frac of numbers, percent signs with 50% read as 50, the way datasets usually
+   write labels): equal within a tolerance -> correct. Kept from the rule-based checker
+   because math-verify reads "50\\%" as 0.5 and because it needs no worker round trip;
+2. equal as normalised strings (LaTeX text wrappers, spaces, case) -> correct;
+3. otherwise math-verify's `verify(parse(label), parse(answer))`, cut at `timeout_s` seconds
+   per comparison (a cut comparison counts as wrong; see `verifier.py`).
+
+The lenient `math` reward, for a response without a box, also accepts the last number of the
+response (rule 1) and lets math-verify extract the answer from the whole response ("the final
+answer is ...", last LaTeX expression); `math_boxed_strict` needs the box.
 """
 
 from __future__ import annotations
@@ -12,6 +23,8 @@ from __future__ import annotations
 import math
 import re
 from typing import Any
+
+from megatron_gspo.rewards.verifier import default_verifier
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 _FRAC = re.compile(r"^\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
@@ -90,38 +103,66 @@ def label_answer(label: Any) -> str:
     return boxed if boxed is not None else text.strip()
 
 
-def answers_match(answer: str, label: Any, rel_tol: float = 1e-6, abs_tol: float = 1e-6) -> bool:
-    """Compare an extracted answer with a label: numerically when both parse, else as strings."""
+def answers_match(answer: str, label: Any, rel_tol: float = 1e-6, abs_tol: float = 1e-6,
+                  timeout_s: float | None = 5.0) -> bool:
+    """Compare an extracted answer with a label (rules 1-3 of the module docstring).
+
+    Args:
+        answer: the extracted answer (box content or a number).
+        label: the reference answer (number, string, or solution ending in "#### answer").
+        rel_tol, abs_tol: numeric tolerance of rule 1 (math.isclose).
+        timeout_s: math-verify's limit in seconds; None skips math-verify (rules 1-2 only).
+    Returns:
+        True when the answer matches.
+    """
     target = label_answer(label)
+    if _rules_match(answer, target, rel_tol, abs_tol):
+        return True
+    if timeout_s is None:
+        return False
+    return default_verifier().verify(f"\\boxed{{{target}}}", f"\\boxed{{{answer}}}", timeout_s)
+
+
+def _rules_match(answer: str, target: str, rel_tol: float, abs_tol: float) -> bool:
     a, b = parse_number(answer), parse_number(target)
-    if a is not None and b is not None:
-        return math.isclose(a, b, rel_tol=rel_tol, abs_tol=abs_tol)
+    if a is not None and b is not None and math.isclose(a, b, rel_tol=rel_tol, abs_tol=abs_tol):
+        return True
     return normalize_answer(answer) == normalize_answer(target)
 
 
 def math_reward(response_text: str, label: Any, sample_metadata: dict | None = None, *,
-                rel_tol: float = 1e-6, abs_tol: float = 1e-6) -> float:
-    """1.0 when the last \\boxed{} answer (or, without a box, the last number) matches the label.
+                rel_tol: float = 1e-6, abs_tol: float = 1e-6,
+                timeout_s: float | None = 5.0) -> float:
+    """1.0 when the last \\boxed{} answer matches the label; without a box, when the last
+    number matches or math-verify finds the label's answer in the response.
 
     Args:
         response_text: the decoded response.
         label: the reference answer (number, string, or solution ending in "#### answer").
         sample_metadata: unused.
         rel_tol, abs_tol: numeric tolerance (math.isclose).
+        timeout_s: math-verify's limit per comparison in seconds (None: rules only).
     Returns:
         1.0 or 0.0.
     """
     answer = extract_boxed(response_text)
-    if answer is None:
-        answer = extract_last_number(response_text)
-    return float(answer is not None and answers_match(answer, label, rel_tol, abs_tol))
+    if answer is not None:
+        return float(answers_match(answer, label, rel_tol, abs_tol, timeout_s))
+    target = label_answer(label)
+    number = extract_last_number(response_text)
+    if number is not None and _rules_match(number, target, rel_tol, abs_tol):
+        return 1.0
+    if timeout_s is None or not response_text.strip():
+        return 0.0
+    return float(default_verifier().verify(f"\\boxed{{{target}}}", response_text, timeout_s))
 
 
 def math_boxed_strict_reward(response_text: str, label: Any, sample_metadata: dict | None = None,
-                             *, rel_tol: float = 1e-6, abs_tol: float = 1e-6) -> float:
+                             *, rel_tol: float = 1e-6, abs_tol: float = 1e-6,
+                             timeout_s: float | None = 5.0) -> float:
     """1.0 only when the response has a \\boxed{} answer that matches the label."""
     answer = extract_boxed(response_text)
-    return float(answer is not None and answers_match(answer, label, rel_tol, abs_tol))
+    return float(answer is not None and answers_match(answer, label, rel_tol, abs_tol, timeout_s))
 
 
 def exact_match_reward(response_text: str, label: Any, sample_metadata: dict | None = None, *,
