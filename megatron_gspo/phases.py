@@ -202,10 +202,7 @@ def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int,
         metrics averaged over the mini-batches (tokens and `update_skipped`, the updates skipped
         for a non-finite loss or gradient, summed; lr of the last step).
     """
-    order = list(range(len(samples)))
-    random.Random(cfg.train.seed * 7919 + step).shuffle(order)
-    k = cfg.algorithm.mini_batches
-    parts = [order[i * len(order) // k:(i + 1) * len(order) // k] for i in range(k)]
+    parts = minibatch_parts(len(samples), cfg.algorithm.mini_batches, cfg.train.seed, step)
     per = []
     for idx in parts:
         if not idx:
@@ -229,7 +226,50 @@ def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int,
             finite = [v for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
             out[key] = float(sum(finite) / len(finite)) if finite else float("nan")
     out["train/first_minibatch_ratio_mean"] = float(per[0].get("ratio_mean", float("nan")))
+    out.update(clip_split(per))
     out["optimizer_steps"] = float(len(per))
+    return out
+
+
+def minibatch_parts(n: int, k: int, seed: int, step: int) -> list[list[int]]:
+    """Sample indices of each of the `k` mini-batches of a step (seeded shuffle, then k
+    near-equal consecutive shares; a share may be empty when n < k)."""
+    order = list(range(n))
+    random.Random(seed * 7919 + step).shuffle(order)
+    return [order[i * n // k:(i + 1) * n // k] for i in range(k)]
+
+
+def clip_split(per: list[dict]) -> dict:
+    """Clip fraction split by cause, token-weighted (share of trainable tokens whose term is
+    clipped). On a step's first mini-batch the learner's weights still equal pi_old's, so what
+    clips there is engine/learner mismatch (zero when pi_old is recomputed); later mini-batches
+    add the policy's drift over the step's earlier updates.
+
+    Args:
+        per: the learner's metrics of each mini-batch, in training order.
+    Returns:
+        `clip_fraction/first_minibatch`, `clip_fraction/later_minibatches` (absent with one
+        mini-batch), `clip_fraction/minibatch_<i>` for each, and `ratio/spread` (largest minus
+        smallest ratio over the step's mini-batches).
+    """
+    out: dict = {}
+
+    def frac(rows: list[dict]) -> float:
+        tok = sum(float(r.get("trainable_tokens", 0.0)) for r in rows)
+        clipped = sum(float(r.get("clipped_tokens", 0.0)) for r in rows)
+        return clipped / tok if tok > 0 else 0.0
+
+    if not per or "clipped_tokens" not in per[0]:
+        return out
+    for i, r in enumerate(per):
+        out[f"clip_fraction/minibatch_{i}"] = frac([r])
+    out["clip_fraction/first_minibatch"] = frac(per[:1])
+    if len(per) > 1:
+        out["clip_fraction/later_minibatches"] = frac(per[1:])
+    lo = [r["ratio_min"] for r in per if "ratio_min" in r]
+    hi = [r["ratio_max"] for r in per if "ratio_max" in r]
+    if lo and hi:
+        out["ratio/spread"] = float(max(hi) - min(lo))
     return out
 
 
@@ -291,25 +331,12 @@ def _tensor_sync(cfg: Config) -> bool:
 
 
 def evaluate(cfg: Config, engine, tok, score, prompts) -> dict:
-    """Reward on the evaluation prompts: greedy, or one sample per prompt at
-    `train.eval_temperature` (top-p/top-k of the rollouts); one episode per prompt in agent
-    mode."""
-    from dataclasses import replace
+    """Every eval set: `train.eval_samples` responses per prompt at `train.eval_temperature`
+    (0: greedy; top-p/top-k of the rollouts; episodes in agent mode), reward_mean, mean@n and
+    pass@k per set (see `evaluation.py`). `prompts`: {set name: items} or one list."""
+    from megatron_gspo.evaluation import evaluate as evaluate_sets
 
-    from megatron_gspo.build import sampling_params
-
-    if not prompts:
-        return {}
-    if cfg.agent.enabled:
-        from megatron_gspo.agent.loop import evaluate_episodes
-
-        return evaluate_episodes(cfg, engine, _requests(prompts), tok)
-    sp = replace(sampling_params(cfg, tok), n=1, temperature=cfg.train.eval_temperature)
-    reqs = list(_requests(prompts))
-    samples = engine.generate([replace(r, sampling=sp) for r in reqs])
-    score(samples)
-    rewards = [float(s.reward) for s in samples]
-    return {"eval/reward_mean": sum(rewards) / len(rewards), "eval/prompts": float(len(rewards))}
+    return evaluate_sets(cfg, engine, tok, score, prompts)
 
 
 def sample_preview(samples: list[Sample], tok, n: int, step: int) -> str:
