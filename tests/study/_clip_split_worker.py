@@ -76,7 +76,7 @@ def main() -> None:
         old = learner.forward_logprobs(samples) if source == "recompute" else None
         m = phases.train_on_batch(cfg, learner, samples, old, step)
 
-        def share(idx, sel):
+        def share(idx, sel, samples=samples):
             tok = sum(samples[i].num_trainable for i in idx)
             return sum(samples[i].num_trainable for i in idx if i in sel) / tok
 
