@@ -263,11 +263,16 @@ def prompt_stream(cfg: Config, tok):
 
 
 def eval_prompts(cfg: Config, tok):
-    """The first `train.eval_prompts` rows of `data.eval_path` (None when not configured)."""
-    if not cfg.data.eval_path:
+    """The eval sets: {name: first `train.eval_prompts` rows}, "" for `data.eval_path` and each
+    name of `data.eval_sets` (None when none is configured)."""
+    paths = ({"": cfg.data.eval_path} if cfg.data.eval_path else {}) | dict(cfg.data.eval_sets)
+    if not paths:
         return None
-    ds = _dataset(cfg, tok, cfg.data.eval_path)
-    return [ds[i] for i in range(min(len(ds), cfg.train.eval_prompts))]
+    sets = {}
+    for name, path in paths.items():
+        ds = _dataset(cfg, tok, path)
+        sets[name] = [ds[i] for i in range(min(len(ds), cfg.train.eval_prompts))]
+    return sets
 
 
 def reward_scorer(cfg: Config, tok):

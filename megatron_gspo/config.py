@@ -184,7 +184,10 @@ class PrecisionConfig:
 @dataclass
 class DataConfig:
     train_path: str | None = option(None, "prompt dataset (.jsonl or .parquet)")
-    eval_path: str | None = option(None, "evaluation prompts (.jsonl or .parquet)")
+    eval_path: str | None = option(None, "evaluation prompts (.jsonl or .parquet); metrics "
+                                   "under eval/")
+    eval_sets: dict[str, str] = option({}, "more evaluation sets, {name: path}; metrics under "
+                                       "eval/<name>/")
     prompt_key: str = option("prompt", "field holding the prompt text or chat messages")
     label_key: str | None = option("answer", "field holding the reference answer for the "
                                    "reward; null for unlabeled datasets (the reward gets None)")
@@ -232,9 +235,15 @@ class TrainConfig:
                          "already holds checkpoints or metrics", choices=("auto", "never"))
     prompts_per_step: int = option(32, "prompts per rollout batch", ge=1)
     eval_interval: int = option(0, "evaluate every N steps (0 disables)", ge=0)
-    eval_prompts: int = option(64, "prompts per evaluation", ge=1)
+    eval_prompts: int = option(64, "prompts per evaluation (per eval set)", ge=1)
     eval_temperature: float = option(
-        0.0, "evaluation sampling temperature: 0 = greedy, > 0 = one sample per prompt", ge=0.0)
+        0.0, "evaluation sampling temperature: 0 = greedy, > 0 = sampled", ge=0.0)
+    eval_samples: int = option(1, "responses per eval prompt (n of mean@n and pass@k; > 1 needs "
+                               "train.eval_temperature > 0)", ge=1)
+    eval_pass_k: list[int] = option([], "the k values of pass@k (each <= train.eval_samples); "
+                                    "empty: 1, 2, 4, ... up to eval_samples, and eval_samples")
+    eval_pass_threshold: float = option(1.0, "an eval response counts as correct for pass@k "
+                                        "when its reward is at least this")
     deterministic: bool = option(False, "deterministic algorithms (slower; for reproducibility)")
     max_skipped_steps: int = option(
         3, "stop with an error after this many steps in a row whose optimizer updates were all "
@@ -305,6 +314,18 @@ class Config:
         if a.kl_coef == 0 and unused:
             raise ConfigError(f"{unused[0]}: set while algorithm.kl_coef is 0 (KL off, no "
                               "reference model is built); set kl_coef > 0 or drop it")
+        t = self.train
+        if t.eval_samples > 1 and t.eval_temperature == 0:
+            raise ConfigError("train.eval_samples: more than one response per eval prompt needs "
+                              "train.eval_temperature > 0 (greedy responses are all the same)")
+        too_big = [k for k in t.eval_pass_k if not 1 <= k <= t.eval_samples]
+        if too_big:
+            raise ConfigError(f"train.eval_pass_k: {too_big[0]} is outside [1, "
+                              f"train.eval_samples={t.eval_samples}]")
+        for name in self.data.eval_sets:
+            if not name or "/" in name or name != name.strip():
+                raise ConfigError(f"data.eval_sets: set name {name!r} must be non-empty, "
+                                  "without '/' or surrounding spaces")
         if a.kl_in == "reward" and self.agent.enabled and self.agent.advantage == "turn":
             raise ConfigError("algorithm.kl_in: 'reward' is not used by turn-level advantages "
                               "(agent.advantage 'turn'); use kl_in 'loss'")

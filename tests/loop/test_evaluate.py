@@ -33,5 +33,6 @@ def test_evaluate_samples_once_per_prompt_at_the_eval_temperature(temperature):
     prompts = [PromptItem(prompt_ids=[1], prompt="What is 12+34?", label="46", row=0),
                PromptItem(prompt_ids=[2], prompt="What is 5+7?", label="12", row=1)]
     m = phases.evaluate(cfg, engine, tok, build.reward_scorer(cfg, tok), prompts)
-    assert m == {"eval/reward_mean": 0.5, "eval/prompts": 2.0}
+    assert m == {"eval/reward_mean": 0.5, "eval/prompts": 2.0, "eval/mean@1": 0.5,
+                 "eval/pass@1": 0.5}
     assert seen == [(temperature, 1), (temperature, 1)]
