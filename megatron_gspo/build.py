@@ -176,6 +176,34 @@ def rollout_engine(cfg: Config, hf_config: dict, tok):
     return sglang_engine(cfg, sampling_params(cfg, tok), hf_config=hf_config)
 
 
+def async_producer(cfg: Config, engine, prompts, score, tok, start_step: int):
+    """The producer of asynchronous rollouts (`rollout.mode: async`), not yet started."""
+    from megatron_gspo.rollout.async_producer import AsyncProducer
+    from megatron_gspo.rollout.base import GenerateRequest
+
+    r = cfg.rollout
+
+    def to_request(item):
+        return GenerateRequest(prompt_ids=list(item.prompt_ids), prompt=item.prompt,
+                               label=item.label, metadata={"row": item.row})
+
+    episodes = None
+    if cfg.agent.enabled:
+        from megatron_gspo.agent.loop import make_runner
+
+        def episodes(eng, requests, group_size):
+            items = [{**dict(q.metadata), "prompt": q.prompt, "label": q.label}
+                     for q in requests]
+            return make_runner(cfg, eng, tok).run_batch_sync(items, n_per_prompt=group_size)
+
+    return AsyncProducer(engine, prompts, to_request, score, sampling_params(cfg, tok),
+                         group_size=r.group_size, groups_per_step=cfg.train.prompts_per_step,
+                         max_staleness=r.max_staleness, max_steps=cfg.train.max_steps,
+                         start_step=start_step, update_in_flight=r.update_in_flight,
+                         chunk_tokens=r.chunk_tokens,
+                         drop_zero_variance=r.drop_zero_variance_groups, episodes=episodes)
+
+
 def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
                   hf_config: dict | None = None):
     """SGLang servers from `rollout.*`: attached by URL, or launched (colocated or not).

@@ -34,8 +34,9 @@ def _requests(prompts):
                               label=item.label, metadata={"row": item.row})
 
 
-def rollout(cfg: Config, engine, prompts, score, tok, step: int):
-    """Generate `train.prompts_per_step` groups of `rollout.group_size` scored samples.
+def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
+    """Generate `train.prompts_per_step` groups of `rollout.group_size` scored samples, or,
+    with an asynchronous `producer`, take its oldest finished groups.
 
     Returns:
         (samples, metrics)
@@ -43,9 +44,11 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int):
     from megatron_gspo.build import sampling_params
     from megatron_gspo.rollout.groups import GroupSampler
 
-    if hasattr(engine, "generator"):  # per-step seed: identical samples after a resume
+    if producer is None and hasattr(engine, "generator"):  # per-step seed: same after a resume
         engine.generator.manual_seed(cfg.train.seed * 1_000_003 + step)
-    if cfg.agent.enabled:
+    if producer is not None:  # asynchronous rollouts: the oldest finished groups
+        samples, m = producer.take(step)
+    elif cfg.agent.enabled:
         from megatron_gspo.agent.loop import rollout_episodes
 
         samples, m = rollout_episodes(cfg, engine, _requests(prompts), tok, step)
@@ -151,6 +154,10 @@ def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: 
         (old, source, metrics): `old` is None when the engine's `rollout_logprobs` are used,
         else the learner's per-sample log-prob lists; source is "rollout" or "recompute".
     """
+    if cfg.rollout.mode == "async" and any(s.weight_version < step for s in samples):
+        from megatron_gspo.async_audit import split_old_logprobs  # stale samples: split audit
+
+        return split_old_logprobs(cfg, learner, controller, samples, step, _padded, _correct)
     p, a = cfg.precision, cfg.algorithm
     m: dict = {}
     has_engine = all(s.rollout_logprobs is not None for s in samples)

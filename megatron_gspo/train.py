@@ -13,6 +13,7 @@ data-parallel share). Helpers live where they belong: `build.py` (objects from t
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from megatron_gspo import build, phases
@@ -90,6 +91,12 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
                       "than GSPO's sequence ratios; the audit reports per-token numbers")
     phases.sync_weights(learner, engine, hf_config, cfg, version=start,
                         event=log.event if rank0 else None)
+    producer = None  # rollout.mode async: generation overlaps training (rollout/async_producer)
+    if rank0 and cfg.rollout.mode == "async":
+        producer = build.async_producer(cfg, engine, prompts, reward, tokenizer, start)
+        if latest is not None and state.get("async"):
+            producer.load_state_dict(state["async"])  # finished groups kept, in-flight redone
+        producer.start()
     skipped_in_a_row = 0  # steps whose optimizer updates were all skipped (non-finite)
 
     for step in range(start, cfg.train.max_steps):
@@ -99,7 +106,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
         # 1-2. Rollout G responses per prompt and score them (rank 0), then share the batch.
         samples = None
         if rank0:
-            samples, rollout_m = phases.rollout(cfg, engine, prompts, reward, tokenizer, step)
+            samples, rollout_m = phases.rollout(cfg, engine, prompts, reward, tokenizer, step,
+                                                producer)
             m.update(rollout_m)
         samples = phases.broadcast(samples)
         m["time/rollout"] = time.perf_counter() - t_step
@@ -127,8 +135,9 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
 
         # 6. New weights to the rollout engine.
         t_sync = time.perf_counter()
-        m.update(phases.sync_weights(learner, engine, hf_config, cfg, version=step + 1,
-                                     event=log.event if rank0 else None))
+        with producer.updating() if producer else nullcontext():  # async: pause, update, go on
+            m.update(phases.sync_weights(learner, engine, hf_config, cfg, version=step + 1,
+                                         event=log.event if rank0 else None))
         m["time/weight_sync"] = time.perf_counter() - t_sync
 
         # 7. Evaluate, log, checkpoint.
@@ -150,11 +159,14 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
         done = step + 1 == cfg.train.max_steps
         if (cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0) or done:
             state = {"step": step + 1, "precision": controller.state_dict(),
-                     "data": prompts.state_dict() if rank0 else None}
+                     "data": prompts.state_dict() if rank0 else None,
+                     "async": producer.state_dict() if producer else None}
             path = ckpt.save(step + 1, learner, state)
             log.event(f"checkpoint {path}")
 
     log.close()
+    if producer is not None:
+        producer.close()
     if engine is not None:
         engine.shutdown()
     learner.shutdown()

@@ -39,7 +39,10 @@ class Sample:
         group_index: index of the prompt group this sample belongs to.
         index: position of the sample inside the batch (stable id; never reused in a batch).
         finish_reason: "stop", "length" or "abort".
-        weight_version: version of the weights the engine generated with.
+        weight_version: version of the weights the engine generated with (the oldest one
+            among the tokens when `token_versions` is set).
+        token_versions: weight version that generated each response token (asynchronous
+            rollouts, where a response can span weight updates); None: all `weight_version`.
         prompt: the prompt text or chat, for logging and rewards.
         label: the reference answer for the reward function, if any.
         metadata: free-form extras (environment info, tool-call counts, ...).
@@ -60,6 +63,7 @@ class Sample:
     prompt: Any = None
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -88,6 +92,9 @@ class Sample:
             for t, (lp, m) in enumerate(zip(self.rollout_logprobs, self.loss_mask, strict=True)):
                 if m and (not math.isfinite(lp) or lp > 1e-4):
                     self._fail(f"rollout_logprobs[{t}] = {lp} is not a valid log-probability")
+        if self.token_versions is not None and len(self.token_versions) != n:
+            self._fail(f"token_versions has {len(self.token_versions)} entries for {n} response "
+                       "tokens")
         if self.turn_ids is not None and len(self.turn_ids) != n:
             self._fail(f"turn_ids has {len(self.turn_ids)} entries for {n} response tokens")
         if self.finish_reason not in FINISH_REASONS:
