@@ -10,6 +10,7 @@ Megatron's pipeline schedule. Usable in-process (world size 1) or under
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -154,7 +155,8 @@ class Learner:
             mbs = [pad_microbatch(mb, int(longest), self.batching.pad_id) for mb in mbs]
         return mbs
 
-    def _run(self, forward_step_func, data: list[dict], forward_only: bool, model=None):
+    def _run(self, forward_step_func, data: list[dict], forward_only: bool, model=None,
+             micro_batch_size: int = 1):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         model = self.model if model is None else model
@@ -163,7 +165,7 @@ class Learner:
         return get_forward_backward_func()(
             forward_step_func=forward_step_func, data_iterator=iters,
             model=model if len(model) > 1 else model[0],
-            num_microbatches=len(data), seq_length=seq, micro_batch_size=1,
+            num_microbatches=len(data), seq_length=seq, micro_batch_size=micro_batch_size,
             forward_only=forward_only)
 
     # ----------------------------------------------------------------------------- API
@@ -181,28 +183,70 @@ class Learner:
             list (one per sample) of response log-prob lists [, list of entropy lists];
             identical on every rank.
         """
-        from megatron.core import parallel_state as ps
-
         temp = self.loss_settings.temperature if temperature is None else temperature
         if reference and self.reference_model is None:
             raise ValueError("no reference model was built (kl_coef is 0)")
         model = self.reference_model if reference else self.model
+        mbs = self._micro_batches(samples, None)
+        data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
+        with self._forward_only(policy=not reference, reference=reference):
+            out = self._run(step.logprob_forward_step_factory(self.ctx, temp), data, True, model)
+        lps, ents = self._per_sample(samples, mbs, out, ("logprobs", "entropy"))
+        return (lps, ents) if with_entropy else lps
+
+    @torch.no_grad()
+    def forward_logprobs_with_reference(self, samples: list[Sample], *,
+                                        temperature: float | None = None):
+        """The policy's and the frozen reference's token log-probs from ONE pipeline schedule
+        (each micro-batch runs both models back to back, see `megatron.paired`); equal to
+        `forward_logprobs(samples)` and `forward_logprobs(samples, reference=True)`.
+
+        Args:
+            samples: the global mini-batch (same list on every rank).
+            temperature: sampling temperature (default: the loss settings').
+        Returns:
+            (policy log-prob lists, reference log-prob lists), one per sample, on every rank.
+        """
+        from megatron_gspo.megatron.paired import (paired_chunks,
+                                                   paired_logprob_forward_step_factory)
+
+        temp = self.loss_settings.temperature if temperature is None else temperature
+        if self.reference_model is None:
+            raise ValueError("no reference model was built (kl_coef is 0)")
+        mbs = self._micro_batches(samples, None)
+        data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
+        with self._forward_only(policy=True, reference=True):
+            out = self._run(paired_logprob_forward_step_factory(self.ctx, temp), data, True,
+                            paired_chunks(self.model, self.reference_model), micro_batch_size=2)
+        lps, ref = self._per_sample(samples, mbs, out, ("logprobs", "ref_logprobs"))
+        return lps, ref
+
+    @contextlib.contextmanager
+    def _forward_only(self, *, policy: bool, reference: bool):
+        """Policy in eval mode (train mode after); an offloaded reference on the device."""
         if reference and self.reference_offload:
             for m in self.reference_chunks:
                 m.to(self.device)
-        for m in model:
+        for m in (self.model if policy else []) + (self.reference_model if reference else []):
             m.eval()
-        mbs = self._micro_batches(samples, None)
-        data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
-        out = self._run(step.logprob_forward_step_factory(self.ctx, temp), data, True, model)
-        if not reference:
-            for m in self.model:
+        try:
+            yield
+        finally:
+            for m in (self.model if policy else []):
                 m.train()
-        elif self.reference_offload:
-            for m in self.reference_chunks:
-                m.to("cpu")
+            if reference and self.reference_offload:
+                for m in self.reference_chunks:
+                    m.to("cpu")
+
+    def _per_sample(self, samples: list[Sample], mbs: list[MicroBatch], out: list,
+                    keys: tuple[str, ...]) -> list[list[list[float]]]:
+        """Cut each per-micro-batch [S] result in `keys` into per-sample response lists (from
+        the last stage's first TP / CP rank, summed onto every rank)."""
+        from megatron.core import parallel_state as ps
+
         width = max(len(s.response_ids) for s in samples)
-        buf = torch.zeros(2, len(samples), width, dtype=torch.float64, device=self.device)
+        buf = torch.zeros(len(keys), len(samples), width, dtype=torch.float64,
+                          device=self.device)  # [K, B, T]
         contribute = (self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
                       and ps.get_context_parallel_rank() == 0)
         if contribute:
@@ -211,13 +255,11 @@ class Learner:
                     s = samples[k]
                     start = int(mb.seq_index[i, 0]) + len(s.prompt_ids) - 1
                     r = len(s.response_ids)
-                    buf[0, k, :r] = res["logprobs"][start:start + r].double()
-                    buf[1, k, :r] = res["entropy"][start:start + r].double()
+                    for j, key in enumerate(keys):
+                        buf[j, k, :r] = res[key][start:start + r].double()
         dist.all_reduce(buf)
-        lps = [buf[0, k, :len(s.response_ids)].tolist() for k, s in enumerate(samples)]
-        if with_entropy:
-            return lps, [buf[1, k, :len(s.response_ids)].tolist() for k, s in enumerate(samples)]
-        return lps
+        return [[buf[j, k, :len(s.response_ids)].tolist() for k, s in enumerate(samples)]
+                for j in range(len(keys))]
 
     def forward_backward(self, samples: list[Sample], old_logprobs=None,
                          ref_logprobs=None) -> dict[str, float]:

@@ -6,6 +6,9 @@ Cases:
                 reference model; differentiable entropy vs float64 autograd.
   kl2 (2 ranks) TP2 and PP2 layouts with the same weights and data give kl1's loss, KL part and
                 gradients; the vocab-parallel entropy (value and gradient) under TP2.
+  Both cases: the policy + reference log-probs of one pipeline schedule
+  (`forward_logprobs_with_reference`) equal the two separate passes (bit-identical in the same
+  layout, 1e-6 against the single process; also TP2+SP and PP2 with VPP2).
 Each rank writes `<case>.rank<r>.json` = {"failures": [...], "info": {...}}.
 """
 
@@ -67,6 +70,29 @@ def _entropy_check(chk: Checker, group, rank: int, size: int, tag: str):
               rtol=1e-5)
 
 
+def _paired_check(chk: Checker, L, samples, lps, ref_lps, tag: str, exact: bool) -> int:
+    """The one-schedule policy + reference pass gives the two separate passes' values; returns
+    how many pipeline schedules it ran."""
+    runs = []
+    run = L._run
+    L._run = lambda *a, **k: (runs.append(1), run(*a, **k))[1]
+    try:
+        got, got_ref = L.forward_logprobs_with_reference(samples)
+    finally:
+        L._run = run
+    if len(runs) != 1:
+        chk.failures.append(f"{tag}: paired pass ran {len(runs)} schedules, expected 1")
+    if exact:
+        if got != lps or got_ref != ref_lps:
+            chk.failures.append(f"{tag}: paired log-probs are not bit-identical to two passes")
+    else:
+        chk.close(f"{tag} paired policy", [x for y in got for x in y],
+                  [x for y in lps for x in y], rtol=1e-6)
+        chk.close(f"{tag} paired reference", [x for y in got_ref for x in y],
+                  [x for y in ref_lps for x in y], rtol=1e-6)
+    return len(runs)
+
+
 def case_kl1(outdir: Path, chk: Checker, info: dict):
     from megatron.core.models.gpt import GPTModel
 
@@ -81,6 +107,7 @@ def case_kl1(outdir: Path, chk: Checker, info: dict):
     lps = L.forward_logprobs(samples)
     old = old_logprobs(lps)
     ref_lps = L.forward_logprobs(samples, reference=True)
+    info["paired_schedules"] = _paired_check(chk, L, samples, lps, ref_lps, "single", True)
     m = L.forward_backward(samples, old, ref_lps)
     grads = L.full_grads()
     info["kl_loss"], info["loss"], info["entropy"] = m["kl_loss"], m["loss"], m["entropy"]
@@ -94,7 +121,7 @@ def case_kl1(outdir: Path, chk: Checker, info: dict):
     want = klmod.kl_loss(_padded(lps), _padded(ref_lps), mask, coef=0.05, estimator="k3")
     chk.close("kl part vs algo.kl", m["kl_loss"], float(want), rtol=1e-5)
     torch.save(dict(full=full, ref_full=ref_full, old=old, ref_lps=ref_lps, metrics=m,
-                    grads=grads), outdir / "kl_ref.pt")
+                    grads=grads, lps=lps), outdir / "kl_ref.pt")
     # frozen: bit-identical over 5 optimizer steps while the policy moves
     before = {k: v.clone() for m_ in L.reference_chunks for k, v in m_.state_dict().items()
               if isinstance(v, torch.Tensor)}
@@ -143,6 +170,10 @@ def case_kl2(outdir: Path, chk: Checker, info: dict):
         ref_lps = L.forward_logprobs(samples, reference=True)
         chk.close(f"{name}.ref_logprobs", [x for y in ref_lps for x in y],
                   [x for y in R["ref_lps"] for x in y], rtol=1e-6)
+        # one schedule for both models: the same values as this layout's two passes (bits)
+        # and as the single process (1e-6)
+        _paired_check(chk, L, samples, L.forward_logprobs(samples), ref_lps, name, True)
+        _paired_check(chk, L, samples, R["lps"], R["ref_lps"], f"{name} vs single", False)
         m = L.forward_backward(samples, R["old"], R["ref_lps"])
         for k in ("loss", "kl_loss", "entropy_loss", "entropy"):
             chk.close(f"{name}.{k}", m[k], R["metrics"][k])
@@ -151,6 +182,14 @@ def case_kl2(outdir: Path, chk: Checker, info: dict):
         if name == "tp2":
             _entropy_check(chk, ps.get_tensor_model_parallel_group(),
                            ps.get_tensor_model_parallel_rank(), 2, "tp2")
+    # the paired pass under sequence parallelism and the interleaved pipeline schedule
+    for name, layout in (("tp2sp", PL(tensor=2, sequence_parallel=True)),
+                         ("pp2vpp2", PL(pipeline=2, virtual_pipeline=2))):
+        L = _learner(layout, seed=99)
+        L.load_full_state_dict(R["full"])
+        L.load_reference(R["ref_full"])
+        _paired_check(chk, L, samples, R["lps"], R["ref_lps"], f"{name} vs single", False)
+        info[name] = True
 
 
 def main():

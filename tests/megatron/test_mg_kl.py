@@ -33,10 +33,11 @@ def test_single_process_kl_frozen_reference_and_no_reference_when_off(reports):
     assert one[0]["failures"] == []
     info = one[0]["info"]
     assert info["kl_loss"] > 0 and info["policy_moved"] > 0
+    assert info["paired_schedules"] == 1  # policy + reference log-probs from one schedule
 
 
 def test_tp2_pp2_match_single_process_with_kl(reports):
     _, two = reports
     for rank, rep in enumerate(two):
         assert rep["failures"] == [], f"rank {rank}"
-        assert "tp2" in rep["info"] and "pp2" in rep["info"]
+        assert all(k in rep["info"] for k in ("tp2", "pp2", "tp2sp", "pp2vpp2"))
