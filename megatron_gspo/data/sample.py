@@ -46,6 +46,10 @@ class Sample:
         prompt: the prompt text or chat, for logging and rewards.
         label: the reference answer for the reward function, if any.
         metadata: free-form extras (environment info, tool-call counts, ...).
+        routing: MoE models: the top-k experts the rollout engine's router chose for each
+            processed token, int tensor [P + R - 1, layers, top-k] (prompt and response tokens;
+            the last sampled token is never fed to the model and has no row); None when the
+            engine returned none.
     """
 
     prompt_ids: list[int]
@@ -64,6 +68,7 @@ class Sample:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     token_versions: list[int] | None = None
+    routing: Any = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -95,6 +100,12 @@ class Sample:
         if self.token_versions is not None and len(self.token_versions) != n:
             self._fail(f"token_versions has {len(self.token_versions)} entries for {n} response "
                        "tokens")
+        if self.routing is not None:
+            shape = tuple(getattr(self.routing, "shape", ()))
+            t = len(self.prompt_ids) + n
+            if len(shape) != 3 or shape[0] not in (t - 1, t):
+                self._fail(f"routing has shape {shape}, expected [{t - 1}, layers, top-k] for "
+                           f"{t} tokens")
         if self.turn_ids is not None and len(self.turn_ids) != n:
             self._fail(f"turn_ids has {len(self.turn_ids)} entries for {n} response tokens")
         if self.finish_reason not in FINISH_REASONS:
@@ -115,4 +126,7 @@ class Sample:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON view (for logging / dumping rollouts)."""
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        if out["routing"] is not None:
+            out["routing"] = out["routing"].tolist()
+        return out

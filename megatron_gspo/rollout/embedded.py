@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -108,6 +109,8 @@ class EmbeddedEngine(RolloutEngine):
         max_model_len: prompt + response limit; None = the config's max_position_embeddings.
         default_sampling: used for requests without sampling params.
         attn_implementation: transformers attention backend.
+        return_routing: MoE models: give every sample the top-k experts each layer's router
+            chose for each token the model processed (`Sample.routing`, see `sample_rows`).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class EmbeddedEngine(RolloutEngine):
         max_model_len: int | None = None,
         default_sampling: SamplingParams | None = None,
         attn_implementation: str = "sdpa",
+        return_routing: bool = False,
     ) -> None:
         super().__init__(default_sampling)
         self.device = torch.device(device)
@@ -142,6 +146,10 @@ class EmbeddedEngine(RolloutEngine):
         self._params.update(dict(self.model.named_buffers()))
         fwd = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
+        self._routers = moe_routers(self.model)
+        if return_routing and not self._routers:
+            raise ValueError("return_routing: the model has no MoE router (not an MoE model)")
+        self.return_routing = bool(return_routing)
 
     # ---------------------------------------------------------------- state
     @property
@@ -167,6 +175,8 @@ class EmbeddedEngine(RolloutEngine):
             for bucket in buckets:
                 for name, tensor in bucket:
                     param = self._params.get(name)
+                    if param is None:
+                        param = fused_expert_slice(self._params, name)
                     if param is None:
                         raise KeyError(f"weight update: unknown parameter name {name!r}")
                     if tuple(param.shape) != tuple(tensor.shape):
@@ -225,25 +235,48 @@ class EmbeddedEngine(RolloutEngine):
                 (requests[s.request_idx].prompt_ids, params[s.request_idx]) for s in chunk
             ]
             with self._lock:
-                outs = self.sample_rows(rows)
-            for s, (ids, lps, reason) in zip(chunk, outs, strict=True):
+                outs = self.sample_rows(rows, with_routing=self.return_routing)
+            for s, (ids, lps, reason, *routing) in zip(chunk, outs, strict=True):
                 results[s.out_idx] = make_sample(
                     requests[s.request_idx], s.request_idx, s.out_idx, ids, lps, reason,
                     self._version,
                 )
+                if routing:
+                    results[s.out_idx].routing = routing[0]
+                    results[s.out_idx].validate()
         return [r for r in results if r is not None]
 
     @torch.no_grad()
     def sample_rows(
-        self, rows: Sequence[tuple[Sequence[int], SamplingParams]]
-    ) -> list[tuple[list[int], list[float], str]]:
+        self, rows: Sequence[tuple[Sequence[int], SamplingParams]], with_routing: bool = False
+    ) -> list[tuple]:
         """Decode one batch of independent rows.
 
         Args:
             rows: (prompt ids, sampling params) per sequence.
+            with_routing: also return each row's routing (MoE models).
         Returns:
-            (response ids, log-probs, finish reason) per row.
+            (response ids, log-probs, finish reason) per row, plus, with `with_routing`, an int32
+            tensor [P + R - 1, layers, top-k] of the experts every layer's router chose for each
+            token the model processed: the P prompt tokens and the first R - 1 response tokens
+            (the last sampled token is never fed to the model, so it has no routing; SGLang's
+            `return_routed_experts` has the same rows).
         """
+        if with_routing and not self._routers:
+            raise ValueError("routing requested from a model without MoE routers")
+        capture = RoutingCapture(self._routers) if with_routing else None
+        try:
+            outs = self._sample_rows(rows, capture)
+        finally:
+            if capture is not None:
+                capture.close()
+        if capture is None:
+            return outs
+        lens = [len(p) for p, _ in rows]
+        return [(*o, capture.rows(i, lens[i], max(lens), len(o[0]) - 1))
+                for i, o in enumerate(outs)]
+
+    def _sample_rows(self, rows, capture: RoutingCapture | None) -> list[tuple]:
         from transformers import DynamicCache
 
         dev = self.device
@@ -289,6 +322,8 @@ class EmbeddedEngine(RolloutEngine):
             :, -1, :
         ]  # [B, V]
         next_pos = pos[:, -1:] + 1  # [B, 1]
+        if capture is not None:
+            capture.end_forward()
         for step in range(steps):
             scaled = logits.float() / temps.unsqueeze(-1)  # [B, V]
             logp = torch.log_softmax(scaled, dim=-1)  # [B, V] full-vocab log-probs
@@ -314,7 +349,72 @@ class EmbeddedEngine(RolloutEngine):
                 input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos, **kw
             ).logits[:, -1, :]
             next_pos = next_pos + 1
+            if capture is not None:
+                capture.end_forward()
         return [(out_ids[i], out_lps[i], reasons[i]) for i in range(bsz)]
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The top-k router of every MoE layer, in layer order (transformers' `*TopKRouter` modules,
+    whose forward returns (router logits, top-k weights, top-k expert indices))."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+class RoutingCapture:
+    """Forward hooks on the routers that keep each forward's top-k expert indices.
+
+    Args:
+        routers: the routers, in layer order (`moe_routers`).
+    """
+
+    def __init__(self, routers: list[torch.nn.Module]) -> None:
+        self.forwards: list[torch.Tensor] = []  # per forward: [B, T, layers, k]
+        self._current: list[torch.Tensor] = []
+        self._hooks = [r.register_forward_hook(self._hook) for r in routers]
+
+    def _hook(self, module, args, output) -> None:
+        self._current.append(output[2].detach().to(torch.int32))  # [B*T, k]
+
+    def end_forward(self) -> None:
+        """Close one model forward: stack its layers as [B, T, layers, k]."""
+        per_layer = self._current
+        self._current = []
+        bsz_t, k = per_layer[0].shape
+        self.forwards.append(torch.stack(per_layer, dim=1).reshape(bsz_t, len(per_layer), k))
+
+    def rows(self, i: int, prompt_len: int, width: int, decoded: int) -> torch.Tensor:
+        """Row `i`'s routing [prompt_len + decoded, layers, k]: its prompt positions of the
+        (left-padded, `width` wide) prefill, then one position per decode forward."""
+        first = self.forwards[0]
+        bsz = first.shape[0] // width
+        prefill = first.reshape(bsz, width, *first.shape[1:])[i, width - prompt_len:]
+        steps = [f[i:i + 1] for f in self.forwards[1:1 + max(decoded, 0)]]
+        return torch.cat([prefill, *steps], dim=0).cpu()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+_FUSED_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fused_expert_slice(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The slice of a fused expert tensor (transformers 5: `experts.gate_up_proj` [E, 2F, H] =
+    [gate; up] per expert, `experts.down_proj` [E, H, F]) that a per-expert HF name
+    (`experts.<e>.gate_proj.weight`, ...) denotes; None when `name` is not such a name."""
+    m = _FUSED_EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
+    if which == "down_proj":
+        fused = params.get(f"{prefix}.down_proj")
+        return None if fused is None or e >= fused.shape[0] else fused[e]
+    fused = params.get(f"{prefix}.gate_up_proj")
+    if fused is None or e >= fused.shape[0]:
+        return None
+    half = fused.shape[1] // 2
+    return fused[e, :half] if which == "gate_proj" else fused[e, half:]
 
 
 @torch.no_grad()
