@@ -3,6 +3,7 @@
     megatron-gspo train CONFIG.yaml [--run-dir DIR] [section.key=value ...]
     megatron-gspo config CONFIG.yaml [section.key=value ...]   # print the resolved config
     megatron-gspo fields                                       # every config field with its doc
+    megatron-gspo study STUDY.yaml [--out DIR]                 # A/B arms of one config, summary
     megatron-gspo convert hf-to-mcore|mcore-to-hf ...          # same as tools/convert_checkpoint.py
 
 Errors in the config or the data end the program with a one-line message and exit code 2.
@@ -30,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("config")
     c.add_argument("overrides", nargs="*")
     sub.add_parser("fields", help="list every config field with its type, default and doc")
+    s = sub.add_parser("study", help="run the arms of an A/B study (see megatron_gspo/study.py)")
+    s.add_argument("study", help="study YAML file")
+    s.add_argument("--out", default=None, help="output directory (default runs/study-<file>)")
     v = sub.add_parser("convert", help="checkpoint conversion (see tools/convert_checkpoint.py)",
                        add_help=False)
     v.add_argument("args", nargs=argparse.REMAINDER)
@@ -68,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "fields":
             for name, tp, default, doc in describe(Config):
                 print(f"{name:40s} {tp:18s} {default!r:>14}  {doc}")
+            return 0
+        if args.command == "study":
+            from megatron_gspo.study import run_study
+
+            print(run_study(args.study, args.out))
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":
