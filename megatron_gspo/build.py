@@ -266,7 +266,7 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
                         context_length=context_length_of(hf_config) if hf_config else None)
 
 
-def _dataset(cfg: Config, tok, path: str):
+def _dataset(cfg: Config, tok, path: str, split: str | None = None):
     from megatron_gspo.data.datasets import PromptDataset
 
     d = cfg.data
@@ -274,7 +274,8 @@ def _dataset(cfg: Config, tok, path: str):
                                  system_prompt=d.system_prompt,
                                  apply_chat_template=d.apply_chat_template,
                                  max_prompt_length=d.max_prompt_length,
-                                 skip_bad_rows=d.skip_bad_rows)
+                                 skip_bad_rows=d.skip_bad_rows,
+                                 split=split or d.train_split, dataset_config=d.dataset_config)
     if cfg.agent.enabled:
         _check_agent_labels(cfg, ds)
     return ds
@@ -298,20 +299,30 @@ def eval_prompts(cfg: Config, tok):
         return None
     sets = {}
     for name, path in paths.items():
-        ds = _dataset(cfg, tok, path)
+        ds = _dataset(cfg, tok, path, cfg.data.eval_split)
         sets[name] = [ds[i] for i in range(min(len(ds), cfg.train.eval_prompts))]
     return sets
 
 
 def reward_scorer(cfg: Config, tok):
-    """A callable that fills `Sample.reward` from the decoded response and the label."""
+    """A callable that fills `Sample.reward` from the decoded response and the label (by the
+    HTTP service of `reward.url` when set, else by the function `reward.name`)."""
     from megatron_gspo.rewards import get_reward_fn, score_samples
 
-    fn = get_reward_fn(cfg.reward.name)
     kwargs = dict(cfg.reward.kwargs)
 
     def detok(ids):
         return tok.decode(ids, skip_special_tokens=True)
+
+    r = cfg.reward
+    if r.url:
+        from megatron_gspo.rewards.remote import RewardService
+
+        service = RewardService(r.url, batch_size=r.url_batch_size,
+                                concurrency=r.url_concurrency, timeout_s=r.url_timeout,
+                                retries=r.url_retries, backoff_s=r.url_backoff, kwargs=kwargs)
+        return lambda samples: service.score(samples, detok)
+    fn = get_reward_fn(cfg.reward.name)
 
     def score(samples) -> None:
         score_samples(samples, fn, detok, kwargs)
@@ -362,11 +373,12 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
         raise ConfigError(f"parallel: {e}") from None
     if cfg.agent.enabled:
         _check_agent(cfg)
+        _check_agent_chat(cfg, tok)
     elif cfg.data.apply_chat_template and not getattr(tok, "chat_template", None):
         raise ConfigError("data.apply_chat_template: the tokenizer of "
                           f"{cfg.model.tokenizer or cfg.model.path} has no chat template; set "
                           "data.apply_chat_template=false or use a tokenizer with one")
-    if cfg.data.label_key is None and not cfg.agent.enabled \
+    if cfg.data.label_key is None and not cfg.agent.enabled and not cfg.reward.url \
             and cfg.reward.name in LABEL_REWARDS:
         raise ConfigError(f"reward.name: {cfg.reward.name!r} compares responses with a label "
                           "but data.label_key is null; set data.label_key or use a reward that "

@@ -195,9 +195,17 @@ class PrecisionConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str | None = option(None, "prompt dataset (.jsonl or .parquet)")
-    eval_path: str | None = option(None, "evaluation prompts (.jsonl or .parquet); metrics "
-                                   "under eval/")
+    train_path: str | None = option(None, "prompt dataset: a .jsonl or .parquet file, a "
+                                    "directory saved with datasets' save_to_disk, or a Hugging "
+                                    "Face dataset name")
+    train_split: str = option("train", "split of train_path when it is a Hugging Face dataset "
+                              "(or a saved DatasetDict)")
+    eval_split: str = option("test", "split of eval_path / eval_sets entries that are Hugging "
+                             "Face datasets (or saved DatasetDicts)")
+    dataset_config: str | None = option(None, "configuration name of Hugging Face datasets "
+                                        "loaded by name (e.g. 'main' for gsm8k)")
+    eval_path: str | None = option(None, "evaluation prompts (same forms as train_path); "
+                                   "metrics under eval/")
     eval_sets: dict[str, str] = option({}, "more evaluation sets, {name: path}; metrics under "
                                        "eval/<name>/")
     prompt_key: str = option("prompt", "field holding the prompt text or chat messages")
@@ -213,7 +221,17 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     name: str = option("math", "registered reward name or `module:function`")
-    kwargs: dict[str, Any] = option({}, "keyword arguments passed to the reward function")
+    kwargs: dict[str, Any] = option({}, "keyword arguments passed to the reward function (or "
+                                    "to the reward service as \"kwargs\")")
+    url: str | None = option(None, "HTTP reward service scoring batches of samples instead of "
+                             "reward.name (schema: docs/rewards.md)")
+    url_batch_size: int = option(64, "reward service: samples per request", ge=1)
+    url_concurrency: int = option(8, "reward service: requests in flight at once", ge=1)
+    url_timeout: float = option(60.0, "reward service: seconds to wait for a reply", gt=0)
+    url_retries: int = option(3, "reward service: retries after a 5xx status, a connection "
+                              "error or a timeout", ge=0)
+    url_backoff: float = option(0.5, "reward service: seconds before the first retry, doubled "
+                                "for each further one", ge=0)
 
 
 @dataclass
@@ -236,6 +254,14 @@ class AgentConfig:
     enable_thinking: bool = option(False, "Qwen3 chat template with thinking enabled")
     stop_on_tool_call_end: bool = option(True, "end a model turn at the tool-call end token")
     max_concurrent: int = option(256, "episodes in flight at once", ge=1)
+    chat_template: str = option(
+        "tokenizer", "how episodes are rendered: tokenizer (its own chat template; each "
+        "environment turn is the suffix the template adds, and a template that rewrites earlier "
+        "turns is an error), builtin (Qwen3/ChatML renderer) or a path to a .jinja template")
+    tool_parser: str = option(
+        "hermes", "tool-call format of model turns: hermes (Qwen3 <tool_call> blocks), "
+        "llama3_json (Llama 3.1 JSON), mistral ([TOOL_CALLS]) or module:function returning a "
+        "megatron_gspo.agent.chat.ParsedAction")
 
 
 @dataclass
@@ -326,6 +352,10 @@ class Config:
         if a.kl_coef == 0 and unused:
             raise ConfigError(f"{unused[0]}: set while algorithm.kl_coef is 0 (KL off, no "
                               "reference model is built); set kl_coef > 0 or drop it")
+        if self.reward.url is not None and not self.reward.url.startswith(("http://",
+                                                                            "https://")):
+            raise ConfigError(f"reward.url: expected an http:// or https:// URL, got "
+                              f"{self.reward.url!r}")
         t = self.train
         if t.eval_samples > 1 and t.eval_temperature == 0:
             raise ConfigError("train.eval_samples: more than one response per eval prompt needs "

@@ -1,6 +1,8 @@
-"""Prompt datasets for RL: rows from JSONL or Parquet files, rendered with the tokenizer's chat
-template (or used as raw text), validated once at load time, and served in shuffled batches by
-an epoch-based iterator whose cursor (epoch, position) is saved in checkpoints.
+"""Prompt datasets for RL: rows from JSONL or Parquet files (or, through the `datasets` library,
+a `save_to_disk` directory or a Hugging Face dataset name: `hf_datasets.py`), rendered with the
+tokenizer's chat template (or used as raw text), validated once at load time, and served in
+shuffled batches by an epoch-based iterator whose cursor (epoch, position) is saved in
+checkpoints.
 
 A row gives a prompt (a string, or a list of chat messages {"role", "content"}) and, optionally,
 a label (the reference answer the reward function checks). All other fields of the row are kept
@@ -115,7 +117,8 @@ class PromptDataset:
     """All valid rows of one JSONL or Parquet file, tokenized.
 
     Args:
-        path: a .jsonl/.json/.ndjson (one JSON object per line) or .parquet file.
+        path: a .jsonl/.json/.ndjson (one JSON object per line) or .parquet file, a directory
+            written by `datasets`' save_to_disk, or a Hugging Face dataset name.
         tokenizer: a Hugging Face tokenizer (anything with `apply_chat_template` and `encode`).
         prompt_key: field holding the prompt (a string, or a list of chat messages).
         label_key: field holding the reference answer; None when the rows have no labels.
@@ -124,6 +127,8 @@ class PromptDataset:
             generation prompt); when False the prompt field must be a string and is used as is.
         max_prompt_length: rows whose prompt has more tokens are bad rows; None: no limit.
         skip_bad_rows: skip and count bad rows instead of raising DatasetError.
+        split: the split of a saved DatasetDict or a Hugging Face dataset.
+        dataset_config: the configuration name of a Hugging Face dataset loaded by name.
     """
 
     def __init__(
@@ -136,14 +141,24 @@ class PromptDataset:
         apply_chat_template: bool = True,
         max_prompt_length: int | None = None,
         skip_bad_rows: bool = False,
+        split: str = "train",
+        dataset_config: str | None = None,
     ) -> None:
+        from megatron_gspo.data import hf_datasets
+
         self.path = Path(path)
-        if not self.path.is_file():
+        hf_source = self.path.is_dir() or hf_datasets.is_hub_name(str(path))
+        if not hf_source and not self.path.is_file():
             raise DatasetError(f"dataset file not found: {self.path}")
         if system_prompt is not None and not apply_chat_template:
             raise DatasetError("system_prompt needs apply_chat_template=True")
         suffix = self.path.suffix.lower()
-        if suffix in SUFFIXES_JSONL:
+        if hf_source:
+            try:
+                _, rows = hf_datasets.load_rows(str(path), split, dataset_config)
+            except hf_datasets.HFDatasetError as e:
+                raise DatasetError(str(e)) from None
+        elif suffix in SUFFIXES_JSONL:
             rows = _read_jsonl(self.path)
         elif suffix in SUFFIXES_PARQUET:
             rows = _read_parquet(self.path)
