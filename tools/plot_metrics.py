@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PANELS = [
     ("reward", ["reward/mean", "eval/reward_mean"]),
-    ("clip fraction", ["clip_fraction", "clip_fraction_low", "clip_fraction_high"]),
+    ("clip fraction", ["clip_fraction", "clip_fraction_low", "clip_fraction_high",
+                       "clip_fraction/first_minibatch", "clip_fraction/later_minibatches"]),
     ("engine vs learner mismatch", ["precision/seq_abs_mismatch_mean",
                                     "precision/out_of_range_fraction",
                                     "precision/token_abs_diff_mean"]),
