@@ -1,0 +1,35 @@
+"""The algorithm in pure torch: GSPO / GSPO-token / GRPO losses (arXiv 2507.18071), group and
+turn-level advantages, chunked token log-probs, KL-to-reference and entropy terms, and the
+engine/learner precision audit. No Megatron, no config: tensors and scalars in, tensors out.
+
+    from megatron_gspo.algo import gspo_loss, group_advantages, token_logprobs, kl_loss
+"""
+
+from megatron_gspo.algo.advantages import group_advantages, zero_variance_groups
+from megatron_gspo.algo.kl import (ESTIMATORS, entropy_loss, kl_loss, kl_reward, sequence_kl,
+                                   token_kl)
+from megatron_gspo.algo.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
+from megatron_gspo.algo.losses import (LOGRATIO_BOUND, finalize_stats, gspo_loss,
+                                       gspo_token_loss, grpo_loss, sequence_log_ratio)
+from megatron_gspo.algo.precision import (ToleranceController, apply_correction, audit_sums,
+                                          check_engine_logprobs, finalize_audit, mismatch_band,
+                                          sequence_mismatch)
+from megatron_gspo.algo.turn_advantages import (assign_multiturn_advantages,
+                                                discounted_returns, episode_level_advantages,
+                                                turn_level_advantages)
+
+__all__ = [
+    # losses
+    "gspo_loss", "gspo_token_loss", "grpo_loss", "sequence_log_ratio", "finalize_stats",
+    "LOGRATIO_BOUND",
+    # advantages
+    "group_advantages", "zero_variance_groups", "discounted_returns", "turn_level_advantages",
+    "episode_level_advantages", "assign_multiturn_advantages",
+    # log-probs
+    "token_logprobs", "DEFAULT_CHUNK_SIZE",
+    # KL to a reference, entropy bonus
+    "token_kl", "sequence_kl", "kl_loss", "kl_reward", "entropy_loss", "ESTIMATORS",
+    # precision audit of engine log-probs
+    "sequence_mismatch", "audit_sums", "finalize_audit", "mismatch_band", "apply_correction",
+    "check_engine_logprobs", "ToleranceController",
+]
