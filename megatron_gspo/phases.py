@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import torch
 
@@ -108,25 +109,47 @@ def fill_advantages(cfg: Config, samples: list[Sample]) -> None:
         s.advantage = [v] * len(s.response_ids) if a.loss == "gspo_token" else v
 
 
-def reference_logprobs(cfg: Config, learner, samples: list[Sample]):
-    """Reference log-probs (one forward of the frozen reference), the KL metrics and, with
-    `algorithm.kl_in: reward`, the KL penalty subtracted from every sample's reward (so this
-    phase runs before the advantages).
+def _split_audit(cfg: Config, samples: list[Sample], step: int) -> bool:
+    """Asynchronous batch with stale samples: pi_old comes from `async_audit`."""
+    return cfg.rollout.mode == "async" and any(s.weight_version < step for s in samples)
+
+
+def learner_logprobs_needed(cfg: Config, controller, samples: list[Sample], step: int) -> bool:
+    """Whether `old_logprobs` needs the learner's log-probs of the batch this step (recompute,
+    scheduled audit, or no engine log-probs), so the reference phase can compute them in the
+    same pass. False for a split asynchronous audit (it runs its own passes)."""
+    if _split_audit(cfg, samples, step):
+        return False
+    has_engine = all(s.rollout_logprobs is not None for s in samples)
+    return controller.needs_learner_logprobs(step) or not has_engine
+
+
+def reference_logprobs(cfg: Config, learner, samples: list[Sample], with_policy: bool = False):
+    """Reference log-probs, the KL metrics and, with `algorithm.kl_in: reward`, the KL penalty
+    subtracted from every sample's reward (so this phase runs before the advantages).
+
+    One pass over the batch: the frozen reference's forward alone, or, when the learner's own
+    log-probs are needed too (`with_policy`, or the engine returned none), the policy and the
+    reference in one pipeline schedule (`Learner.forward_logprobs_with_reference`).
 
     kl/mean and kl/max are the sequence KL (chosen estimator) of the sampling policy's
     log-probs (the engine's, or the learner's when the engine returned none) to the reference.
 
     Returns:
-        (per-sample reference log-prob lists, or None when KL is off; metrics dict).
+        (reference log-prob lists or None when KL is off; the learner's log-prob lists when the
+        pass computed them, else None; metrics dict).
     """
     a = cfg.algorithm
     if a.kl_coef == 0:
-        return None, {}
-    ref = learner.forward_logprobs(samples, reference=True)
-    if all(s.rollout_logprobs is not None for s in samples):
-        sampled = [list(s.rollout_logprobs) for s in samples]
+        return None, None, {}
+    t0 = time.perf_counter()
+    has_engine = all(s.rollout_logprobs is not None for s in samples)
+    policy = None
+    if with_policy or not has_engine:
+        policy, ref = learner.forward_logprobs_with_reference(samples)
     else:
-        sampled = learner.forward_logprobs(samples)
+        ref = learner.forward_logprobs(samples, reference=True)
+    sampled = [list(s.rollout_logprobs) for s in samples] if has_engine else policy
     mask = _padded([list(map(float, s.loss_mask)) for s in samples])  # [B, T]
     seq, count = sequence_kl(_padded(sampled), _padded(ref), mask, a.kl_estimator)  # [B]
     has = count > 0
@@ -136,7 +159,8 @@ def reference_logprobs(cfg: Config, learner, samples: list[Sample]):
         for s, k in zip(samples, seq.tolist(), strict=True):
             s.reward = float(s.reward) - a.kl_coef * k
         m["kl/reward_penalty_mean"] = a.kl_coef * m["kl/mean"]
-    return ref, m
+    m["time/reference_logprobs"] = time.perf_counter() - t0
+    return ref, policy, m
 
 
 def _padded(rows: list[list[float]]) -> torch.Tensor:
@@ -147,14 +171,18 @@ def _padded(rows: list[list[float]]) -> torch.Tensor:
     return out  # [B, T]
 
 
-def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: int):
+def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: int,
+                 learner_lps=None):
     """Decide pi_old for this step and audit the engine's log-probs when scheduled.
 
+    Args:
+        learner_lps: the learner's log-probs of the batch when an earlier pass of this step
+            computed them (`reference_logprobs`); None = run the forward here when needed.
     Returns:
         (old, source, metrics): `old` is None when the engine's `rollout_logprobs` are used,
         else the learner's per-sample log-prob lists; source is "rollout" or "recompute".
     """
-    if cfg.rollout.mode == "async" and any(s.weight_version < step for s in samples):
+    if _split_audit(cfg, samples, step):
         from megatron_gspo.async_audit import split_old_logprobs  # stale samples: split audit
 
         return split_old_logprobs(cfg, learner, controller, samples, step, _padded, _correct)
@@ -165,7 +193,10 @@ def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: 
         raise ConfigError("precision.old_logprobs: 'rollout' but the engine returned no "
                           "log-probs; use 'recompute' or 'auto'")
     need = controller.needs_learner_logprobs(step) or not has_engine
-    learner_lps = learner.forward_logprobs(samples) if need else None
+    if not need:
+        learner_lps = None
+    elif learner_lps is None:
+        learner_lps = learner.forward_logprobs(samples)
     audit = None
     if has_engine and (learner_lps is not None or p.old_logprobs != "recompute"):
         for s in samples:

@@ -113,14 +113,17 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
         m["time/rollout"] = time.perf_counter() - t_step
 
         # 3. Reference log-probs (KL; off when kl_coef is 0), then group-relative advantages.
-        ref, kl_m = phases.reference_logprobs(cfg, learner, samples)
+        #    When step 4 needs the learner's own log-probs, both come from one forward pass.
+        need_lps = phases.learner_logprobs_needed(cfg, controller, samples, step)
+        ref, learner_lps, kl_m = phases.reference_logprobs(cfg, learner, samples, need_lps)
         m.update(kl_m)
         phases.fill_advantages(cfg, samples)
 
         # 4. pi_old: the engine's log-probs, or the learner's recompute; audited on schedule.
         t_old = time.perf_counter()
         n_events = len(controller.events)
-        old, source, precision_m = phases.old_logprobs(cfg, learner, controller, samples, step)
+        old, source, precision_m = phases.old_logprobs(cfg, learner, controller, samples, step,
+                                                       learner_lps)
         m.update(precision_m)
         m["precision/old_logprobs"] = source
         m["time/old_logprobs"] = time.perf_counter() - t_old
