@@ -18,7 +18,11 @@ import json
 import random
 from pathlib import Path
 
-from megatron_gspo.agent.chat import render_messages, render_observation
+from megatron_gspo.agent.chat import (
+    QWEN3_CHAT_TEMPLATE,
+    render_messages,
+    render_observation,
+)
 from megatron_gspo.agent.tools.calculator import evaluate, format_number
 
 VOCAB_SIZE = 128
@@ -37,12 +41,9 @@ SPECIAL_TOKENS = [
 ]
 CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
 SYSTEM_PROMPT = "Use the calculator, then give the number."
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# The tokenizer's chat template: the built-in renderer's layout as Jinja (append-only), so the
+# episode runner's template path (agent.chat_template: tokenizer) gives the same tokens.
+CHAT_TEMPLATE = QWEN3_CHAT_TEMPLATE
 TEMPLATES = [
     ("Ann buys {a} bags of {b} apples and {c} more apples. How many apples?", "{a}*{b}+{c}"),
     ("A box has {a} rows of {b} eggs. {c} eggs break. How many eggs are left?", "{a}*{b}-{c}"),

@@ -1,4 +1,5 @@
-"""Multi-turn agent episodes: environments, tools, Qwen3-style chat, the episode runner.
+"""Multi-turn agent episodes: environments, tools, chat rendering (the tokenizer's own chat
+template or the built-in Qwen3 renderer), tool-call parsers, the episode runner.
 
 Typical use in the RL loop:
 
@@ -21,13 +22,15 @@ from megatron_gspo.agent.env import (
     resolve_env,
 )
 from megatron_gspo.agent.envs import CalculatorEnv
+from megatron_gspo.agent.chat_session import ChatTemplateError
 from megatron_gspo.agent.runner import EngineBatcher, EpisodeLimits, EpisodeRunner, episode_metrics
+from megatron_gspo.agent.tool_parsers import ToolParser, resolve_tool_parser
 
 __all__ = [
-    "QWEN3", "CalculatorEnv", "ChatFormat", "EngineBatcher", "Environment", "EpisodeLimits",
-    "EpisodeRunner", "StepResult", "ToolCall", "ToolEnvironment", "build_runner",
-    "episode_metrics", "make_env_factory", "parse_action", "register_env", "render_messages",
-    "resolve_env",
+    "QWEN3", "CalculatorEnv", "ChatFormat", "ChatTemplateError", "EngineBatcher", "Environment",
+    "EpisodeLimits", "EpisodeRunner", "StepResult", "ToolCall", "ToolEnvironment", "ToolParser",
+    "build_runner", "episode_metrics", "make_env_factory", "parse_action", "register_env",
+    "render_messages", "resolve_env", "resolve_tool_parser",
 ]
 
 
@@ -48,6 +51,8 @@ def build_runner(
     stop_on_tool_call_end: bool = True,
     max_concurrent: int = 256,
     batch_requests: bool | None = None,
+    chat_template: str = "tokenizer",
+    tool_parser: str = "hermes",
 ) -> EpisodeRunner:
     """An EpisodeRunner from plain settings (the `agent.*` config fields map one to one).
 
@@ -62,6 +67,8 @@ def build_runner(
             episode_timeout_s: see EpisodeLimits.
         enable_thinking, stop_on_tool_call_end, max_concurrent: see EpisodeRunner.
         batch_requests: see EpisodeRunner; None batches only for the in-process engine.
+        chat_template: `tokenizer` (its own chat template), `builtin` or a `.jinja` file.
+        tool_parser: `hermes`, `llama3_json`, `mistral` or `module:function`.
     Returns:
         the runner.
     """
@@ -81,5 +88,5 @@ def build_runner(
         engine, tokenizer, make_env_factory(environment, kwargs), sampling=sampling,
         limits=limits, enable_thinking=enable_thinking,
         stop_on_tool_call_end=stop_on_tool_call_end, max_concurrent=max_concurrent,
-        batch_requests=batch_requests,
+        batch_requests=batch_requests, chat_template=chat_template, tool_parser=tool_parser,
     )

@@ -37,10 +37,11 @@ QWEN3 = ChatFormat()
 
 @dataclass
 class ToolCall:
-    """One parsed tool call."""
+    """One parsed tool call (`id`: the call id the model wrote, if its format has one)."""
 
     name: str
     arguments: dict[str, Any] = field(default_factory=dict)
+    id: str | None = None
 
 
 @dataclass
@@ -243,3 +244,56 @@ def parse_action(text: str, fmt: ChatFormat = QWEN3) -> ParsedAction:
     think = re.compile(f"{re.escape(fmt.think_start)}.*?{re.escape(fmt.think_end)}", re.DOTALL)
     content = think.sub("", content)
     return ParsedAction(content=content.strip(), tool_calls=calls, errors=errors)
+
+
+# The built-in renderer as a Jinja chat template (Qwen3 layout, append-only): prompts and
+# environment turns render to exactly the text of `render_messages` / `render_observation`.
+# Unlike Qwen3's own template it never drops earlier thinking, and every assistant turn keeps
+# the empty think block its generation prompt had (`enable_thinking` false, the default here).
+# Shipped in the multi-turn example's tokenizer so the template path is exercised end to end.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(skip=false) %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{{- (messages[0].content or '') + '\\n\\n' }}{%- set ns.skip = true %}"
+    "{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{- raise_exception('unknown role ' + message.role) }}"
+    "{%- elif loop.first and ns.skip %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + (message.content or '') + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if not (enable_thinking | default(false)) %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{- message.content or '' }}"
+    "{%- for call in (message.tool_calls or []) %}"
+    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' "
+    "+ (fn.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if not (enable_thinking | default(false)) %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)

@@ -63,7 +63,13 @@ class ToolEnvironment:
     Args:
         tools: the ToolSet offered to the model (None: no tools).
         max_tool_calls_per_turn: extra calls in one turn are refused with an error message.
+
+    Attributes:
+        tool_parser: decoded turn -> ParsedAction; the episode runner sets it from
+            `agent.tool_parser` (default: the hermes/Qwen3 `parse_action`).
     """
+
+    tool_parser: Callable[[str], ParsedAction] | None = None
 
     def __init__(self, tools: ToolSet | None = None, *, max_tool_calls_per_turn: int = 4):
         self.tools = tools
@@ -90,16 +96,18 @@ class ToolEnvironment:
         return self.first_messages(sample)
 
     async def step(self, action: str) -> StepResult:
-        parsed = parse_action(action)
+        parsed = (self.tool_parser or parse_action)(action)
         n_blocks = len(parsed.tool_calls) + len(parsed.errors)
         if n_blocks == 0:
             reward, info = self.score_answer(parsed.content, self.sample)
             return StepResult([], float(reward), True, {"answered": 1, **info})
         info: dict[str, Any] = {"tool_calls": n_blocks}
         contents: list[str] = []
+        ids: list[str | None] = []
         n_err = 0
         for msg in parsed.errors:
             contents.append(f"Error: {msg}")
+            ids.append(None)
             info["tool_errors/invalid_call"] = info.get("tool_errors/invalid_call", 0) + 1
             n_err += 1
         for i, call in enumerate(parsed.tool_calls):
@@ -117,7 +125,9 @@ class ToolEnvironment:
                 info[f"tool_errors/{kind}"] = info.get(f"tool_errors/{kind}", 0) + 1
                 n_err += 1
             contents.append(res_text)
-        obs = [{"role": "tool", "content": c} for c in contents]
+            ids.append(call.id)
+        obs = [{"role": "tool", "content": c, **({"tool_call_id": i} if i else {})}
+               for c, i in zip(contents, ids, strict=True)]
         return StepResult(obs, float(self.tool_turn_reward(parsed, n_err)), False, info)
 
     async def close(self) -> None:

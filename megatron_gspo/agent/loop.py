@@ -48,6 +48,7 @@ def make_runner(cfg: Any, engine: Any, tok: Any, temperature: float | None = Non
         sampling=sampling, max_turns=a.max_turns,
         max_total_tokens=a.max_total_tokens, max_new_tokens_per_turn=cfg.rollout.max_new_tokens,
         turn_timeout_s=a.turn_timeout, episode_timeout_s=a.episode_timeout,
+        chat_template=a.chat_template, tool_parser=a.tool_parser,
     )
 
 

@@ -21,7 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_gspo.agent.chat import QWEN3, ChatFormat, render_messages, render_observation
+from megatron_gspo.agent.chat import QWEN3, ChatFormat
+from megatron_gspo.agent.chat_session import ChatTemplateError, make_chat
+from megatron_gspo.agent.tool_parsers import ToolParser, resolve_tool_parser
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rollout.base import GenerateRequest, RolloutEngine, SamplingParams
 
@@ -140,9 +142,15 @@ class EpisodeRunner:
         env_factory: zero-argument callable returning a fresh environment per episode.
         sampling: sampling parameters of every turn (max_new_tokens and n are set per turn).
         limits: episode bounds.
-        fmt: chat format; its end-of-turn and (optionally) tool-call end tokens stop a turn.
-        stop_on_tool_call_end: end a turn at the tool-call closing token (one call per turn).
+        fmt: the built-in renderer's chat format.
+        stop_on_tool_call_end: end a turn at the tool parser's call-closing token (hermes:
+            `</tool_call>`; one call per turn).
         enable_thinking: Qwen3 thinking on/off in the assistant turn openings.
+        chat_template: `builtin` (Qwen3 renderer of `agent.chat`), `tokenizer` (the
+            tokenizer's own chat template) or a `.jinja` file (see `agent.chat_session`). The
+            end of an assistant turn (`<|im_end|>` for the built-in one) always stops a turn.
+        tool_parser: `hermes`, `llama3_json`, `mistral`, `module:function` or a ToolParser;
+            environments with a `tool_parser` attribute get its `parse`.
         max_concurrent: most episodes in flight.
         batch_requests: merge concurrent turns into engine batches (`EngineBatcher`; right for
             the in-process engine); False sends each turn as its own request (right for HTTP
@@ -164,6 +172,8 @@ class EpisodeRunner:
         max_concurrent: int = 256,
         batch_requests: bool = True,
         batch_wait_s: float = 0.02,
+        chat_template: str = "builtin",
+        tool_parser: str | ToolParser = "hermes",
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -175,10 +185,14 @@ class EpisodeRunner:
         if max_concurrent < 1:
             raise ValueError(f"agent.max_concurrent must be >= 1, got {max_concurrent}")
         self.max_concurrent = max_concurrent
-        self.im_end_id = self._single_token(fmt.im_end)
+        self.parser = (tool_parser if isinstance(tool_parser, ToolParser)
+                       else resolve_tool_parser(tool_parser))
+        self.chat = make_chat(chat_template, tokenizer, self.parser, fmt=fmt,
+                              enable_thinking=enable_thinking)
+        self.im_end_id = self._single_token(self.chat.turn_end)
         stops = set(self.sampling.stop_token_ids) | {self.im_end_id}
-        if stop_on_tool_call_end:
-            stops.add(self._single_token(fmt.tool_call_end))
+        if stop_on_tool_call_end and self.parser.call_end:
+            stops.add(self._single_token(self.parser.call_end))
         self.stop_token_ids = tuple(sorted(stops))
         self._live = 0
         self.batch_requests = batch_requests
@@ -215,6 +229,9 @@ class EpisodeRunner:
         t0 = time.monotonic()
         deadline = t0 + lim.episode_timeout_s
         env = self.env_factory()
+        if hasattr(env, "tool_parser"):
+            env.tool_parser = self.parser.parse
+        chat = self.chat.session()
         metrics: dict[str, Any] = {}
         resp: list[int] = []
         mask: list[int] = []
@@ -227,9 +244,7 @@ class EpisodeRunner:
         engine_lps = True  # False once a turn came back without log-probs
         try:
             messages = await asyncio.wait_for(env.reset(item), lim.episode_timeout_s)
-            prompt_text = render_messages(
-                messages, env.tool_schemas(), enable_thinking=self.enable_thinking, fmt=self.fmt
-            )
+            prompt_text = chat.start(messages, env.tool_schemas())
             prompt_ids = self._encode(prompt_text)
             for turn in range(lim.max_turns):
                 room = lim.max_total_tokens - len(prompt_ids) - len(resp)
@@ -293,12 +308,8 @@ class EpisodeRunner:
                     break
                 if turn == lim.max_turns - 1:
                     break
-                obs_text = render_observation(
-                    res.observation,
-                    model_closed_turn=bool(gen) and gen[-1] == self.im_end_id,
-                    enable_thinking=self.enable_thinking,
-                    fmt=self.fmt,
-                )
+                last = self.tokenizer.decode(gen[-1:], skip_special_tokens=False) if gen else ""
+                obs_text = chat.observe(text, last, res.observation)
                 obs = self._encode(obs_text)
                 if len(prompt_ids) + len(resp) + len(obs) >= lim.max_total_tokens:
                     finish, stop = "length", "max_total_tokens"
@@ -309,6 +320,8 @@ class EpisodeRunner:
                 tids += [turn] * len(obs)
         except _EngineFailure as exc:
             raise exc.__cause__ from None
+        except ChatTemplateError:
+            raise  # the template, not this episode, is at fault: one clear error for the run
         except Exception as exc:  # noqa: BLE001  (a broken environment ends only its episode)
             finish, stop = "abort", "env_error"
             metrics["env_error"] = f"{type(exc).__name__}: {exc}"
