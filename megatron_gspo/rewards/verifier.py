@@ -2,10 +2,11 @@
 
 math-verify's own timeout uses `signal.alarm`, which works only on the main thread (it raises
 ValueError elsewhere) and cannot cut a hang inside C code. Here every comparison runs in a
-long-lived worker process (a plain `python -c` program that imports only math_verify) that the
-caller waits on with `select`; a comparison that passes its limit kills the worker, counts as
-"not verified" and the next call starts a fresh one. This works from any thread and costs one
-pipe round trip per comparison (the worker's start-up, ~0.5 s, is not charged to the limit).
+long-lived worker process (a plain `python -c` program that imports only math_verify; the
+kernel kills it when its parent dies) that the caller waits on with `select`; a comparison
+that passes its limit kills the worker, counts as "not verified" and the next call starts a
+fresh one. This works from any thread and costs one pipe round trip per comparison (the
+worker's start-up, ~0.5 s, is not charged to the limit).
 """
 
 from __future__ import annotations
@@ -21,7 +22,20 @@ import time
 _WORKER = r"""
 import sys
 sys.path.pop(0)  # never import modules from the working directory
-import json, logging
+import json, logging, os, signal, threading, time
+parent = int(sys.argv[1])
+try:  # Linux: the kernel kills this worker when its parent dies, even inside C code
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except Exception:
+    pass
+
+def _orphan_watch():  # elsewhere: notice a new parent between bytecodes
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+threading.Thread(target=_orphan_watch, daemon=True).start()
 logging.disable(logging.WARNING)  # "timeout is disabled": the parent enforces the limit
 from math_verify import parse, verify
 out = sys.stdout
@@ -64,9 +78,11 @@ class MathVerifier:
         self.calls = 0
 
     def _start(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                bufsize=1, close_fds=True)
+        # PR_SET_PDEATHSIG fires when the *thread* that started the worker ends; a later
+        # call then finds the worker gone and starts a new one.
+        proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(os.getpid())],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, bufsize=1, close_fds=True)
         line = self._read_line(proc, STARTUP_TIMEOUT_S)
         if line is None or not line.startswith('{"ready"'):
             err = ""

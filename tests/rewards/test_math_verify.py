@@ -1,6 +1,7 @@
 """The `math` rewards with math-verify: LaTeX equivalence, intervals, radicals, wrong answers,
 and a hanging comparison cut at its time limit (also off the main thread)."""
 
+import sys
 import threading
 import time
 
@@ -97,3 +98,39 @@ def test_limit_works_off_the_main_thread():
 def test_bad_limit_is_refused():
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         MathVerifier().verify("1", "1", timeout_s=0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and prctl")
+def test_worker_dies_with_a_killed_parent_even_mid_comparison(tmp_path):
+    import os
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("from megatron_gspo.rewards.verifier import MathVerifier\n"
+            "v = MathVerifier(); assert v.verify('$1$', '$1$', 60)\n"
+            "print(v._proc.pid, flush=True)\n"
+            f"v.verify('$1$', {HANG!r}, 600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE,
+                            text=True)
+    worker = int(proc.stdout.readline())
+    time.sleep(0.5)  # the worker is now inside the comparison
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+
+    def alive():
+        try:
+            stat = Path(f"/proc/{worker}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    still = alive()
+    if still:
+        os.kill(worker, signal.SIGKILL)
+    assert not still, "the math-verify worker outlived its killed parent"
