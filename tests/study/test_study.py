@@ -158,3 +158,12 @@ def test_killed_study_resumes_and_repeats_the_numbers(full, tmp_path):
     got = json.loads((out / "summary.json").read_text())
     for name in ("gspo", "grpo"):
         assert got["arms"][name]["metrics"] == ref["arms"][name]["metrics"], name
+
+
+def test_shipped_studies_load():
+    for study in sorted((ROOT / "examples" / "study").glob("*.yaml")):
+        spec, base = load_study(study)
+        arms = arm_configs(spec, base, study)
+        assert len(arms) >= 2, study
+        losses = {cfg.algorithm.loss for _, cfg in arms.values()}
+        assert {"gspo", "grpo"} <= losses, study
