@@ -20,6 +20,7 @@ from megatron_gspo import build, phases
 from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.checkpoint import Checkpointer
 from megatron_gspo.config import Config, save_config, to_dict
+from megatron_gspo.megatron.fallbacks import fallback_summary
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rundir import RunDirLock, RunError, check_fresh_start
 
@@ -82,6 +83,9 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
                 log.event(note)
         log.event(f"run dir {run_dir}; " + (f"resumed from {latest.path} at step {start}"
                                             if latest else "starting from the initial weights"))
+        fallbacks = fallback_summary()  # replaces Megatron-Core's TE / apex import warnings
+        if fallbacks:
+            log.event(fallbacks)
         if cfg.algorithm.kl_coef > 0:
             where = "CPU between uses" if cfg.model.reference_offload else str(learner.device)
             log.event(f"KL reference ({cfg.model.reference_path or 'initial weights'}, frozen): "

@@ -6,3 +6,7 @@ from a Hugging Face config), logprobs (vocab-parallel log-probs, context-paralle
 weights (full <-> sharded tensors), learner (the `Learner` object). Submodules are imported
 explicitly; importing this package imports nothing heavy.
 """
+
+from megatron_gspo.megatron.fallbacks import quiet_fallback_warnings
+
+quiet_fallback_warnings()  # Megatron-Core's TE / apex import warnings -> one run-log line

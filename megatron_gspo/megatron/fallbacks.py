@@ -1,0 +1,62 @@
+"""One line instead of Megatron-Core's import-time warnings about missing CUDA extensions.
+
+Without Transformer Engine and apex (any CPU run, and GPU installs without them) Megatron-Core
+warns once per module while being imported (megatron/core/optimizer/__init__.py, optimizer.py,
+clip_grads.py, distributed/fsdp/.../mixed_precision.py, models/backends.py,
+models/gpt/gpt_layer_specs.py), and its TransformerConfig warns that its own default
+`cuda_graph_scope="full"` is deprecated. `quiet_fallback_warnings` (run when this package is
+imported, before any megatron.core import in this code) silences exactly those messages;
+`fallback_summary` reads which fallbacks Megatron-Core actually chose from the imported modules,
+for the run log. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+# Messages Megatron-Core 0.13-0.16 emits at import time when TE / apex are missing (regexes
+# matched at the start of the message), plus its own-default deprecation notice.
+QUIET = (
+    r"Transformer Engine and Apex are not installed\. Falling back to",
+    r"Apex is not installed\. Falling back to Torch Norm",
+    r"full scope is deprecated\. Use empty cuda_graph_scope",
+)
+
+
+def quiet_fallback_warnings() -> None:
+    """Ignore the `QUIET` messages from Megatron modules (idempotent; other warnings, and these
+    messages from anywhere else, are untouched)."""
+    for msg in QUIET:
+        warnings.filterwarnings("ignore", message=msg, category=UserWarning, module=r"megatron")
+
+
+def _attr(module: str, name: str, default=None):
+    mod = sys.modules.get(module)
+    return getattr(mod, name, default) if mod is not None else default
+
+
+def fallback_summary() -> str | None:
+    """What Megatron-Core falls back to in this process, from the modules already imported.
+
+    Returns:
+        "Megatron-Core fallbacks (no Transformer Engine, no apex): ..." naming each fallback in
+        use, or None when there is none (or Megatron-Core is not imported).
+    """
+    specs = "megatron.core.models.gpt.gpt_layer_specs"
+    found = []
+    if _attr("megatron.core.optimizer", "USING_PYTORCH_OPTIMIZER", False):
+        found.append("torch optimizers (AdamW / SGD) instead of fused Adam / SGD")
+    applier = _attr("megatron.core.optimizer.clip_grads", "multi_tensor_applier")
+    if getattr(applier, "__name__", "").startswith("local_"):
+        found.append("local multi-tensor ops (grad norm, scaling)")
+    if _attr(specs, "HAVE_APEX", True) is False:
+        found.append("torch norms in the local layer spec")
+    if _attr(specs, "HAVE_TE", True) is False:
+        found.append("local layer spec (no TE layers)")
+    if not found:
+        return None
+    missing = [name for name, have in (("Transformer Engine", _attr(specs, "HAVE_TE", True)),
+                                       ("apex", _attr(specs, "HAVE_APEX", True))) if not have]
+    head = "Megatron-Core fallbacks" + (f" (no {', no '.join(missing)})" if missing else "")
+    return f"{head}: " + "; ".join(found)
