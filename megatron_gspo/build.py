@@ -383,6 +383,29 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
         raise ConfigError(f"reward.name: {cfg.reward.name!r} compares responses with a label "
                           "but data.label_key is null; set data.label_key or use a reward that "
                           "needs no label")
+    if cfg.algorithm.kl_coef > 0 and cfg.model.reference_path:
+        _check_reference(cfg.model.reference_path, hf_config)
+
+
+def _check_reference(path: str, hf_config: dict) -> None:
+    """The KL reference is held in the policy's layout: same family and sizes."""
+    from megatron_gspo.convert.base import ConversionError, dims_from_hf_config
+    from megatron_gspo.convert.hf_io import read_config
+
+    try:
+        ref = read_config(path)
+        diff = [(k, ref.get(k), hf_config.get(k)) for k in ("architectures",)
+                if ref.get(k) != hf_config.get(k)]
+        mine, theirs = dims_from_hf_config(ref), dims_from_hf_config(hf_config)
+    except ConversionError as e:
+        raise ConfigError(f"model.reference_path: {path} has no usable config.json ({e})") \
+            from None
+    diff += [(k, v, getattr(theirs, k)) for k, v in vars(mine).items()
+             if v != getattr(theirs, k)]
+    if diff:
+        k, v, want = diff[0]
+        raise ConfigError(f"model.reference_path: {path} is not the policy's architecture ({k} "
+                          f"{v!r}, model.path has {want!r}); the KL reference must match it")
 
 
 def _env_class(cfg: Config):
