@@ -199,7 +199,8 @@ class Learner:
                                         temperature: float | None = None):
         """The policy's and the frozen reference's token log-probs from ONE pipeline schedule
         (each micro-batch runs both models back to back, see `megatron.paired`); equal to
-        `forward_logprobs(samples)` and `forward_logprobs(samples, reference=True)`.
+        `forward_logprobs(samples)` and `forward_logprobs(samples, reference=True)`, which MoE
+        models with routing records run instead.
 
         Args:
             samples: the global mini-batch (same list on every rank).
@@ -213,6 +214,11 @@ class Learner:
         temp = self.loss_settings.temperature if temperature is None else temperature
         if self.reference_model is None:
             raise ValueError("no reference model was built (kl_coef is 0)")
+        if getattr(self, "routing", None) is not None:
+            # MoE routing is recorded / replayed around the policy's own schedule
+            # (`megatron.router_replay`), so MoE models keep the two passes
+            return (self.forward_logprobs(samples, temperature=temp),
+                    self.forward_logprobs(samples, temperature=temp, reference=True))
         mbs = self._micro_batches(samples, None)
         data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
         with self._forward_only(policy=True, reference=True):
