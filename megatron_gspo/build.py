@@ -164,8 +164,24 @@ def sampling_params(cfg: Config, tok):
                           top_k=r.top_k, n=r.group_size, stop_token_ids=_stop_ids(cfg, tok))
 
 
+STANDIN_MODULE = "megatron_gspo.rollout.standin_server"
+
+
+def colocated_on_every_node(cfg: Config) -> bool:
+    """True when every node launches its own colocated SGLang servers (`rollout.multinode`):
+    launched (no server_urls), colocated, tensor weight sync, on a job of several nodes. Then
+    `rollout_engine` is called on every rank (collective)."""
+    from megatron_gspo.rollout.multinode import nodes_in_job
+
+    r = cfg.rollout
+    return (r.engine == "sglang" and r.colocate and not r.server_urls
+            and r.weight_sync in ("auto", "tensor") and nodes_in_job() > 1)
+
+
 def rollout_engine(cfg: Config, hf_config: dict, tok):
-    """The embedded engine (in-process) or SGLang servers (launched or attached)."""
+    """The embedded engine (in-process) or SGLang servers (launched or attached). With
+    colocated servers on several nodes (`colocated_on_every_node`): collective, rank 0 gets the
+    engine over all nodes, the other node leaders their node's servers, other ranks None."""
     r = cfg.rollout
     if r.engine == "embedded":
         from megatron_gspo.rollout.embedded import EmbeddedEngine
@@ -222,7 +238,10 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
                               "not set or empty")
     sync = r.weight_sync if r.weight_sync != "auto" else ("tensor" if r.colocate else
                                                           "distributed")
-    if sync == "tensor" and not r.server_urls:
+    # SGLANG_SERVER_MODULE replaces sglang.launch_server (as in docker/launch/*.sh); the CPU
+    # stand-in server decodes tensor payloads without sglang (checked on the first update).
+    module = os.environ.get("SGLANG_SERVER_MODULE") or "sglang.launch_server"
+    if sync == "tensor" and not r.server_urls and module != STANDIN_MODULE:
         from megatron_gspo.rollout.weight_sync import sglang_importable
 
         if not sglang_importable():  # attached servers are checked on the first update
@@ -248,13 +267,26 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
                             mem_fraction_static=r.mem_fraction, colocated=r.colocate,
                             seed=cfg.train.seed, dtype=cfg.model.dtype,
                             extra_args=tuple(r.extra_server_args),
-                            log_dir=r.server_log_dir or log_dir, api_key=api_key)
+                            log_dir=r.server_log_dir or log_dir, api_key=api_key,
+                            module=module)
         from megatron_gspo.rollout.sglang_launch import check_local_gpus
 
         try:
             check_local_gpus(launch, torch.cuda.device_count() if torch.cuda.is_available() else 0)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if launch is not None and colocated_on_every_node(cfg):  # each node launches its own
+        from megatron_gspo.rollout.multinode import start_node_servers
+
+        if r.launch_router or r.router_url:
+            raise ConfigError("rollout.launch_router/router_url: not used with colocated "
+                              "servers on several nodes (rank 0's client spreads the requests)")
+        return start_node_servers(launch, dict(
+            max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout,
+            max_retries=r.max_retries, backoff_s=r.backoff, startup_timeout_s=r.startup_timeout,
+            default_sampling=default_sampling, api_key=api_key,
+            vocab_size=(hf_config or {}).get("vocab_size"),
+            context_length=context_length_of(hf_config) if hf_config else None))
     return SGLangEngine(server_urls=list(r.server_urls) or None, launch=launch,
                         router_url=r.router_url, launch_router=r.launch_router,
                         router_policy=r.router_policy, tp_size=r.tp_size,

@@ -21,7 +21,7 @@ from megatron_gspo.algo.precision import (
     finalize_audit,
     sequence_mismatch,
 )
-from megatron_gspo import faults
+from megatron_gspo import build, faults
 from megatron_gspo.build import DTYPES
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.data.sample import Sample
@@ -329,7 +329,12 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
     dtype = DTYPES[r.dtype] if r.engine == "embedded" else DTYPES[cfg.model.dtype]
     buckets = export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
                                 dtype=dtype)
-    if _tensor_sync(cfg):
+    if _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
+        from megatron_gspo.rollout.multinode_sync import multinode_sync
+
+        st = multinode_sync(buckets, engine, version, num_servers=r.num_servers,
+                            tp_size=r.tp_size)
+    elif _tensor_sync(cfg):
         from megatron_gspo.rollout.colocated_sync import colocated_sync
 
         st = colocated_sync(buckets, engine, version, num_servers=len(r.server_urls) or
@@ -354,6 +359,9 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
                 engine.resume_memory()  # no-op unless released after the rollout
             send()
     order = st.pop("order", None)
+    for note in st.pop("notes", []):  # servers restarted by their node (multi-node colocated)
+        if event is not None:
+            event(f"weight sync v{version}: {note}")
     if event is not None and order:
         peak = (f"; peak live bucket bytes {int(st['peak_live_bucket_bytes'])} (largest bucket "
                 f"{int(st['max_bucket_bytes'])}, bound {r.bucket_bytes})") if st else ""

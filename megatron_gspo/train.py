@@ -55,7 +55,10 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
     reward = build.reward_scorer(cfg, tokenizer) if rank0 else None
     evals = build.eval_prompts(cfg, tokenizer) if rank0 else None
     learner = build.learner(cfg, hf_config)  # starts torch.distributed + Megatron parallel state
-    engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 else None
+    # Rank 0's engine; with colocated servers on several nodes every node leader also holds its
+    # node's servers (built collectively).
+    every_node = build.colocated_on_every_node(cfg)
+    engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 or every_node else None
     controller = ToleranceController(cfg.precision.old_logprobs, cfg.precision.audit_fraction,
                                      cfg.precision.tolerance, cfg.precision.recheck_interval)
     ckpt = Checkpointer(ckpt_root, cfg.checkpoint.keep_last, cfg.checkpoint.checksums)
@@ -114,6 +117,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
                                                 producer)
             m.update(rollout_m)
         samples = phases.broadcast(samples)
+        if every_node and engine is not None and not rank0:  # this node's servers, as rank 0's
+            engine.release_memory()
         m["time/rollout"] = time.perf_counter() - t_step
 
         # 3. Reference log-probs (KL; off when kl_coef is 0), then group-relative advantages.

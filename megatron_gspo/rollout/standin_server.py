@@ -115,6 +115,7 @@ class StandinServer(GenerationEndpoints):
         r.add_post("/continue_generation", self.cont)
         r.add_post("/abort_request", self.abort)
         r.add_post("/standin/faults", self.set_faults)
+        r.add_get("/standin/weights_digest", self.weights_digest)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -262,6 +263,14 @@ class StandinServer(GenerationEndpoints):
         dist.destroy_process_group(pg)
         return _ok("Succeeded to destroy custom process group.")
 
+    async def weights_digest(self, request: web.Request) -> web.Response:
+        """Stand-in only (SGLang has no such endpoint): `weights_digest` of the served
+        parameters, the weight version and the counters, for tests comparing them with the
+        learner's."""
+        named = list(self.engine.model.named_parameters())
+        return web.json_response({"digest": await asyncio.to_thread(weights_digest, named),
+                                  "weight_version": self.weight_version, "stats": self.stats})
+
     async def update_weight_version(self, request: web.Request) -> web.Response:
         b = await request.json()
         self.weight_version = str(b.get("new_version", ""))
@@ -307,6 +316,19 @@ class StandinServer(GenerationEndpoints):
             for name, p in self.engine.model.named_parameters():
                 p.zero_()
                 self.lost_weights.add(name)
+
+def weights_digest(named: Any) -> str:
+    """SHA-256 over (name, shape, float32 bytes) of the named tensors, in name order."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda kv: kv[0]):
+        h.update(f"{name}:{tuple(t.shape)};".encode())
+        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
 
 def _ok(msg: str) -> web.Response:
     return web.json_response({"success": True, "message": msg})

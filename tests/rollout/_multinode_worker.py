@@ -1,0 +1,87 @@
+"""One rank of a 2-node colocated run under torchrun (tests/rollout/test_multinode.py): a short
+GSPO run through `train.run` whose node leaders launch stand-in SGLang servers
+(SGLANG_SERVER_MODULE). After every weight sync each node leader records its servers' weight
+digests, weight versions and counters next to the learner's digest of the same export; with
+CRASH_FIRST_SERVER=1 the node-1 leader arms the `crash` fault of its server 0, which then exits
+on its first /generate (mid-rollout). Writes OUT_DIR/rank<R>.json.
+
+Args: MODEL_DIR RUN_DIR OUT_DIR BASE_PORT [override ...]
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main(model: str, run_dir: str, out_dir: str, base_port: int, extra: list[str]) -> None:
+    import torch.distributed as dist
+
+    from megatron_gspo import build, phases, train
+    from megatron_gspo.config import load_config
+    from megatron_gspo.megatron.export import export_hf_weights
+    from megatron_gspo.rollout.multinode import gather_layout, node_engine
+    from megatron_gspo.rollout.standin_server import weights_digest
+
+    records: list[dict] = []
+    engines: list = []  # stopped here when the run fails (train.run stops them on success)
+    info: dict = {}
+    make_engine, sync = build.rollout_engine, phases.sync_weights
+
+    def rollout_engine(cfg, hf, tok):
+        eng = make_engine(cfg, hf, tok)
+        own = node_engine(eng)
+        info["type"] = type(eng).__name__
+        engines.append(eng)
+        if own is not None:
+            info.update(node=own.node, urls=list(own.urls))
+            if own.node == 1 and os.environ.get("CRASH_FIRST_SERVER") == "1":
+                own.sync(own._post(own.urls[0], "/standin/faults", {"crash": True}))
+        return eng
+
+    def sync_weights(learner, engine, hf_config, cfg, version, event=None):
+        m = sync(learner, engine, hf_config, cfg, version, event)
+        named = [kv for b in export_hf_weights(learner.chunks, hf_config, bucket_bytes=1 << 30,
+                                               dtype=build.DTYPES[cfg.model.dtype]) for kv in b]
+        learner_digest = weights_digest(named)  # every rank exported (collective)
+        own = node_engine(engine)
+        if own is not None:
+            for u in own.urls:
+                got = own.sync(own._post(u, "/standin/weights_digest", get=True))
+                records.append({"version": version, "url": u, "learner": learner_digest,
+                                **got})
+        if engine is not None and hasattr(engine, "client"):
+            info.setdefault("client_urls", []).append(list(engine.client.urls))
+        return m
+
+    build.rollout_engine, phases.sync_weights = rollout_engine, sync_weights
+    cfg = load_config(ROOT / "examples" / "tiny" / "config.yaml", [
+        f"model.path={model}", "rollout.engine=sglang", "rollout.colocate=true",
+        "rollout.num_servers=2", f"rollout.base_port={base_port}", "rollout.bucket_bytes=24576",
+        "rollout.startup_timeout=240", "rollout.backoff=0.05", "parallel.tensor=2",
+        "train.max_steps=3", "train.prompts_per_step=4", "rollout.group_size=4",
+        "rollout.max_new_tokens=4", "algorithm.mini_batches=1", "train.eval_interval=0",
+        "checkpoint.interval=0", "logging.tensorboard=false", "logging.progress_bar=false",
+        "logging.log_samples=0", *extra])
+    error = None
+    try:
+        train.run(cfg, run_dir)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        for eng in engines:
+            if eng is not None:
+                eng.shutdown()
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    layout = gather_layout() if error is None else None
+    out = {"rank": rank, "error": error, "records": records, **info,
+           "node_of": list(layout.node_of) if layout else None}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    if error is not None:
+        print(f"ERROR {error}", file=sys.stderr)
+        sys.exit(3)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:])
