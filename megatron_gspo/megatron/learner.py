@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_gspo.data.batch import (MicroBatch, pack_microbatch, pad_microbatch,
                                       plan_microbatches)
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.megatron import parallel, step, weights
+from megatron_gspo.megatron import parallel, router_replay, step, weights
 from megatron_gspo.megatron.model import build_gpt_model, build_model_config
 from megatron_gspo.megatron.optimizer import (OptimSettings, all_ranks_agree, build_optimizer,
                                               current_lr, grads_finite, wrap_ddp)
@@ -54,6 +54,8 @@ class Learner:
         reference: also build a frozen reference policy (KL term) in the same parallel layout;
             its weights are set by `load_reference` (None = no reference parameters at all).
         reference_offload: keep the reference's weights in CPU memory between its forwards.
+        routing_replay: MoE routing replay, "none" | "r2" | "r3" (`megatron.router_replay`);
+            MoE models always record routing for the `moe/*` metrics.
     """
 
     def __init__(self, hf_config: dict, *, layout: parallel.ParallelLayout | None = None,
@@ -61,7 +63,7 @@ class Learner:
                  batching: BatchSettings | None = None, params_dtype: torch.dtype = torch.float32,
                  seed: int = 1234, use_te: bool | None = None, recompute: bool = False,
                  model_kwargs: dict | None = None, reference: bool = False,
-                 reference_offload: bool = False):
+                 reference_offload: bool = False, routing_replay: str = "none"):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.transformer.module import Float16Module
@@ -83,7 +85,8 @@ class Learner:
                 lay.virtual_pipeline if (lay.virtual_pipeline or 1) > 1 else None),
             expert_parallel=lay.expert, expert_tensor_parallel=lay.expert_tensor,
             context_parallel=lay.context, sequence_parallel=lay.sequence_parallel,
-            recompute=recompute, use_te=use_te, **(model_kwargs or {}))
+            recompute=recompute, use_te=use_te,
+            **router_replay.with_replay_enabled(hf_config, model_kwargs))
         n_chunks = max(1, lay.virtual_pipeline or 1)
         self.chunks = []
         for vp in range(n_chunks):
@@ -98,6 +101,7 @@ class Learner:
                    for m in self.chunks]
         self.model = wrap_ddp(wrapped, use_distributed_optimizer=(
             self.optim_settings.use_distributed_optimizer))
+        self.routing = router_replay.attach(self, routing_replay)  # None: no MoE layers
         self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_settings,
                                                          params_dtype)
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -168,6 +172,28 @@ class Learner:
             num_microbatches=len(data), seq_length=seq, micro_batch_size=micro_batch_size,
             forward_only=forward_only)
 
+    def _routed_run(self, fstep, data: list[dict], forward_only: bool, samples: list[Sample],
+                    mbs: list[MicroBatch], *, training: bool):
+        """`_run` of the policy with MoE routing recorded, and replayed under r3 (every
+        policy forward) or r2 (training forwards)."""
+        if self.routing is None:
+            return self._run(fstep, data, forward_only)
+        from megatron.core import parallel_state as ps
+
+        mode = self.routing.mode
+        self.routing.begin(samples, mbs, data, version=self.steps, training=training,
+                           replay=mode == "r3" or (mode == "r2" and training),
+                           tp_rank=ps.get_tensor_model_parallel_rank(),
+                           tp_size=self.layout.tensor, cp_rank=self.ctx.cp_rank,
+                           cp_size=self.layout.context)
+        try:
+            out = self._run(self.routing.wrap(fstep), data, forward_only)
+        except BaseException:
+            self.routing.end(keep=False)
+            raise
+        self.routing.end()
+        return out
+
     # ----------------------------------------------------------------------------- API
     @torch.no_grad()
     def forward_logprobs(self, samples: list[Sample], *, temperature: float | None = None,
@@ -190,7 +216,9 @@ class Learner:
         mbs = self._micro_batches(samples, None)
         data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
         with self._forward_only(policy=not reference, reference=reference):
-            out = self._run(step.logprob_forward_step_factory(self.ctx, temp), data, True, model)
+            fstep = step.logprob_forward_step_factory(self.ctx, temp)
+            out = (self._run(fstep, data, True, model) if reference else
+                   self._routed_run(fstep, data, True, samples, mbs, training=False))
         lps, ents = self._per_sample(samples, mbs, out, ("logprobs", "entropy"))
         return (lps, ents) if with_entropy else lps
 
@@ -304,7 +332,7 @@ class Learner:
                                           num_sequences=max(n_seq, 1.0),
                                           num_tokens=max(n_tok, 1.0),
                                           num_microbatches=len(data))
-        out = self._run(fstep, data, False)
+        out = self._routed_run(fstep, data, False, samples, mbs, training=True)
         return self._metrics(out, len(data), sum(mb.seq_len for mb in mbs))
 
     def _metrics(self, out: list, n_mb: int, local_tokens: int) -> dict[str, float]:

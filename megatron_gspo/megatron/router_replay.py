@@ -1,0 +1,396 @@
+"""MoE routing replay (R2 / R3) and routing metrics of the Megatron learner.
+
+Routing replay makes the learner's MoE routers pick recorded experts instead of their own top-k:
+- r2 replays the routing the learner itself chose at the step's start weights (recorded by the
+  pi_old forward, or by a recording forward when the engine's log-probs are reused), in every
+  training forward and recompute-in-backward of the step;
+- r3 replays the rollout engine's routing (`Sample.routing`), in every policy forward.
+The GSPO paper (arXiv 2507.18071) argues sequence-level ratios make MoE RL stable without it;
+token-level GRPO on MoE needs it. Metrics of every MoE step (`pop_metrics`): routing agreement
+between the learner's live top-k and the engine's (per layer), the expert-change rate across one
+optimizer step, the share of router calls that replayed, tokens without a routing record.
+
+Mechanism: Megatron-Core 0.16.1's RouterReplay (`moe_enable_routing_replay` gives each TopKRouter
+a `router_replay`; actions RECORD / REPLAY_FORWARD / REPLAY_BACKWARD; the replayed experts'
+probabilities are gathered from the full score tensor, so the router keeps its gradient). Where
+it does not fit, the smallest alternative is used:
+- `RouterReplay.set_replay_data` hands data out by position in a process-global instance list
+  that also holds the routers of every other model built in the process (a KL reference, a
+  rebuilt model); positions shift and routers silently route live. Here each router is reached
+  through its own MoE layer in this rank's model chunks (global layer number known), and every
+  replayed forward counts the routers that replayed: fewer than the chunk's MoE layers is a
+  one-line `RoutingReplayError`.
+- RECORD keeps only the last micro-batch. Routing is taken after each micro-batch's forward
+  (inside the pipeline schedule's forward_step, per model chunk), gathered over TP (sequence
+  parallel) and CP, and stored per sample, so records survive re-packing and DP re-planning.
+- Nothing in Megatron switches to REPLAY_BACKWARD for activation recompute; the wrapper does when
+  the router runs inside autograd's backward (FIFO per router, the schedules' backward order).
+- Tokens without a record (the last sampled token, which the engine never fed to the model;
+  packing padding; a sample the engine returned no routing for) are routed live and counted; the
+  last token's routing changes no loss term (causal attention, per-token experts).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.data.batch import MicroBatch, cp_local_index
+
+MODES = ("none", "r2", "r3")
+
+
+class RoutingReplayError(RuntimeError):
+    """Routing replay that cannot run as configured (a router not replayed, no record)."""
+
+
+def with_replay_enabled(hf_config: dict, model_kwargs: dict | None) -> dict:
+    """`build_model_config` extras with Megatron's routing replay on for MoE models."""
+    out = dict(model_kwargs or {})
+    if hf_config.get("num_experts") or hf_config.get("num_local_experts"):
+        out.setdefault("moe_enable_routing_replay", True)
+    return out
+
+
+def attach(learner, mode: str) -> RoutingReplay | None:
+    """The learner's `RoutingReplay` (None for a model without MoE layers; then `mode` must be
+    "none")."""
+    from megatron.core import parallel_state as ps
+
+    cfg = learner.config
+    if not cfg.num_moe_experts:
+        if mode != "none":
+            raise ValueError(f"moe.routing_replay: {mode!r} needs an MoE model "
+                             f"({learner.hf_config.get('architectures')} has no routed experts)")
+        return None
+    return RoutingReplay(
+        learner.chunks, learner.model, num_layers=cfg.num_layers, topk=cfg.moe_router_topk,
+        num_experts=cfg.num_moe_experts, mode=mode,
+        tp_group=ps.get_tensor_model_parallel_group(), cp_group=ps.get_context_parallel_group(),
+        dp_group=ps.get_data_parallel_group(with_context_parallel=False),
+        sequence_parallel=cfg.sequence_parallel)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class RoutingReplay:
+    """The routers of this rank's model chunks, their replay and the per-sample records.
+
+    Args:
+        chunks: unwrapped GPTModel chunks of this rank.
+        wrapped: the same chunks as the pipeline schedule sees them (DDP / Float16Module).
+        num_layers: decoder layers of the whole model; topk / num_experts: router settings.
+        mode: "none" | "r2" | "r3".
+        tp_group, cp_group, dp_group: process groups; sequence_parallel: routers see S/tp tokens.
+    """
+
+    def __init__(self, chunks, wrapped, *, num_layers: int, topk: int, num_experts: int,
+                 mode: str = "none", tp_group=None, cp_group=None, dp_group=None,
+                 sequence_parallel: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"moe.routing_replay: {mode!r} not in {MODES}")
+        self.mode, self.num_layers, self.topk, self.num_experts = mode, num_layers, topk, \
+            num_experts
+        self.tp_group, self.cp_group, self.dp_group = tp_group, cp_group, dp_group
+        self.sp = sequence_parallel
+        self.chunk_of = {id(w): i for i, w in enumerate(wrapped)}
+        self.routers = [self._chunk_routers(c, i) for i, c in enumerate(chunks)]  # per chunk
+        self.records: dict[int, tuple] = {}  # id(sample) -> (weakref, version, [T, L, k])
+        self._acc = torch.zeros(2 * num_layers + 5, dtype=torch.float64)
+        self._run = None
+
+    # ------------------------------------------------------------------ routers
+    def _chunk_routers(self, chunk, ci: int) -> list[tuple[int, object]]:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        out = []
+        for layer in chunk.decoder.layers:
+            if not isinstance(getattr(layer, "mlp", None), MoELayer):
+                continue
+            rr = layer.mlp.router.router_replay
+            if rr is None:
+                raise RoutingReplayError(
+                    f"MoE layer {layer.layer_number} has no router_replay (build the model "
+                    "config with moe_enable_routing_replay=True)")
+            li = layer.layer_number - 1
+            self._wrap(rr, li)
+            out.append((li, rr))
+        if len({id(rr) for _, rr in out}) != len(out):
+            raise RoutingReplayError(f"model chunk {ci}: MoE layers share a router_replay")
+        return out
+
+    def _wrap(self, rr, li: int) -> None:
+        """Per-instance get_replay_topk: live top-k always (metrics), replay targets merged
+        with live routing where no record exists, REPLAY_BACKWARD inside backward."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
+
+        orig = type(rr).get_replay_topk.__get__(rr)
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None,
+                            default_compute_topk=None):
+            run = self._run
+            if run is None or rr.router_replay_action is None:
+                return orig(scores, topk, num_groups, group_topk, default_compute_topk)
+            if _in_backward():
+                if rr.router_replay_action in (A.REPLAY_FORWARD, A.REPLAY_BACKWARD):
+                    rr.router_replay_action = A.REPLAY_BACKWARD
+                    try:
+                        return orig(scores, topk, num_groups, group_topk, default_compute_topk)
+                    finally:
+                        rr.router_replay_action = A.REPLAY_FORWARD
+                return orig(scores, topk, num_groups, group_topk, default_compute_topk)
+            with torch.no_grad():
+                live = default_compute_topk(scores.detach(), topk, num_groups=num_groups,
+                                            group_topk=group_topk)[1]  # [N, k]
+            run["live"][li] = live
+            if rr.router_replay_action == A.REPLAY_FORWARD:
+                idx, valid = run["targets"][li]  # [N, k], [N]
+                if idx.shape != live.shape:
+                    raise RoutingReplayError(
+                        f"layer {li + 1}: replay rows {tuple(idx.shape)} do not match the "
+                        f"router's tokens {tuple(live.shape)}")
+                merged = torch.where(valid.to(live.device)[:, None], idx.to(live.device), live)
+                rr.set_target_indices(merged)
+                run["replayed"].add(li)
+            return orig(scores, topk, num_groups, group_topk, default_compute_topk)
+
+        rr.get_replay_topk = get_replay_topk
+
+    # ------------------------------------------------------------------ one schedule run
+    def begin(self, samples: list, mbs: list[MicroBatch], data: list[dict], *, version: int,
+              replay: bool, training: bool, tp_rank: int, tp_size: int, cp_rank: int,
+              cp_size: int) -> None:
+        """Prepare one pipeline-schedule run over `mbs` (packed from `samples`; `data` their
+        device batches): replay rows per micro-batch when `replay`; `training` forwards count
+        towards `moe/routers_replayed_share`; `version`: optimizer steps taken so far."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
+
+        if replay and self.mode == "r2":
+            lost = [s.index for s in samples if self._source(s) is None]
+            if lost:
+                raise RoutingReplayError(
+                    f"routing replay r2: samples {lost[:5]} have no routing recorded at the "
+                    "step's start weights (run the pi_old or a recording forward first)")
+        self._run = {"live": {}, "replayed": set(), "targets": {}, "captured": {},
+                     "replay": replay, "training": training, "version": version, "mbs": mbs,
+                     "samples": samples,
+                     "tp": (tp_rank, tp_size), "cp": (cp_rank, cp_size), "data": {}}
+        for i, d in enumerate(data):
+            d["routing_mb"] = i
+            if replay:
+                self._run["data"][i] = self._targets(samples, mbs[i], tp_rank, tp_size, cp_rank,
+                                                     cp_size)
+        action = A.REPLAY_FORWARD if replay else A.RECORD
+        for routers in self.routers:
+            for _, rr in routers:
+                rr.clear_indices()
+                rr.set_router_replay_action(action)
+
+    def _local_positions(self, mb: MicroBatch, tp_rank, tp_size, cp_rank, cp_size):
+        pos = cp_local_index(mb.cu_seqlens, cp_size, cp_rank)  # [S/cp]
+        if self.sp and tp_size > 1:
+            n = pos.numel() // tp_size
+            pos = pos[tp_rank * n:(tp_rank + 1) * n]
+        return pos
+
+    def _source(self, s):
+        """[n, L, k] replay record of a sample (engine's for r3, learner's for r2), or None."""
+        if self.mode == "r3":
+            r = getattr(s, "routing", None)
+            if r is not None:
+                r = torch.as_tensor(r).long()
+                if r.dim() == 3 and tuple(r.shape[1:]) == (self.num_layers, self.topk) and (
+                        r.numel() == 0 or (int(r.min()) >= 0 and int(r.max()) < self.num_experts)):
+                    return r
+            return None
+        rec = self.records.get(id(s))
+        return None if rec is None or rec[0]() is not s else rec[2]
+
+    def _targets(self, samples, mb: MicroBatch, tp_rank, tp_size, cp_rank, cp_size) -> dict:
+        s_len, k = mb.seq_len, self.topk
+        pos = self._local_positions(mb, tp_rank, tp_size, cp_rank, cp_size)
+        layers = [li for routers in self.routers for li, _ in routers]
+        idx = torch.zeros(len(self.num_layers_range()), s_len, k, dtype=torch.long)
+        valid = torch.zeros(len(self.num_layers_range()), s_len, dtype=torch.bool)
+        for i, si in enumerate(mb.sample_indices):
+            src = self._source(samples[si])
+            if src is None:
+                continue
+            n = min(int(mb.seq_valid[i].sum()), src.shape[0])
+            at = mb.seq_index[i, :n]
+            rows = src[:n].permute(1, 0, 2)  # [L, n, k]
+            idx[:, at] = rows.clamp(min=0)
+            valid[:, at] = (rows >= 0).all(-1)
+        return {li: (idx[li, pos], valid[li, pos]) for li in layers}
+
+    def num_layers_range(self) -> range:
+        return range(self.num_layers)
+
+    def wrap(self, forward_step):
+        """forward_step_func that sets each micro-batch's replay rows for the chunk's routers and
+        takes the routers' live top-k after the chunk's forward."""
+
+        def routed_step(data_iterator, model):
+            ci = self.chunk_of[id(model)]
+            seen = {}
+
+            class _It:
+                def __next__(it):
+                    d = next(data_iterator)
+                    seen["d"] = d
+                    if self._run["replay"]:
+                        self._run["targets"] = self._run["data"][d["routing_mb"]]
+                    return d
+
+                def __iter__(it):
+                    return it
+
+            self._run["live"] = {}
+            self._run["replayed"] = set()
+            out = forward_step(_It(), model)
+            mbi = seen["d"]["routing_mb"]
+            layers = [li for li, _ in self.routers[ci]]
+            done = self._run["replayed"] if self._run["replay"] else set(self._run["live"])
+            if len(done & set(layers)) != len(layers):
+                lost = sorted(li + 1 for li in set(layers) - done)
+                raise RoutingReplayError(
+                    f"routing {'replay' if self._run['replay'] else 'record'}: "
+                    f"{len(done & set(layers))} of {len(layers)} MoE routers of model chunk {ci} "
+                    f"took part; layers {lost} used a router instance this learner does not "
+                    "drive (a router registered twice?)")
+            for li in layers:
+                self._run["captured"][(mbi, li)] = self._run["live"][li]
+            if self._run["training"]:
+                self._acc[-3] += len(self._run["replayed"])
+                self._acc[-2] += len(layers)
+            return out
+
+        return routed_step
+
+    def end(self, keep: bool = True) -> None:
+        """After the schedule: gather the live routing to full rows, store per-sample records,
+        update the metrics (`keep` False: only reset, after a failed run)."""
+        run, self._run = self._run, None
+        for routers in self.routers:
+            for _, rr in routers:
+                rr.clear_indices()
+                rr.set_router_replay_action(None)
+        if run is None or not keep:
+            return
+        samples, mbs, version = run["samples"], run["mbs"], run["version"]
+        (tp_rank, tp_size), (cp_rank, cp_size) = run["tp"], run["cp"]
+        width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        got = torch.full((len(samples), width, self.num_layers, self.topk), -1, dtype=torch.long)
+        for (mbi, li), live in sorted(run["captured"].items()):
+            mb = mbs[mbi]
+            full = self._full_row(live.cpu(), mb, tp_rank, tp_size, cp_rank, cp_size)  # [S, k]
+            for i, si in enumerate(mb.sample_indices):
+                n = int(mb.seq_valid[i].sum())
+                got[si, :n, li] = full[mb.seq_index[i, :n]]
+        own = (got >= 0).any(-1).any(-1).any(-1)  # [B] samples this rank processed
+        counts = tp_rank == 0 and cp_rank == 0
+        for si in range(len(samples)):
+            if own[si] and counts:
+                self._metrics_for(samples[si], got[si], version)
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.dp_group)
+        self._prune()
+        for si, s in enumerate(samples):
+            n = len(s.prompt_ids) + len(s.response_ids)
+            rec = self.records.get(id(s))
+            if rec is None or rec[0]() is not s:
+                self.records[id(s)] = (weakref.ref(s), version, got[si, :n].clone())
+
+    def _full_row(self, live, mb, tp_rank, tp_size, cp_rank, cp_size) -> torch.Tensor:
+        if self.sp and tp_size > 1:
+            parts = [torch.empty_like(live) for _ in range(tp_size)]
+            dist.all_gather(parts, live.contiguous(), group=self.tp_group)
+            live = torch.cat(parts)  # [S/cp, k]
+        if cp_size > 1:
+            parts = [torch.empty_like(live) for _ in range(cp_size)]
+            dist.all_gather(parts, live.contiguous(), group=self.cp_group)
+            full = torch.empty(mb.seq_len, live.shape[1], dtype=live.dtype)
+            for r, part in enumerate(parts):
+                full[cp_local_index(mb.cu_seqlens, cp_size, r)] = part
+            return full
+        return live
+
+    def _metrics_for(self, s, got: torch.Tensor, version: int) -> None:
+        """Agreement with the engine at the first capture; expert change after one update."""
+        L = self.num_layers
+        n = len(s.prompt_ids) + len(s.response_ids)
+        got = got[:n]  # [T, L, k]
+        rec = self.records.get(id(s))
+        first = rec is None or rec[0]() is not s
+        eng = getattr(s, "routing", None)
+        if first and eng is not None:
+            eng = torch.as_tensor(eng).long()[:n]
+            m = min(eng.shape[0], n)
+            a, b = got[:m], eng[:m]  # [m, L, k]
+            has = (a >= 0).all(-1)  # [m, L]
+            inter = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum(-1).double()  # [m, L]
+            self._acc[:L] += torch.where(has, inter / self.topk, 0.0).sum(0)
+            self._acc[L:2 * L] += has.sum(0).double()
+        if not first and version == rec[1] + 1:
+            a, b = got, rec[2]
+            has = (a >= 0).all(-1) & (b >= 0).all(-1)  # [T, L]
+            same = (a.sort(-1).values == b.sort(-1).values).all(-1)
+            self._acc[2 * L] += (has & ~same).sum().double()
+            self._acc[2 * L + 1] += has.sum().double()
+
+    def _prune(self) -> None:
+        for key in [k for k, (ref, _, _) in self.records.items() if ref() is None]:
+            del self.records[key]
+
+    # ------------------------------------------------------------------ step level
+    def has_record(self, samples: list, version: int) -> bool:
+        """Every sample has a learner record taken at weights `version`."""
+        return all((r := self.records.get(id(s))) is not None and r[0]() is s and r[1] == version
+                   for s in samples)
+
+    def count_no_record(self, samples: list) -> None:
+        """Add the tokens of `samples` that have no replay record (r2: the learner's, on this
+        rank's layers; r3 and none: the engine's) to this step's
+        `moe/tokens_without_routing_record` (counted on global rank 0)."""
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        here = [li for routers in self.routers for li, _ in routers]
+        missing = 0
+        for s in samples:
+            n = len(s.prompt_ids) + len(s.response_ids)
+            if self.mode == "r2":
+                src = self._source(s)
+                missing += n if src is None else int((~(src[:, here] >= 0).all(-1).all(-1)).sum())
+            else:
+                r = getattr(s, "routing", None)
+                missing += n if r is None else n - int(torch.as_tensor(r).shape[0])
+        self._acc[-1] += missing
+
+    def pop_metrics(self, device) -> dict[str, float]:
+        """This step's `moe/*` metrics, reduced over all ranks (collective); resets them."""
+        L = self.num_layers
+        acc = self._acc.clone().to(device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(acc)
+        acc = acc.cpu()
+        self._acc.zero_()
+        m: dict[str, float] = {}
+        cnt = acc[L:2 * L]
+        if cnt.sum() > 0:
+            per = (acc[:L] / cnt.clamp(min=1)).tolist()
+            for i, v in enumerate(per):
+                if cnt[i] > 0:
+                    m[f"moe/routing_agreement/layer_{i}"] = v
+            have = [v for i, v in enumerate(per) if cnt[i] > 0]
+            m["moe/routing_agreement/mean"] = float(sum(have) / len(have))
+            m["moe/routing_agreement/min"] = float(min(have))
+        if acc[2 * L + 1] > 0:
+            m["moe/expert_change_rate"] = float(acc[2 * L] / acc[2 * L + 1])
+        if acc[-2] > 0:
+            m["moe/routers_replayed_share"] = float(acc[-3] / acc[-2])
+        m["moe/tokens_without_routing_record"] = float(acc[-1])
+        return m
