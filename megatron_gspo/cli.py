@@ -3,7 +3,7 @@
     megatron-gspo train CONFIG.yaml [--run-dir DIR] [section.key=value ...]
     megatron-gspo config CONFIG.yaml [section.key=value ...]   # print the resolved config
     megatron-gspo fields                                       # every config field with its doc
-    megatron-gspo study STUDY.yaml [--out DIR]                 # A/B arms of one config, summary
+    megatron-gspo study STUDY.yaml [--out DIR] [a.b=c ...]     # A/B arms of one config, summary
     megatron-gspo convert hf-to-mcore|mcore-to-hf ...          # same as tools/convert_checkpoint.py
 
 Errors in the config or the data end the program with a one-line message and exit code 2.
@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("study", help="run the arms of an A/B study (see megatron_gspo/study.py)")
     s.add_argument("study", help="study YAML file")
     s.add_argument("--out", default=None, help="output directory (default runs/study-<file>)")
+    s.add_argument("overrides", nargs="*", help="section.key=value overrides for every arm")
     v = sub.add_parser("convert", help="checkpoint conversion (see tools/convert_checkpoint.py)",
                        add_help=False)
     v.add_argument("args", nargs=argparse.REMAINDER)
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)  # overrides may follow --run-dir
     bad = [a for a in extra if "=" not in a or a.startswith("-")]
-    if bad or (extra and args.command not in ("train", "config")):
+    if bad or (extra and args.command not in ("train", "config", "study")):
         parser.error(f"unrecognized arguments: {' '.join(bad or extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "study":
             from megatron_gspo.study import run_study
 
-            print(run_study(args.study, args.out))
+            print(run_study(args.study, args.out, overrides=args.overrides))
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":

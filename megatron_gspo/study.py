@@ -2,7 +2,7 @@
 one after the other with identical data order, seeds and sample budget, then summarised side by
 side (`DIR/summary.json`) and plotted with the arms overlaid (`DIR/study.png`).
 
-    megatron-gspo study examples/study/gspo_vs_grpo.yaml [--out DIR]
+    megatron-gspo study examples/study/gspo_vs_grpo.yaml [--out DIR] [a.b=c ...]
 
 Study file (strict: an unknown key is an error naming its path)::
 
@@ -15,7 +15,8 @@ Study file (strict: an unknown key is an error naming its path)::
 Each arm trains in its own process into `DIR/<arm>` with `train.resume: auto`, so a killed study
 resumes: finished arms (marked by `DIR/<arm>/study_arm.json`) are not rerun and a half-done arm
 continues from its newest checkpoint. Settings that fix the data order, seeds and sample budget
-(`LOCKED`) must be equal in every arm.
+(`LOCKED`) must be equal in every arm. Overrides on the command line apply to every arm after the
+file's common ones (e.g. `train.max_steps=2` for a quick version of a study).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def _get(cfg: Config, dotted: str):
     return obj
 
 
-def arm_configs(spec: StudySpec, base: Path, study_path: str | Path = "study") -> dict:
+def arm_configs(spec: StudySpec, base: Path, study_path: str | Path = "study",
+                extra: list[str] | tuple[str, ...] = ()) -> dict:
     """Every arm's validated Config (a bad override is an error naming the arm), checked to
     share the `LOCKED` settings.
 
@@ -104,7 +106,7 @@ def arm_configs(spec: StudySpec, base: Path, study_path: str | Path = "study") -
     """
     out = {}
     for name, arm in spec.arms.items():
-        ovr = list(spec.overrides) + list(arm) + list(FORCED)
+        ovr = list(spec.overrides) + list(extra) + list(arm) + list(FORCED)
         try:
             out[name] = (ovr, load_config(base, ovr))
         except ConfigError as e:
@@ -144,13 +146,15 @@ def _run_arm(base: Path, ovr: list[str], arm_dir: Path) -> int:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
 
 
-def run_study(path: str | Path, out: str | Path | None = None, log=None) -> Path:
+def run_study(path: str | Path, out: str | Path | None = None, log=None,
+              overrides: list[str] | tuple[str, ...] = ()) -> Path:
     """Run (or resume) every arm of a study, then write DIR/summary.json and DIR/study.png.
 
     Args:
         path: the study YAML file.
         out: output directory (default runs/study-<file stem>).
         log: callable taking one line (default: print to stderr).
+        overrides: a.b=c overrides for every arm (after the study's common ones).
     Returns:
         the output directory. Raises ConfigError for a bad study file, RunError naming the arms
         that failed (after every other arm ran and the summary was written).
@@ -159,7 +163,7 @@ def run_study(path: str | Path, out: str | Path | None = None, log=None) -> Path
 
     log = log or (lambda line: print(f"study: {line}", file=sys.stderr, flush=True))
     spec, base = load_study(path)
-    arms = arm_configs(spec, base, path)
+    arms = arm_configs(spec, base, path, overrides)
     out = Path(out) if out else Path("runs") / f"study-{Path(path).stem}"
     out.mkdir(parents=True, exist_ok=True)
     failed: list[str] = []

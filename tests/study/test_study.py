@@ -58,6 +58,9 @@ def test_study_file_is_strict(tmp_path):
     assert "base: required" in _err(p)
     spec, base = load_study(_study(tmp_path, 2))
     assert list(arm_configs(spec, base)) == ["gspo", "grpo"] and base == TINY
+    arms = arm_configs(spec, base, extra=["train.max_steps=1"])  # command-line overrides
+    assert all(cfg.train.max_steps == 1 for _, cfg in arms.values())
+    assert arms["grpo"][1].algorithm.loss == "grpo"
 
 
 def _fake_arm(d, clip, steps=3):
