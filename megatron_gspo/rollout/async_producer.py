@@ -211,6 +211,10 @@ class AsyncProducer:
                   "async/groups_waiting": float(waiting), "async/groups_in_flight":
                   float(in_flight), "async/admitted_version_min": float(head[0].version)})
         m.update({f"async/{k}_total": float(v) for k, v in self.counters.items()})
+        if self.episodes is not None:
+            from megatron_gspo.agent.runner import episode_metrics
+
+            m.update(episode_metrics(samples))
         return samples, m
 
     # ------------------------------------------------------------------ checkpoints
@@ -393,6 +397,10 @@ class _GatedEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
+
+    @property
+    def __class__(self):  # isinstance checks see the wrapped engine (e.g. batching choices)
+        return type(self._engine)
 
     async def agenerate(self, requests):
         import asyncio
