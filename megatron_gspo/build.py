@@ -75,7 +75,8 @@ def learner(cfg: Config, hf_config: dict):
                                           pad_id=int(hf_config.get("pad_token_id") or 0)),
                    params_dtype=DTYPES[cfg.model.dtype], seed=cfg.train.seed, use_te=use_te,
                    recompute=cfg.model.recompute_activations, reference=a.kl_coef > 0,
-                   reference_offload=cfg.model.reference_offload)
+                   reference_offload=cfg.model.reference_offload,
+                   routing_replay=cfg.moe.routing_replay)
 
 
 def load_initial_weights(cfg: Config, learner_, hf_config: dict) -> None:
@@ -188,7 +189,8 @@ def rollout_engine(cfg: Config, hf_config: dict, tok):
 
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return EmbeddedEngine(dict(hf_config), dtype=r.dtype, device=device, seed=cfg.train.seed,
-                              default_sampling=sampling_params(cfg, tok))
+                              default_sampling=sampling_params(cfg, tok),
+                              return_routing=cfg.moe.engine_routing and is_moe(hf_config))
     return sglang_engine(cfg, sampling_params(cfg, tok), hf_config=hf_config)
 
 
@@ -417,6 +419,18 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
                           "needs no label")
     if cfg.algorithm.kl_coef > 0 and cfg.model.reference_path:
         _check_reference(cfg.model.reference_path, hf_config)
+    if cfg.moe.routing_replay != "none" and not is_moe(hf_config):
+        raise ConfigError(f"moe.routing_replay: {cfg.moe.routing_replay!r} needs an MoE model; "
+                          f"{cfg.model.path} ({', '.join(hf_config.get('architectures') or [])}) "
+                          "has no routed experts")
+    if cfg.moe.routing_replay == "r3" and cfg.agent.enabled:
+        raise ConfigError("moe.routing_replay: 'r3' is not supported with agent.enabled (the "
+                          "episodes' environment tokens have no engine routing); use 'r2'")
+
+
+def is_moe(hf_config: dict) -> bool:
+    """The model has routed experts (Qwen3-MoE style `num_experts` / `num_local_experts`)."""
+    return bool(hf_config.get("num_experts") or hf_config.get("num_local_experts"))
 
 
 def _check_reference(path: str, hf_config: dict) -> None:

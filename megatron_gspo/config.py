@@ -298,6 +298,19 @@ class LoggingConfig:
 
 
 @dataclass
+class MoeConfig:
+    routing_replay: str = option(
+        "none", "MoE routing replay: none (live routing); r2 (replay the learner's own routing "
+        "recorded at the step's start weights in every training forward); r3 (replay the "
+        "rollout engine's routing in every policy forward). Needs an MoE model",
+        choices=("none", "r2", "r3"))
+    engine_routing: bool = option(
+        True, "MoE models: ask the rollout engine for the experts each token was routed to "
+        "(r3 replays them; the moe/routing_agreement metrics compare them with the learner's); "
+        "SGLang servers need --enable-return-routed-experts")
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = option(0, "save every N steps (0: only at the end)", ge=0)
     dir: str | None = option(None, "checkpoint directory; default RUN_DIR/checkpoints")
@@ -321,6 +334,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
     def validate(self) -> "Config":
         """Cross-field checks; raises ConfigError naming the fields involved."""
@@ -340,6 +354,9 @@ class Config:
                               f"({self.train.prompts_per_step} x {self.rollout.group_size})")
         if self.optimizer.min_lr > self.optimizer.lr:
             raise ConfigError("optimizer.min_lr: must not exceed optimizer.lr")
+        if self.moe.routing_replay == "r3" and not self.moe.engine_routing:
+            raise ConfigError("moe.routing_replay: 'r3' replays the engine's routing but "
+                              "moe.engine_routing is false")
         if self.rollout.engine == "sglang" and not self.rollout.server_urls and not self.model.path:
             raise ConfigError("model.path: required to launch SGLang servers")
         if self.agent.advantage == "turn" and a.loss != "gspo_token":

@@ -397,3 +397,28 @@ def sample_preview(samples: list[Sample], tok, n: int, step: int) -> str:
 def _adv(s: Sample) -> float:
     a = s.advantage
     return float(a[0]) if isinstance(a, list) and a else float(a or 0.0)
+
+
+def moe_routing_start(learner, samples: list[Sample]) -> dict:
+    """MoE: every sample gets the learner's routing at the step's start weights (r2 replays it;
+    the expert-change rate compares with it): a recording forward unless the pi_old forward
+    already took it. Collective; {} for dense models."""
+    rt = getattr(learner, "routing", None)
+    if rt is None or rt.has_record(samples, learner.steps):
+        return {}
+    learner.forward_logprobs(samples)
+    return {"moe/recording_forward": 1.0}
+
+
+def moe_routing_end(cfg: Config, learner, samples: list[Sample], step: int) -> dict:
+    """MoE: this step's `moe/*` routing metrics (collective). With one mini-batch no training
+    forward ran after an update, so a forward measures the expert-change rate."""
+    rt = getattr(learner, "routing", None)
+    if rt is None:
+        return {}
+    parts = [p for p in minibatch_parts(len(samples), cfg.algorithm.mini_batches,
+                                        cfg.train.seed, step) if p]
+    if len(parts) < 2:
+        learner.forward_logprobs([samples[i] for i in parts[0]])
+    rt.count_no_record(samples)
+    return rt.pop_metrics(learner.device)

@@ -140,9 +140,12 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
             log.event(f"step {step}: pi_old {event['switch']} (out-of-range share "
                       f"{event['out_of_range_fraction']:.4f}, tolerance {event['tolerance']})")
 
-        # 5. Optimizer steps over the mini-batches of this rollout batch.
+        # 5. Optimizer steps over the mini-batches of this rollout batch (MoE: the routing at
+        #    the start weights is recorded first; routing metrics after the updates).
         t_train = time.perf_counter()
+        m.update(phases.moe_routing_start(learner, samples))
         m.update(phases.train_on_batch(cfg, learner, samples, old, step, ref))
+        m.update(phases.moe_routing_end(cfg, learner, samples, step))
         m["time/train"] = time.perf_counter() - t_train
 
         # 6. New weights to the rollout engine.

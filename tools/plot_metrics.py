@@ -1,8 +1,9 @@
-"""Plot a run's curves: reward, clip fraction, engine/learner mismatch and step time.
+"""Plot a run's curves: reward, clip fraction, engine/learner mismatch, step time, MoE routing.
 
     python tools/plot_metrics.py RUN_DIR [--out RUN_DIR/metrics.png]
 
-Reads RUN_DIR/metrics.jsonl (one JSON object per step) and writes one PNG with four panels.
+Reads RUN_DIR/metrics.jsonl (one JSON object per step) and writes one PNG with four panels
+(a fifth, MoE routing, when the run logged `moe/*` metrics).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ PANELS = [
                                     "precision/token_abs_diff_mean"]),
     ("step time (s)", ["time/step", "time/rollout", "time/train"]),
 ]
+# drawn when the run logged MoE routing metrics
+MOE_PANEL = ("MoE routing", ["moe/routing_agreement/mean", "moe/routing_agreement/min",
+                             "moe/expert_change_rate", "moe/routers_replayed_share"])
 
 
 def plot(run_dir: Path, out: Path) -> Path:
@@ -37,8 +41,14 @@ def plot(run_dir: Path, out: Path) -> Path:
     rows = read_metrics(run_dir)
     if not rows:
         raise SystemExit(f"plot_metrics: no metrics in {run_dir / 'metrics.jsonl'}")
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
+    panels = list(PANELS)
+    if any(k.startswith("moe/") for r in rows for k in r):
+        panels.append(MOE_PANEL)
+    nrows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(nrows, 2, figsize=(11, 3.5 * nrows), constrained_layout=True)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    for ax, (title, keys) in zip(axes.flat, panels, strict=False):
         drawn, values = 0, []
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
