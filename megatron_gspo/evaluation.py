@@ -68,14 +68,17 @@ def set_metrics(rewards: Sequence[Sequence[float]], n: int, ks: Sequence[int],
         ks: the k values of pass@k (each <= n).
         threshold: a response is correct when its reward >= threshold.
     Returns:
-        {"mean@n", "pass@k" for each k}; prompts without responses are left out.
+        {"mean@n", "pass@k" for each k}; prompts without responses are left out, and a metric
+        no prompt has enough responses for is left out of the dict.
     """
     rows = [list(map(float, r)) for r in rewards if len(r)]
     out: dict[str, float] = {}
-    out[f"mean@{n}"] = sum(sum(r) / len(r) for r in rows) / len(rows) if rows else float("nan")
+    if rows:
+        out[f"mean@{n}"] = sum(sum(r) / len(r) for r in rows) / len(rows)
     for k in ks:
         vals = [pass_at_k(len(r), sum(x >= threshold for x in r), k) for r in rows if len(r) >= k]
-        out[f"pass@{k}"] = sum(vals) / len(vals) if vals else float("nan")
+        if vals:
+            out[f"pass@{k}"] = sum(vals) / len(vals)
     return out
 
 
@@ -133,8 +136,8 @@ def evaluate_set(cfg: Any, engine: Any, tok: Any, score, prompts: Sequence[Any],
         per_prompt.setdefault(s.group_index, []).append(float(s.reward))
     usable = [r for r in per_prompt.values() if r]
     flat = [x for r in usable for x in r]
-    out = {"reward_mean": sum(flat) / len(flat) if flat else float("nan"),
-           "prompts": float(len(prompts)), **set_metrics(usable, n, ks, t.eval_pass_threshold)}
+    out = {"reward_mean": sum(flat) / len(flat)} if flat else {}  # none if every one failed
+    out.update(prompts=float(len(prompts)), **set_metrics(usable, n, ks, t.eval_pass_threshold))
     if failed:
         out["samples_failed"] = float(failed)
     out.update(extra)

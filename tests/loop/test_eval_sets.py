@@ -61,6 +61,9 @@ def test_set_metrics_mean_at_n_and_pass_at_k():
     # a prompt with fewer usable responses than k is left out of that pass@k only
     m = set_metrics([[1, 0, 0, 0], [1, 0]], 4, [1, 4], threshold=1.0)
     assert m["pass@1"] == pytest.approx((0.25 + 0.5) / 2) and m["pass@4"] == 1.0
+    m = set_metrics([[1, 0], [], [0]], 4, [1, 4], threshold=1.0)
+    assert set(m) == {"mean@4", "pass@1"}  # no prompt has 4 usable responses
+    assert set_metrics([[], []], 4, [1], threshold=1.0) == {}
     assert default_ks(8) == [1, 2, 4, 8] and default_ks(6) == [1, 2, 4, 6]
     assert default_ks(1) == [1]
 
