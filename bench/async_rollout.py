@@ -29,9 +29,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port SGLang accepts (it adds 10000 for its gRPC port, so at most 55535)."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 55535)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000..55535")
 
 
 def start_server(threads: int, log: Path) -> tuple[subprocess.Popen, str]:

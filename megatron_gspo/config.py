@@ -387,9 +387,10 @@ class Config:
                                   "without '/' or surrounding spaces")
         r = self.rollout
         if r.mode == "sync":
-            unused = [n for n, on in (("rollout.max_staleness", r.max_staleness != 1),
-                                      ("rollout.update_in_flight", r.update_in_flight != "continue"),
-                                      ("rollout.chunk_tokens", r.chunk_tokens != 64)) if on]
+            unused = [n for n, on in (
+                ("rollout.max_staleness", r.max_staleness != 1),
+                ("rollout.update_in_flight", r.update_in_flight != "continue"),
+                ("rollout.chunk_tokens", r.chunk_tokens != 64)) if on]
             if unused:
                 raise ConfigError(f"{unused[0]}: set while rollout.mode is 'sync' (used only by "
                                   "asynchronous rollouts); set rollout.mode=async or drop it")

@@ -127,7 +127,8 @@ class AsyncProducer:
     """
 
     def __init__(self, engine: Any, prompts: Iterator[Any],
-                 to_request: Callable[[Any], GenerateRequest], score: Callable[[list[Sample]], None], sampling: SamplingParams, *,
+                 to_request: Callable[[Any], GenerateRequest],
+                 score: Callable[[list[Sample]], None], sampling: SamplingParams, *,
                  group_size: int, groups_per_step: int, max_staleness: int, max_steps: int,
                  start_step: int = 0, update_in_flight: str = "continue", chunk_tokens: int = 64,
                  drop_zero_variance: bool = False, episodes: Callable | None = None) -> None:

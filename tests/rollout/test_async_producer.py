@@ -224,7 +224,7 @@ def test_length_report_equals_direct_count():
         run = train(prod, eng, 5)
     finally:
         prod.close()
-    for step, samples, m in run:
+    for _step, samples, m in run:
         lengths = [len(s.response_ids) for s in samples]
         for b, (lo, hi) in enumerate([(0, 2), (2, 4), (4, 6), (6, 9)]):  # quarters of 8
             assert m[f"async/length_trained_bin{b}"] == sum(lo <= n < hi for n in lengths)
