@@ -38,51 +38,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatron_gspo.data.sample import Sample
+from megatron_gspo.rollout.async_gate import GatedEngine, UpdateGate
 from megatron_gspo.rollout.async_stats import step_report
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.groups import has_zero_variance, renumber
-
-
-class UpdateGate:
-    """Generation requests (many at once) versus weight updates (one, exclusive).
-
-    An update waiting for the gate blocks new requests (pause), waits for those in flight,
-    runs, then lets requests through again (continue)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._active = 0
-        self._updating = False
-
-    @contextmanager
-    def generating(self):
-        """Hold while a generation request is in flight."""
-        with self._cond:
-            while self._updating:
-                self._cond.wait()
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def updating(self):
-        """Hold while new weights are loaded into the engine."""
-        with self._cond:
-            while self._updating:
-                self._cond.wait()
-            self._updating = True
-            while self._active:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._updating = False
-                self._cond.notify_all()
 
 
 @dataclass
@@ -357,7 +316,7 @@ class AsyncProducer:
 
     def _run_episodes(self, groups: list[_Group]) -> None:
         """Agent mode: play the groups' episodes (gated per model turn) to the end."""
-        samples = self.episodes(_GatedEngine(self.engine, self.gate),
+        samples = self.episodes(GatedEngine(self.engine, self.gate),
                                 [g.request for g in groups], self.G)
         for i, g in enumerate(groups):
             out = samples[i * self.G:(i + 1) * self.G]
@@ -387,31 +346,6 @@ class AsyncProducer:
             else:
                 g.samples = samples
             self._cond.notify_all()
-
-
-class _GatedEngine:
-    """An engine whose `agenerate` holds the producer's gate (agent mode); everything else is
-    the wrapped engine's."""
-
-    def __init__(self, engine: Any, gate: UpdateGate) -> None:
-        self._engine, self._gate = engine, gate
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    @property
-    def __class__(self):  # isinstance checks see the wrapped engine (e.g. batching choices)
-        return type(self._engine)
-
-    async def agenerate(self, requests):
-        import asyncio
-
-        cm = self._gate.generating()
-        await asyncio.to_thread(cm.__enter__)
-        try:
-            return await self._engine.agenerate(requests)
-        finally:
-            cm.__exit__(None, None, None)
 
 
 def _request_dict(r: GenerateRequest) -> dict:
