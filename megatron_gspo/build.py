@@ -262,13 +262,16 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
             from megatron_gspo.megatron.parallel import free_port
 
             master = (os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port())
+    # MoE: each token's routed experts (SGLang's return_routed_experts)
+    routing = cfg.moe.engine_routing and is_moe(hf_config or {})
     launch = None
     if not r.server_urls:
         launch = LaunchSpec(model_path=str(cfg.model.path), num_servers=r.num_servers,
                             tp_size=r.tp_size, host=r.host, base_port=r.base_port,
                             mem_fraction_static=r.mem_fraction, colocated=r.colocate,
                             seed=cfg.train.seed, dtype=cfg.model.dtype,
-                            extra_args=tuple(r.extra_server_args),
+                            extra_args=tuple(r.extra_server_args) + (
+                                ("--enable-return-routed-experts",) if routing else ()),
                             log_dir=r.server_log_dir or log_dir, api_key=api_key,
                             module=module)
         from megatron_gspo.rollout.sglang_launch import check_local_gpus
@@ -297,7 +300,10 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
                         startup_timeout_s=r.startup_timeout, weight_sync=sync,
                         dist_master=master, default_sampling=default_sampling,
                         api_key=api_key, vocab_size=(hf_config or {}).get("vocab_size"),
-                        context_length=context_length_of(hf_config) if hf_config else None)
+                        context_length=context_length_of(hf_config) if hf_config else None,
+                        return_routing=routing, routing_shape=(
+                            int(hf_config["num_hidden_layers"]),
+                            int(hf_config["num_experts_per_tok"])) if routing else None)
 
 
 def _dataset(cfg: Config, tok, path: str, split: str | None = None):

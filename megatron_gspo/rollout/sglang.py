@@ -54,7 +54,8 @@ from megatron_gspo.rollout.base import (
     plan_slots,
 )
 from megatron_gspo.rollout.sglang_launch import LaunchSpec, ServerProcess
-from megatron_gspo.rollout.sglang_protocol import decode_json, http_error, parse_generate_output
+from megatron_gspo.rollout.sglang_protocol import (decode_json, decode_routed_experts, http_error,
+                                                    parse_generate_output)
 from megatron_gspo.rollout.sglang_servers import RETRYABLE, SGLangServers
 from megatron_gspo.rollout.sglang_weights import SGLangWeightSync
 
@@ -96,6 +97,9 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
         context_length: context length to check requests against when the servers do not
             report one and their model config is not readable here (None: no check).
         vocab_size: generated token ids must be below this (None: only checked >= 0).
+        return_routing: ask every request for `return_routed_experts` (MoE; servers started
+            with --enable-return-routed-experts) and set `Sample.routing`.
+        routing_shape: (layers, top-k) the decoded routing must have.
     """
 
     def __init__(
@@ -119,6 +123,8 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
         api_key: str | None = None,
         context_length: int | None = None,
         vocab_size: int | None = None,
+        return_routing: bool = False,
+        routing_shape: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(default_sampling)
         if not server_urls and launch is None:
@@ -158,6 +164,7 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
         self.vocab_size = vocab_size
         self.server_info: dict[str, dict] = {}
         self.metrics = {"retries": 0, "requests": 0, "aborted": 0, "failed": 0, "capped": 0}
+        self.return_routing, self.routing_shape = return_routing, routing_shape
 
     # ---------------------------------------------------------------- state
     @property
@@ -213,15 +220,20 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
             sp = params[slot.request_idx].to_sglang()
             body = {"input_ids": list(req.prompt_ids), "sampling_params": sp,
                     "return_logprob": True}
-            error = self._fit_context(len(req.prompt_ids), sp)
+            if self.return_routing:
+                body["return_routed_experts"] = True
+            error, routing = self._fit_context(len(req.prompt_ids), sp), None
             if error is None:
                 async with sem:
-                    ids, lps, reason, url, ver, error = await self._generate_one(
+                    ids, lps, reason, url, ver, error, routing = await self._generate_one(
                         body, batch, slot)
             else:
                 ids, lps, reason, url, ver = [], [], "abort", None, None
             s = make_sample(req, slot.request_idx, slot.out_idx, ids, lps, reason,
                             self._parse_version(ver), {"server": url})
+            if routing is not None:
+                s.routing = routing
+                s.validate()
             if error is not None:  # a per-sample failure: kept, masked, counted
                 self.metrics["failed"] += 1
                 s.loss_mask = [0] * len(ids)
@@ -251,7 +263,8 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
         return [r for r in results if r is not None]
 
     async def _generate_one(self, body: dict[str, Any], batch: int, slot: Any) -> tuple:
-        """(ids, log-probs, finish reason, url, weight version, per-sample error or None)."""
+        """(ids, log-probs, finish reason, url, weight version, per-sample error or None,
+        routing or None)."""
         where = f"sample {slot.out_idx} (request {slot.request_idx})"
         max_new = body["sampling_params"]["max_new_tokens"]
         last_err, avoid = "", None
@@ -270,6 +283,10 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
                 try:
                     ids, lps, reason, ver = parse_generate_output(
                         out, f"{where} from {url}", max_new, self.vocab_size)
+                    routing = decode_routed_experts(
+                        out, f"{where} from {url}", len(body["input_ids"]) + len(ids),
+                        self.routing_shape) if self.return_routing and reason != "abort" \
+                        else None
                 except RolloutError as e:
                     raise _Retryable(str(e)) from e
             except _Retryable as e:
@@ -278,16 +295,16 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
                     await self._abort(url, rid)
                 continue
             except _Refused as e:
-                return [], [], "abort", url, None, f"{where}: {e}"
+                return [], [], "abort", url, None, f"{where}: {e}", None
             finally:
                 self._inflight[url] -= 1
             if reason != "abort":
-                return ids, lps, reason, url, ver, None
+                return ids, lps, reason, url, ver, None, routing
             self.metrics["aborted"] += 1
             last_err = f"{url}: finish reason abort"
             if attempt == self.max_retries:
                 return ids, lps, reason, url, ver, (
-                    f"{where}: aborted by {url} {attempt + 1} times; kept with loss mask 0")
+                    f"{where}: aborted by {url} {attempt + 1} times; kept with loss mask 0"), None
         raise RolloutError(
             f"{where}: /generate failed {self.max_retries + 1} times; last error: {last_err}"
         )

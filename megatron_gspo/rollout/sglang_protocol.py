@@ -18,6 +18,8 @@ Each rule names the upstream file it reproduces (paths inside the sglang wheel, 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import secrets
@@ -180,3 +182,46 @@ def parse_generate_output(
         raise RolloutError(f"{where}: unknown finish_reason {fr!r}")
     version = meta.get("weight_version")
     return ids, logprobs, kind, None if version is None else str(version)
+
+
+def decode_routed_experts(out: Any, where: str, num_tokens: int,
+                          shape: tuple[int, int] | None = None):
+    """The `meta_info.routed_experts` of one /generate answer asked with `return_routed_experts`:
+    base64 of int32 [tokens, layers, top-k] (SGLang 0.5.12 detokenizer_manager), with
+    tokens = prompt + completion - 1 (the last sampled token is never fed to the model).
+
+    Args:
+        out: the decoded JSON of one result.
+        where: names the server and sample in error messages.
+        num_tokens: prompt + completion tokens of the sample.
+        shape: (layers, top-k) expected (None: only the row count is checked).
+    Returns:
+        int32 tensor [num_tokens - 1, layers, top-k].
+    Raises:
+        RolloutError: the field is missing or does not decode to that shape (names `where`).
+    """
+    import numpy as np
+    import torch
+
+    if isinstance(out, list) and len(out) == 1:
+        out = out[0]
+    b64 = (out.get("meta_info") or {}).get("routed_experts") if isinstance(out, dict) else None
+    if not isinstance(b64, str):
+        raise RolloutError(f"{where}: /generate answer has no meta_info.routed_experts (start "
+                           "SGLang with --enable-return-routed-experts)")
+    try:
+        raw = base64.b64decode(b64.encode("ascii"), validate=True)
+    except (binascii.Error, ValueError):
+        raise RolloutError(f"{where}: meta_info.routed_experts is not base64") from None
+    rows = num_tokens - 1
+    if len(raw) % 4:
+        raise RolloutError(f"{where}: meta_info.routed_experts has {len(raw)} bytes, not int32")
+    flat = torch.from_numpy(np.frombuffer(raw, dtype=np.int32).copy())
+    per_row = flat.numel() // rows if rows > 0 else 0
+    if rows <= 0 or flat.numel() != rows * per_row or (shape and per_row != shape[0] * shape[1]):
+        want = f"{rows} x {shape[0]} x {shape[1]}" if shape else f"{rows} rows"
+        raise RolloutError(f"{where}: meta_info.routed_experts holds {flat.numel()} ids, expected "
+                           f"{want} (prompt + completion - 1 tokens)")
+    if shape is None:
+        return flat.reshape(rows, per_row, 1)
+    return flat.reshape(rows, shape[0], shape[1])

@@ -155,6 +155,11 @@ class SGLangServers:
                     f"{url} reports dp_size={dp}: servers with data parallelism inside are not "
                     "supported; start one server per replica and list each in "
                     "rollout.server_urls")
+            if getattr(self, "return_routing", False) and \
+                    info.get("enable_return_routed_experts") is False:
+                raise RolloutError(
+                    f"{url} runs without --enable-return-routed-experts, but the routed experts "
+                    "are asked for (moe.engine_routing / moe.routing_replay r3)")
             ctx = info.get("context_length")
             if not isinstance(ctx, int) or isinstance(ctx, bool):
                 ctx = _local_context_length(info.get("model_path"))

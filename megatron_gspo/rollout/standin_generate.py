@@ -22,11 +22,13 @@ negative token id); `crash` stops serving (a subprocess exits with code 1).
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from megatron_gspo.rollout.base import SamplingParams
@@ -135,8 +137,12 @@ class GenerationEndpoints:
             if not batch:
                 continue
             rows = [row for rows, _, _ in batch for row in rows]
+            # --enable-return-routed-experts captures every forward's top-k (SGLang's
+            # RoutedExpertsCapturer); a request gets them only when it asks
+            routed = getattr(self, "enable_return_routed_experts", False) and bool(
+                getattr(self.engine, "_routers", None))
             try:
-                outs = await asyncio.to_thread(self.engine.sample_rows, rows)
+                outs = await asyncio.to_thread(self.engine.sample_rows, rows, routed)
             except Exception as e:  # answered to every waiting request
                 for _, fut, _ in batch:
                     if not fut.done():
@@ -208,7 +214,8 @@ class GenerationEndpoints:
         finally:
             self.in_flight -= 1
         results = []
-        for i, ((prompt, _), (tok, lps, reason)) in enumerate(zip(rows, outs, strict=True)):
+        for i, ((prompt, _), (tok, lps, reason, *routed)) in enumerate(
+                zip(rows, outs, strict=True)):
             fr: dict[str, Any] = {"type": reason}
             if aborted:  # as after /abort_request: part of the output, finish reason abort
                 tok, lps = tok[: len(tok) // 2], lps[: len(tok) // 2]
@@ -231,6 +238,13 @@ class GenerationEndpoints:
                 meta["output_token_logprobs"] = [
                     [lp, t, None] for lp, t in zip(lps, tok, strict=True)
                 ]
+            if body.get("return_routed_experts") and routed and not aborted:
+                # SGLang 0.5.12 (scheduler_output_processor_mixin.maybe_collect_routed_experts,
+                # detokenizer_manager._b64_encode_per_request): int32 [prompt + completion - 1,
+                # layers, top-k] as base64. Without --enable-return-routed-experts the
+                # capturer is None and the field is silently absent (no refusal).
+                meta["routed_experts"] = base64.b64encode(
+                    routed[0].to(torch.int32).numpy().tobytes()).decode("ascii")
             results.append({"text": "", "output_ids": tok, "meta_info": meta})
         self.stats["samples"] += len(results)
         return web.json_response(results[0] if single and len(results) == 1 else results)
@@ -294,7 +308,9 @@ class GenerationEndpoints:
         return web.json_response(
             {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
              "context_length": self.context_length_arg, "version": "standin",
-             "weight_version": self.weight_version}
+             "weight_version": self.weight_version,
+             # SGLang's /server_info lists every ServerArgs field
+             "enable_return_routed_experts": getattr(self, "enable_return_routed_experts", False)}
         )
 
     # ------------------------------------------------------------ control

@@ -57,13 +57,15 @@ class StandinServer(GenerationEndpoints):
         api_key: `--api-key`: every request but /health* needs it as a Bearer token.
         health_generation: /health runs a one-token generation (None: from the environment
             variable SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, default on).
+        enable_return_routed_experts: `--enable-return-routed-experts` (MoE models): requests
+            with `return_routed_experts` get `meta_info.routed_experts`.
     """
 
     def __init__(
         self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0, tp_size: int = 1,
         model_path: str = "", exit_on_crash: bool = False, weights_cpu_backup: bool = False,
         dp_size: int = 1, context_length: int | None = None, api_key: str | None = None,
-        health_generation: bool | None = None,
+        health_generation: bool | None = None, enable_return_routed_experts: bool = False,
     ) -> None:
         self.engine, self.host, self.port, self.tp_size = engine, host, port, tp_size
         self.model_path, self.exit_on_crash = model_path, exit_on_crash
@@ -84,6 +86,7 @@ class StandinServer(GenerationEndpoints):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = threading.Event()
         self._api_key = api_key
+        self.enable_return_routed_experts = enable_return_routed_experts
         self._init_generation(dp_size, context_length, health_generation)
 
     @property
@@ -370,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dp-size", "--dp", type=int, default=1)
     ap.add_argument("--context-length", type=int, default=None)
     ap.add_argument("--api-key", default=None)
+    ap.add_argument("--enable-return-routed-experts", action="store_true")
     args, _unknown = ap.parse_known_args(argv)
     port_error = grpc_port_error(args.port, os.environ)
     if port_error:  # SGLang refuses the port before loading anything
@@ -379,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     server = StandinServer(engine, args.host, args.port, args.tp_size, args.model_path, True,
                            weights_cpu_backup=args.enable_weights_cpu_backup,
                            dp_size=args.dp_size, context_length=args.context_length,
-                           api_key=args.api_key)
+                           api_key=args.api_key,
+                           enable_return_routed_experts=args.enable_return_routed_experts)
 
     async def run() -> None:
         await server.start()
