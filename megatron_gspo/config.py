@@ -373,6 +373,9 @@ class Config:
                                                                             "https://")):
             raise ConfigError(f"reward.url: expected an http:// or https:// URL, got "
                               f"{self.reward.url!r}")
+        if self.reward.url is not None and self.agent.enabled:
+            raise ConfigError("reward.url: not used with agent.enabled (the environment scores "
+                              "the episodes); drop it or score inside the environment")
         t = self.train
         if t.eval_samples > 1 and t.eval_temperature == 0:
             raise ConfigError("train.eval_samples: more than one response per eval prompt needs "

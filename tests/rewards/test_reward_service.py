@@ -194,6 +194,9 @@ def test_null_marks_the_sample_failed_and_failed_generations_are_not_sent():
 def test_reward_url_config_and_the_example_server(tmp_path):
     with pytest.raises(ConfigError, match="reward.url: expected an http"):
         load_config(ROOT / "examples" / "tiny" / "config.yaml", ["reward.url=localhost:8000"])
+    with pytest.raises(ConfigError, match="reward.url: not used with agent.enabled"):
+        load_config(ROOT / "examples" / "multiturn_agent" / "config_cpu.yaml",
+                    ["reward.url=http://127.0.0.1:1/score"])
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
