@@ -56,7 +56,16 @@ def main(model: str, run_dir: str, out_dir: str, base_port: int, extra: list[str
             info.setdefault("client_urls", []).append(list(engine.client.urls))
         return m
 
+    rollout = phases.rollout
+
+    def rollout_servers(*args, **kw):  # rank 0: which server produced each sample
+        samples, m = rollout(*args, **kw)
+        info.setdefault("sample_servers", []).append(
+            [s.metadata.get("server") for s in samples])
+        return samples, m
+
     build.rollout_engine, phases.sync_weights = rollout_engine, sync_weights
+    phases.rollout = rollout_servers
     cfg = load_config(ROOT / "examples" / "tiny" / "config.yaml", [
         f"model.path={model}", "rollout.engine=sglang", "rollout.colocate=true",
         "rollout.num_servers=2", f"rollout.base_port={base_port}", "rollout.bucket_bytes=24576",

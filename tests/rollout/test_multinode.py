@@ -28,8 +28,8 @@ def _two_nodes(tmp: Path, env_of=lambda node: {}, extra=()):
     port, base = free_port(), pick_ports("127.0.0.1", 20000, 1)[0]
     procs = []
     for node in (0, 1):
-        env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
-                   SGLANG_SERVER_MODULE=STANDIN, **env_of(node))
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+               "SGLANG_SERVER_MODULE": STANDIN, **env_of(node)}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                f"--node-rank={node}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                f"--master-port={port}", str(WORKER), str(model), str(tmp / "run"), str(out),
@@ -47,9 +47,10 @@ def _two_nodes(tmp: Path, env_of=lambda node: {}, extra=()):
 @pytest.mark.slow
 def test_two_nodes_generate_sync_and_survive_a_dead_server(tmp_path):
     res, ends = _two_nodes(tmp_path, lambda node: {"CRASH_FIRST_SERVER": "1"})
+    assert [r["error"] for r in res.values() if r["error"]] == []
     for rc, err in ends:
         assert rc == 0, err[-4000:]
-    assert sorted(res) == [0, 1, 2, 3] and all(r["error"] is None for r in res.values())
+    assert sorted(res) == [0, 1, 2, 3]
     assert res[0]["node_of"] == [0, 0, 1, 1]
     assert [res[r]["type"] for r in range(4)] == ["MultiNodeEngine", "NoneType",
                                                    "NodeServers", "NoneType"]
@@ -70,18 +71,16 @@ def test_two_nodes_generate_sync_and_survive_a_dead_server(tmp_path):
             assert r["weight_version"] == str(v)
     assert len({r["learner"] for r in recs}) == STEPS + 1  # the weights did change each step
 
-    # Every node's servers got generation requests in every rollout (counter increments).
-    calls = {}
-    for r in recs:
-        calls.setdefault(r["url"], {})[r["version"]] = r["stats"]["generate_calls"]
-    for node in (0, 1):
-        for v in range(1, STEPS + 1):
-            got = 0
-            for u in urls[node]:
-                now, before = calls[u].get(v, 0), calls[u].get(v - 1, 0)
-                got += now - before if now >= before else now  # restarted: counts from 0
-            assert got > 0, (node, v)
-    assert all(calls[u][STEPS] > 0 for u in urls[0] + urls[1])
+    # Every node's servers produced samples in every rollout; every server got requests.
+    assert len(res[0]["sample_servers"]) == STEPS
+    for servers in res[0]["sample_servers"]:
+        assert len(servers) == SAMPLES
+        for node in (0, 1):
+            assert any(u in urls[node] for u in servers), (node, servers)
+    assert all(r["stats"]["generate_calls"] > 0 for r in recs if r["version"] == STEPS)
+    dead = urls[1][0]  # crashed on its first request: no sample from it in the first rollout,
+    first, *later = res[0]["sample_servers"]  # then back in rotation once restarted
+    assert dead not in first and any(dead in servers for servers in later)
 
     # Node 1's server 0 died on its first request; nothing was lost, it was restarted.
     run = tmp_path / "run"
@@ -100,8 +99,8 @@ def test_two_nodes_generate_sync_and_survive_a_dead_server(tmp_path):
 
 @pytest.mark.slow
 def test_a_node_whose_servers_cannot_start_stops_the_job(tmp_path):
-    bad = "megatron_gspo.rollout.no_such_server_module"
-    res, ends = _two_nodes(tmp_path, lambda node: {"SGLANG_SERVER_MODULE": bad} if node else {})
+    # Node 1's servers refuse their gRPC port at start, as SGLang does (port + 10000 > 65535).
+    res, ends = _two_nodes(tmp_path, lambda node: {"SGLANG_GRPC_PORT": "70000"} if node else {})
     assert all(rc != 0 for rc, _ in ends)
     errors = {r["error"] for r in res.values()}
     assert len(res) == 4 and len(errors) == 1, errors
