@@ -211,24 +211,26 @@ class RoutingReplay:
         return None if rec is None or rec[0]() is not s else rec[2]
 
     def _targets(self, samples, mb: MicroBatch, tp_rank, tp_size, cp_rank, cp_size) -> dict:
-        s_len, k = mb.seq_len, self.topk
-        pos = self._local_positions(mb, tp_rank, tp_size, cp_rank, cp_size)
-        layers = [li for routers in self.routers for li, _ in routers]
-        idx = torch.zeros(len(self.num_layers_range()), s_len, k, dtype=torch.long)
-        valid = torch.zeros(len(self.num_layers_range()), s_len, dtype=torch.bool)
+        """{layer: (expert ids [S_local, k], has-record [S_local])} of one micro-batch for this
+        rank's routers (padding and tokens without a record: has-record False)."""
+        L, k = self.num_layers, self.topk
+        lens = mb.seq_valid.sum(1).tolist()
+        at, rows = [], []
         for i, si in enumerate(mb.sample_indices):
             src = self._source(samples[si])
-            if src is None:
-                continue
-            n = min(int(mb.seq_valid[i].sum()), src.shape[0])
-            at = mb.seq_index[i, :n]
-            rows = src[:n].permute(1, 0, 2)  # [L, n, k]
-            idx[:, at] = rows.clamp(min=0)
-            valid[:, at] = (rows >= 0).all(-1)
-        return {li: (idx[li, pos], valid[li, pos]) for li in layers}
-
-    def num_layers_range(self) -> range:
-        return range(self.num_layers)
+            if src is not None:
+                n = min(int(lens[i]), src.shape[0])
+                at.append(mb.seq_index[i, :n])
+                rows.append(src[:n])
+        idx = torch.zeros(L, mb.seq_len, k, dtype=torch.long)  # [L, S, k]
+        valid = torch.zeros(L, mb.seq_len, dtype=torch.bool)  # [L, S]
+        if at:
+            pos_all, src_all = torch.cat(at), torch.cat(rows).long()  # [N], [N, L, k]
+            idx[:, pos_all] = src_all.permute(1, 0, 2).clamp(min=0)
+            valid[:, pos_all] = (src_all >= 0).all(-1).t()
+        pos = self._local_positions(mb, tp_rank, tp_size, cp_rank, cp_size)
+        return {li: (idx[li, pos], valid[li, pos])
+                for routers in self.routers for li, _ in routers}
 
     def wrap(self, forward_step):
         """forward_step_func that sets each micro-batch's replay rows for the chunk's routers and
@@ -283,61 +285,81 @@ class RoutingReplay:
             return
         samples, mbs, version = run["samples"], run["mbs"], run["version"]
         (tp_rank, tp_size), (cp_rank, cp_size) = run["tp"], run["cp"]
-        width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        got = torch.full((len(samples), width, self.num_layers, self.topk), -1, dtype=torch.long)
-        for (mbi, li), live in sorted(run["captured"].items()):
+        L, k = self.num_layers, self.topk
+        lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        got = torch.full((len(samples), max(lens), L, k), -1, dtype=torch.long)  # [B, T, L, k]
+        own = torch.zeros(len(samples), dtype=torch.bool)
+        by_mb: dict[int, dict[int, torch.Tensor]] = {}
+        for (mbi, li), live in run["captured"].items():
+            by_mb.setdefault(mbi, {})[li] = live
+        for mbi, layers in sorted(by_mb.items()):
             mb = mbs[mbi]
-            full = self._full_row(live.cpu(), mb, tp_rank, tp_size, cp_rank, cp_size)  # [S, k]
-            for i, si in enumerate(mb.sample_indices):
-                n = int(mb.seq_valid[i].sum())
-                got[si, :n, li] = full[mb.seq_index[i, :n]]
-        own = (got >= 0).any(-1).any(-1).any(-1)  # [B] samples this rank processed
-        counts = tp_rank == 0 and cp_rank == 0
-        for si in range(len(samples)):
-            if own[si] and counts:
-                self._metrics_for(samples[si], got[si], version)
+            lis = sorted(layers)
+            stacked = torch.stack([layers[li].cpu() for li in lis], 1)  # [S_local, l, k]
+            full = self._full_row(stacked, mb, tp_rank, tp_size, cp_rank, cp_size)  # [S, l, k]
+            sel = mb.seq_valid  # [n, T]
+            si = torch.tensor(mb.sample_indices)[:, None].expand_as(sel)[sel]  # [N]
+            ti = torch.arange(sel.shape[1])[None, :].expand_as(sel)[sel]  # [N]
+            vals = full[mb.seq_index[sel]]  # [N, l, k]
+            got[si[:, None], ti[:, None], torch.tensor(lis)[None, :]] = vals
+            own[torch.tensor(mb.sample_indices)] = True
+        if tp_rank == 0 and cp_rank == 0:
+            self._metrics(samples, lens, got, own, version)
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.dp_group)
         self._prune()
         for si, s in enumerate(samples):
-            n = len(s.prompt_ids) + len(s.response_ids)
             rec = self.records.get(id(s))
             if rec is None or rec[0]() is not s:
-                self.records[id(s)] = (weakref.ref(s), version, got[si, :n].clone())
+                self.records[id(s)] = (weakref.ref(s), version, got[si, :lens[si]].clone())
 
     def _full_row(self, live, mb, tp_rank, tp_size, cp_rank, cp_size) -> torch.Tensor:
+        """[S, ...] full packed row from this rank's [S_local, ...] share (SP and CP gathers)."""
         if self.sp and tp_size > 1:
             parts = [torch.empty_like(live) for _ in range(tp_size)]
             dist.all_gather(parts, live.contiguous(), group=self.tp_group)
-            live = torch.cat(parts)  # [S/cp, k]
+            live = torch.cat(parts)  # [S/cp, ...]
         if cp_size > 1:
             parts = [torch.empty_like(live) for _ in range(cp_size)]
             dist.all_gather(parts, live.contiguous(), group=self.cp_group)
-            full = torch.empty(mb.seq_len, live.shape[1], dtype=live.dtype)
+            full = torch.empty(mb.seq_len, *live.shape[1:], dtype=live.dtype)
             for r, part in enumerate(parts):
                 full[cp_local_index(mb.cu_seqlens, cp_size, r)] = part
             return full
         return live
 
-    def _metrics_for(self, s, got: torch.Tensor, version: int) -> None:
-        """Agreement with the engine at the first capture; expert change after one update."""
+    def _metrics(self, samples, lens, got, own, version: int) -> None:
+        """Agreement with the engine (each sample's first capture, [T-1] engine rows) and the
+        expert change against a record taken one optimizer step earlier."""
         L = self.num_layers
-        n = len(s.prompt_ids) + len(s.response_ids)
-        got = got[:n]  # [T, L, k]
-        rec = self.records.get(id(s))
-        first = rec is None or rec[0]() is not s
-        eng = getattr(s, "routing", None)
-        if first and eng is not None:
-            eng = torch.as_tensor(eng).long()[:n]
-            m = min(eng.shape[0], n)
-            a, b = got[:m], eng[:m]  # [m, L, k]
-            has = (a >= 0).all(-1)  # [m, L]
-            inter = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum(-1).double()  # [m, L]
-            self._acc[:L] += torch.where(has, inter / self.topk, 0.0).sum(0)
-            self._acc[L:2 * L] += has.sum(0).double()
-        if not first and version == rec[1] + 1:
-            a, b = got, rec[2]
-            has = (a >= 0).all(-1) & (b >= 0).all(-1)  # [T, L]
+        B, T = got.shape[:2]
+        eng = torch.full_like(got, -1)
+        prev = torch.full_like(got, -1)
+        first = torch.zeros(B, dtype=torch.bool)
+        later = torch.zeros(B, dtype=torch.bool)
+        for si, s in enumerate(samples):
+            if not own[si]:
+                continue
+            rec = self.records.get(id(s))
+            if rec is None or rec[0]() is not s:
+                r = getattr(s, "routing", None)
+                if r is not None:
+                    r = torch.as_tensor(r).long()[:lens[si]]
+                    if tuple(r.shape[1:]) == (L, self.topk):
+                        eng[si, :r.shape[0]] = r
+                        first[si] = True
+            elif version == rec[1] + 1:
+                prev[si, :lens[si]] = rec[2]
+                later[si] = True
+        if first.any():
+            a, b = got[first], eng[first]  # [F, T, L, k]
+            has = (a >= 0).all(-1) & (b >= 0).all(-1)  # [F, T, L]
+            inter = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum(-1).double()  # [F, T, L]
+            self._acc[:L] += torch.where(has, inter / self.topk, 0.0).sum((0, 1))
+            self._acc[L:2 * L] += has.sum((0, 1)).double()
+        if later.any():
+            a, b = got[later], prev[later]
+            has = (a >= 0).all(-1) & (b >= 0).all(-1)  # [F, T, L]
             same = (a.sort(-1).values == b.sort(-1).values).all(-1)
             self._acc[2 * L] += (has & ~same).sum().double()
             self._acc[2 * L + 1] += has.sum().double()
