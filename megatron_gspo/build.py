@@ -488,6 +488,22 @@ def _check_agent(cfg: Config) -> None:
         pass  # no introspectable signature
 
 
+def _check_agent_chat(cfg: Config, tok) -> None:
+    """agent.tool_parser resolves; agent.chat_template has a template to use."""
+    from megatron_gspo.agent.chat_session import ChatTemplateError, make_chat
+    from megatron_gspo.agent.tool_parsers import resolve_tool_parser
+
+    try:
+        parser = resolve_tool_parser(cfg.agent.tool_parser)
+    except ValueError as e:
+        raise ConfigError(f"agent.tool_parser: {e}") from None
+    try:
+        make_chat(cfg.agent.chat_template, tok, parser)
+    except ChatTemplateError as e:
+        msg = str(e).removeprefix("agent.chat_template: ")
+        raise ConfigError(f"agent.chat_template: {msg}") from None
+
+
 def _check_agent_labels(cfg: Config, ds) -> None:
     """Agent mode: the environment's `check_label(label)` (when it has one) on every row; a
     bad label is a bad row (DatasetError naming it, or skipped with data.skip_bad_rows)."""
