@@ -10,11 +10,14 @@
 #   ROLLOUT_MEM_FRACTION  SGLang --mem-fraction-static while generating   (default 0.5)
 #   SGLANG_API_KEY        when set, the launched servers require it and the learner sends it
 #                         (rollout.api_key_env=SGLANG_API_KEY; the key stays in the environment)
-# The servers bind to rollout.host (127.0.0.1 unless the config says otherwise).
-# One server per ROLLOUT_TP GPUs of the first node: rollout.num_servers = GPUS_PER_NODE / ROLLOUT_TP.
-# The learner's rank 0 launches the servers on its own node and updates them through CUDA IPC,
-# so with NNODES > 1 the rollouts use the first node's GPUs only (every node still trains);
-# to generate on several nodes, use disaggregated.sh.
+#   ROLLOUT_HOST          address this node's servers bind to: with NNODES > 1 default "internal"
+#                         (the address this node's hostname resolves to, which rank 0 on node 0
+#                         reaches), or a literal address; with one node rollout.host (127.0.0.1
+#                         unless the config says otherwise) unless set
+# One server per ROLLOUT_TP GPUs of every node: rollout.num_servers = GPUS_PER_NODE / ROLLOUT_TP
+# servers per node. Each node's local rank 0 launches its node's servers, releases and resumes
+# their memory around training and pushes them the weights of the learner ranks on the same node
+# (CUDA IPC, never across nodes); the learner's rank 0 spreads generation over all nodes' servers.
 # Overrides given on the command line win over the ones this script sets.
 set -euo pipefail
 here=$(dirname "${BASH_SOURCE[0]}")
@@ -40,8 +43,18 @@ require_int ROLLOUT_TP "$tp" 1 "$gpus"
 mem=${ROLLOUT_MEM_FRACTION:-0.5}
 [[ "$mem" =~ ^0?\.[0-9]+$ ]] || die "ROLLOUT_MEM_FRACTION must be a fraction in (0, 1), got '$mem'"
 
-if (( nnodes > 1 )) && [[ "${NODE_RANK:-0}" == 0 ]]; then
-    echo "colocated.sh: $nnodes nodes: rollout servers run on the first node's $gpus GPUs" >&2
+host=()
+if (( nnodes > 1 )) || [[ -n "${ROLLOUT_HOST:-}" ]]; then
+    addr=$(bind_address "${ROLLOUT_HOST:-internal}")
+    host=("rollout.host=$addr")
+    if [[ "$addr" == 0.0.0.0 || "$addr" == "::" ]] && [[ -z "${SGLANG_API_KEY:-}" ]]; then
+        echo "colocated.sh: warning: servers bind to every interface ($addr) without" \
+             "SGLANG_API_KEY" >&2
+    fi
+fi
+if (( nnodes > 1 )); then
+    echo "colocated.sh: node ${NODE_RANK:-0} of $nnodes: $(( gpus / tp )) rollout servers on" \
+         "this node's $gpus GPUs at ${host[0]#rollout.host=}" >&2
 fi
 auth=()
 if [[ -n "${SGLANG_API_KEY:-}" ]]; then
@@ -54,5 +67,6 @@ exec "$here/torchrun.sh" "${dry[@]}" "$config" "${RUN_DIR_ARGS[@]}" \
     "rollout.tp_size=$tp" \
     "rollout.num_servers=$(( gpus / tp ))" \
     "rollout.mem_fraction=$mem" \
+    "${host[@]}" \
     "${auth[@]}" \
     "${OVERRIDE_ARGS[@]}"

@@ -56,11 +56,13 @@ class NodeLayout:
         node_of: node index of each global rank (node 0 holds rank 0).
         devices: CUDA device of each global rank (None without CUDA).
         rank: this process's global rank.
+        hosts: host name of each global rank.
     """
 
     node_of: tuple[int, ...]
     devices: tuple[int | None, ...]
     rank: int = 0
+    hosts: tuple[str, ...] = ()
     groups: tuple[Any, ...] = dataclasses.field(default=(), compare=False, repr=False)
     cpu_world: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -84,12 +86,13 @@ class NodeLayout:
         return self.rank == self.leader(self.node)
 
 
-def layout_from(infos: Sequence[tuple[str, int | None]], rank: int = 0) -> NodeLayout:
-    """NodeLayout from each rank's (node key, CUDA device), by rank."""
+def layout_from(infos: Sequence[tuple], rank: int = 0) -> NodeLayout:
+    """NodeLayout from each rank's (node key, CUDA device, host name), by rank."""
     keys: dict[str, int] = {}
-    for key, _ in infos:
+    for key, *_ in infos:
         keys.setdefault(key, len(keys))
-    return NodeLayout(tuple(keys[k] for k, _ in infos), tuple(d for _, d in infos), rank)
+    return NodeLayout(tuple(keys[i[0]] for i in infos), tuple(i[1] for i in infos), rank,
+                      tuple(i[2] for i in infos))
 
 
 _LAYOUT: NodeLayout | None = None
@@ -102,9 +105,9 @@ def gather_layout() -> NodeLayout:
     global _LAYOUT
     if _LAYOUT is not None:
         return _LAYOUT
-    key = os.environ.get("GROUP_RANK")
-    me = (f"group {key}" if key is not None else f"host {socket.gethostname()}",
-          torch.cuda.current_device() if torch.cuda.is_available() else None)
+    key, host = os.environ.get("GROUP_RANK"), socket.gethostname()
+    me = (f"group {key}" if key is not None else f"host {host}",
+          torch.cuda.current_device() if torch.cuda.is_available() else None, host)
     if not (dist.is_available() and dist.is_initialized()):
         _LAYOUT = layout_from([me])
         return _LAYOUT
@@ -308,6 +311,23 @@ def gather_urls(layout: NodeLayout, urls: list[str] | None) -> list[list[str]]:
     return [got[layout.leader(n)] for n in range(layout.nodes)]
 
 
+def _loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def advertised(urls: Sequence[str]) -> list[str]:
+    """`urls` as other nodes reach them: a server bound to every interface (0.0.0.0, ::) is
+    named by the address this node's host name resolves to."""
+    out = []
+    for u in urls:
+        scheme, rest = u.split("://", 1)
+        host, port = rest.rsplit(":", 1)
+        if host.strip("[]") in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        out.append(f"{scheme}://{host}:{port}")
+    return out
+
+
 def start_node_servers(spec: LaunchSpec, client_kw: dict[str, Any]) -> RolloutEngine | None:
     """Launch every node's servers from its leader and connect rank 0 to all (collective).
 
@@ -320,8 +340,14 @@ def start_node_servers(spec: LaunchSpec, client_kw: dict[str, Any]) -> RolloutEn
         RolloutError on every rank, naming the first node whose servers did not start.
     """
     layout = gather_layout()
+    hosts = {layout.hosts[layout.leader(n)] for n in range(layout.nodes)}
     own, error = None, None
-    if layout.is_leader:
+    if _loopback(spec.host) and len(hosts) > 1:  # told on every rank by agree() below
+        error = (f"node {layout.node} ({socket.gethostname()}): rollout.host={spec.host}: its "
+                 f"servers would not be reachable from the other hosts ({len(hosts)} hosts in "
+                 "the job); set rollout.host to each node's cluster-internal address "
+                 "(colocated.sh: ROLLOUT_HOST=internal, its default on several nodes)")
+    elif layout.is_leader:
         try:
             own = NodeServers(layout.node, node_spec(spec, layout.node), **client_kw)
             own.sync(own.astart())
@@ -334,7 +360,7 @@ def start_node_servers(spec: LaunchSpec, client_kw: dict[str, Any]) -> RolloutEn
         if own is not None:
             own.shutdown()
         raise
-    urls = gather_urls(layout, list(own.urls) if own is not None else None)
+    urls = gather_urls(layout, advertised(own.urls) if own is not None else None)
     if layout.rank != 0:
         return own
     assert own is not None

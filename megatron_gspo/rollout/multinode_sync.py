@@ -29,6 +29,7 @@ from megatron_gspo.rollout.colocated_sync import RESUME_AFTER, RESUME_FIRST, fre
 from megatron_gspo.rollout.multinode import (
     MultiNodeEngine,
     NodeLayout,
+    advertised,
     agree,
     gather_layout,
     gather_urls,
@@ -180,7 +181,7 @@ def multinode_sync(
         except Exception as e:  # every rank stops with this line
             err = str(e).splitlines()[0] if str(e) else type(e).__name__
     agree(layout, err)
-    urls = gather_urls(layout, list(own.urls) if own is not None else None)
+    urls = gather_urls(layout, advertised(own.urls) if own is not None else None)
     all_notes = gather_urls(layout, notes if own is not None else None)
     plan = node_plan(layout, layout.node, num_servers, tp_size)
     cuda = torch.cuda.is_available()

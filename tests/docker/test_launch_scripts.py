@@ -118,7 +118,7 @@ def test_torchrun_rejects_bad_environment(env, message):
 
 def test_colocated_two_nodes():
     env = {"NNODES": "2", "NODE_RANK": "1", "GPUS_PER_NODE": "8", "MASTER_ADDR": "node-a",
-           "ROLLOUT_TP": "2"}
+           "ROLLOUT_TP": "2", "ROLLOUT_HOST": "10.1.2.3"}
     r = run("colocated.sh", "--dry-run", "cfg.yaml", "rollout.mem_fraction=0.6",
             "--run-dir", "runs/b", env=env)
     assert r.returncode == 0, r.stderr
@@ -129,7 +129,9 @@ def test_colocated_two_nodes():
     assert program[:5] == ["megatron-gspo", "train", "cfg.yaml", "--run-dir", "runs/b"]
     assert overrides_of(program) == [
         "rollout.engine=sglang", "rollout.colocate=true", "rollout.tp_size=2",
-        "rollout.num_servers=4", "rollout.mem_fraction=0.5", "rollout.mem_fraction=0.6"]
+        "rollout.num_servers=4", "rollout.mem_fraction=0.5", "rollout.host=10.1.2.3",
+        "rollout.mem_fraction=0.6"]  # every node serves at its own address
+    assert "node 1 of 2: 4 rollout servers" in r.stderr
     assert_valid_overrides(program)
     assert load_config(None, [*overrides_of(program), "model.path=/m"]).rollout.mem_fraction == 0.6
 
