@@ -89,3 +89,26 @@ def test_moe_demo_trains_20_steps(tmp_path, mode):
     assert plot.returncode == 0 and (run / "metrics.png").exists(), plot.stderr
     first, last = rows[0]["reward/mean"], sum(r["reward/mean"] for r in rows[-5:]) / 5
     print(f"\nmoe demo {mode}: {wall:.0f} s wall, reward {first:.3f} -> {last:.3f} (last 5 mean)")
+
+
+@pytest.mark.slow
+def test_r2_with_engine_logprobs_and_one_minibatch(tmp_path):
+    """r2 when pi_old is the engine's: a recording forward at the step's start weights (unless
+    the step was audited, whose learner forward records); with one mini-batch a forward after
+    the update measures the expert-change rate."""
+    run = tmp_path / "r2-rollout"
+    env = dict(os.environ, PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, "-m", "megatron_gspo.cli", "train",
+                        str(MOE / "config.yaml"), "--run-dir", str(run), "train.max_steps=3",
+                        "moe.routing_replay=r2", "precision.old_logprobs=rollout",
+                        "algorithm.mini_batches=1", "train.eval_interval=0",
+                        "checkpoint.interval=0"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for r in rows:
+        assert r.get("moe/recording_forward") == 1.0 or r["precision/audited"] == 1.0
+        assert r["moe/routers_replayed_share"] == 1.0
+        assert 0.0 <= r["moe/expert_change_rate"] < 1.0
+        assert r["moe/tokens_without_routing_record"] == 0
