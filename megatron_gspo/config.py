@@ -99,10 +99,13 @@ class RolloutConfig:
     drop_zero_variance_groups: bool = option(False, "drop groups whose rewards are all equal")
     colocate: bool = option(True, "rollout engine shares the learner's GPUs (memory released)")
     server_urls: list[str] = option([], "attach to running SGLang servers instead of launching")
-    num_servers: int = option(1, "SGLang servers to launch", ge=1)
+    num_servers: int = option(1, "SGLang servers to launch on each node that launches them "
+                              "(colocated with tensor weight sync: every node of the job)",
+                              ge=1)
     tp_size: int = option(1, "tensor-parallel size of each SGLang server", ge=1)
     mem_fraction: float = option(0.7, "SGLang --mem-fraction-static", gt=0, le=1)
-    host: str = option("127.0.0.1", "host SGLang servers bind to")
+    host: str = option("127.0.0.1", "host SGLang servers bind to (colocated on several hosts: "
+                       "each node's address that rank 0 reaches)")
     base_port: int = option(30000, "first port for launched servers (SGLang refuses ports above "
                             "55535: it adds 10000 for its gRPC port)", ge=1, le=55535)
     extra_server_args: list[str] = option([], "extra command-line arguments for SGLang servers")

@@ -85,8 +85,9 @@ class LaunchSpec:
 def check_local_gpus(spec: LaunchSpec, visible: int) -> None:
     """Fail before launching when the servers need more GPUs than this node has.
 
-    Launched servers run on the node of the process that launches them (the learner's rank 0),
-    GPUs base_gpu_id .. base_gpu_id + num_servers * tp_size - 1.
+    Launched servers run on the node of the process that launches them (the learner's rank 0;
+    with colocated servers on several nodes, every node's first rank launches num_servers on its
+    own node), GPUs base_gpu_id .. base_gpu_id + num_servers * tp_size - 1.
 
     Args:
         spec: the launch.
@@ -97,9 +98,9 @@ def check_local_gpus(spec: LaunchSpec, visible: int) -> None:
     if visible and need > visible:
         raise ValueError(
             f"rollout.num_servers={spec.num_servers} x rollout.tp_size={spec.tp_size} (from GPU "
-            f"{spec.base_gpu_id}) needs {need} GPUs on this node, which has {visible}: launched "
-            "servers run on the learner's first node; for rollouts on several nodes start the "
-            "servers there and pass rollout.server_urls")
+            f"{spec.base_gpu_id}) needs {need} GPUs on this node, which has {visible}: "
+            "rollout.num_servers counts the servers of one node (colocated with tensor weight "
+            "sync: on every node of the job; otherwise on the learner's first node)")
 
 
 def server_argv(spec: LaunchSpec, index: int, port: int) -> list[str]:
