@@ -25,6 +25,7 @@ and stops the run with one `ChatTemplateError` line.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,9 @@ class BuiltinChat:
         """Text of the environment's turn after a model turn (see module docstring)."""
         return render_observation(observation, model_closed_turn=last_token == self.fmt.im_end,
                                   enable_thinking=self.enable_thinking, fmt=self.fmt)
+
+
+_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 
 
 def _first_difference(a: str, b: str) -> int:
@@ -133,6 +137,9 @@ class TemplateSession:
     def _assistant(self, model_text: str) -> dict[str, Any]:
         parsed = self.chat.parser.parse(model_text)
         msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        think = _THINK.search(model_text)
+        if think:  # Qwen3-style templates keep it for turns after the last user query
+            msg["reasoning_content"] = think.group(1).strip("\n")
         if parsed.tool_calls:
             msg["tool_calls"] = [
                 {"id": c.id or self._call_id(), "type": "function",

@@ -171,7 +171,9 @@ QWEN3_OFFICIAL_TEMPLATE = """{%- set ns = namespace(last_query_index=0) %}
         {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
     {%- elif message.role == "assistant" %}
         {%- set reasoning_content = '' %}
-        {%- if '</think>' in content %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- elif '</think>' in content %}
             {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
             {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
         {%- endif %}

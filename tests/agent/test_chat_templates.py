@@ -92,8 +92,9 @@ def test_example_template_path_gives_builtin_tokens(qtok, variant, stop_on_call_
 
 def _run_one(tok, turns: list[str], env, **kw):
     eng = ScriptedEngine(lambda _p, n: tok.encode(turns[n], add_special_tokens=False))
+    kw.setdefault("chat_template", "tokenizer")
     runner = EpisodeRunner(eng, tok, lambda: env, sampling=SamplingParams(max_new_tokens=200),
-                           chat_template="tokenizer", **kw)
+                           **kw)
     [s] = runner.run_batch_sync([{"prompt": "What is 6*7?", "label": "42"}])
     return s, runner
 
@@ -188,6 +189,30 @@ def test_template_that_drops_earlier_think_blocks_is_one_clear_error(qtok, tmp_p
     msg = str(ei.value)
     assert "not append-only" in msg and "think block" in msg and "\n" not in msg
     assert "assistant\\n<think>\\n\\n</think>\\n\\n<tool_call>" in msg  # what changed
+
+
+def test_qwen3_official_template_with_thinking_keeps_reasoning_and_works(qtok, tmp_path):
+    path = tmp_path / "qwen3_official.jinja"
+    path.write_text(QWEN3_OFFICIAL_TEMPLATE)
+    call = ('<think>\nI should call.\n</think>\n\n<tool_call>\n{"name": "calculator", '
+            '"arguments": {"expression": "6*7"}}\n</tool_call>')
+    answer = "<think>\nDone.\n</think>\n\nThe answer is 42.<|im_end|>"
+    env = CalculatorEnv()
+    s, _ = _run_one(qtok, [call, answer], env, chat_template=str(path), enable_thinking=True)
+    assert s.metadata["stop_reason"] == "done" and s.reward == 1.0
+    assert _model_spans(qtok, s) == [call, answer]
+    messages = [
+        {"role": "system", "content": env.system_prompt},
+        {"role": "user", "content": "What is 6*7?"},
+        {"role": "assistant", "content": "", "reasoning_content": "I should call.",
+         "tool_calls": [{"type": "function", "function": {
+             "name": "calculator", "arguments": {"expression": "6*7"}}}]},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "The answer is 42.", "reasoning_content": "Done."},
+    ]
+    want = qtok.apply_chat_template(messages, tokenize=False, chat_template=path.read_text(),
+                                    enable_thinking=True)
+    assert qtok.decode(s.tokens) + "\n" == want  # the template closes the last turn with "\n"
 
 
 def test_missing_template_and_bad_settings_are_config_errors(qtok):
