@@ -287,7 +287,7 @@ class RoutingReplay:
         (tp_rank, tp_size), (cp_rank, cp_size) = run["tp"], run["cp"]
         L, k = self.num_layers, self.topk
         lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        got = torch.full((len(samples), max(lens), L, k), -1, dtype=torch.long)  # [B, T, L, k]
+        got = torch.full((len(samples), max(lens), L, k), -1, dtype=torch.int32)  # [B, T, L, k]
         own = torch.zeros(len(samples), dtype=torch.bool)
         by_mb: dict[int, dict[int, torch.Tensor]] = {}
         for (mbi, li), live in run["captured"].items():
@@ -300,7 +300,7 @@ class RoutingReplay:
             sel = mb.seq_valid  # [n, T]
             si = torch.tensor(mb.sample_indices)[:, None].expand_as(sel)[sel]  # [N]
             ti = torch.arange(sel.shape[1])[None, :].expand_as(sel)[sel]  # [N]
-            vals = full[mb.seq_index[sel]]  # [N, l, k]
+            vals = full[mb.seq_index[sel]].to(got.dtype)  # [N, l, k]
             got[si[:, None], ti[:, None], torch.tensor(lis)[None, :]] = vals
             own[torch.tensor(mb.sample_indices)] = True
         if tp_rank == 0 and cp_rank == 0:
