@@ -7,8 +7,9 @@ are never re-rendered or re-tokenised.
 
 Template path: the prompt is `tokenizer.apply_chat_template(messages, tools=...,
 add_generation_prompt=True)`. After a model turn the chat gets the assistant message (content
-and tool calls as the tool parser reads them) and the environment's messages; the environment's
-turn is the suffix that the template adds after the conversation so far:
+and tool calls as the tool parser reads them, the text between `<think>` tags as
+`reasoning_content`) and the environment's messages; the environment's turn is the suffix that
+the template adds after the conversation so far:
 
     before = template(history + [assistant])                 # no generation prompt
     after  = template(history + [assistant] + observation)   # with generation prompt
