@@ -9,6 +9,8 @@ The GSPO paper (arXiv 2507.18071) argues sequence-level ratios make MoE RL stabl
 token-level GRPO on MoE needs it. Metrics of every MoE step (`pop_metrics`): routing agreement
 between the learner's live top-k and the engine's (per layer), the expert-change rate across one
 optimizer step, the share of router calls that replayed, tokens without a routing record.
+Under r3 a layer's live top-k is computed on the hidden states that the replayed routing of the
+layers before it produced (per-layer router disagreement, not a second, unreplayed forward).
 
 Mechanism: Megatron-Core 0.16.1's RouterReplay (`moe_enable_routing_replay` gives each TopKRouter
 a `router_replay`; actions RECORD / REPLAY_FORWARD / REPLAY_BACKWARD; the replayed experts'
