@@ -42,14 +42,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean bad input (data rows, rewards, checkpoints, samples): one line, exit 2."""
+    """Errors that mean bad input (data rows, rewards, checkpoints, samples, a chat template
+    that cannot extend episodes): one line, exit 2."""
+    from megatron_gspo.agent.chat_session import ChatTemplateError
     from megatron_gspo.convert.base import ConversionError
     from megatron_gspo.data.datasets import DatasetError
     from megatron_gspo.data.sample import SampleError
     from megatron_gspo.rewards import RewardError
     from megatron_gspo.rundir import RunError  # run-dir lock, checkpoints, diverged training
 
-    return (DatasetError, RewardError, ConversionError, SampleError, FileNotFoundError, RunError)
+    return (DatasetError, RewardError, ConversionError, SampleError, FileNotFoundError, RunError,
+            ChatTemplateError)
 
 
 def main(argv: list[str] | None = None) -> int:

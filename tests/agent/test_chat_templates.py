@@ -231,3 +231,26 @@ def test_missing_template_and_bad_settings_are_config_errors(qtok):
     bad = load_config(EX / "config_cpu.yaml", ["agent.chat_template=missing.jinja"])
     with pytest.raises(ConfigError, match="agent.chat_template: 'missing.jinja' is not"):
         _check_agent_chat(bad, qtok)
+
+
+def test_shipped_example_tokenizer_carries_the_append_only_template():
+    from transformers import AutoTokenizer
+
+    from megatron_gspo.agent.chat import QWEN3_CHAT_TEMPLATE
+
+    assert AutoTokenizer.from_pretrained(EX / "base").chat_template == QWEN3_CHAT_TEMPLATE
+    assert task.CHAT_TEMPLATE == QWEN3_CHAT_TEMPLATE
+
+
+def test_cli_reports_a_template_error_in_one_line(monkeypatch, capsys):
+    import megatron_gspo.train as train_mod
+    from megatron_gspo import cli
+
+    def run(*_a, **_k):
+        raise ChatTemplateError("chat template is not append-only: (details)")
+
+    monkeypatch.setattr(train_mod, "run", run)
+    assert cli.main(["train", str(EX / "config_cpu.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("megatron-gspo: ChatTemplateError: chat template is not append-only: "
+                   "(details)\n")
