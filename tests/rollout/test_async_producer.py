@@ -252,3 +252,45 @@ def test_engine_failure_reaches_the_learner_in_one_line():
             prod.take(0, timeout=30)
     finally:
         prod.close()
+
+
+def test_agent_episodes_span_weight_updates():
+    """Episodes of two model turns (each turn one gated engine call): a weight update between
+    the turns of an episode gives its tokens two versions, each its turn's."""
+    eng = ScriptedEngine(0.01)
+
+    def episodes(gated, requests, group_size):
+        async def one(req, j):
+            resp, tids, lps, versions = [], [], [], []
+            for turn in range(2):
+                sp = SamplingParams(max_new_tokens=3)
+                out = (await gated.agenerate([GenerateRequest(req.prompt_ids + resp, sp)]))[0]
+                resp += out.response_ids
+                lps += out.rollout_logprobs
+                tids += [turn] * len(out.response_ids)
+                versions.append(out.weight_version)
+                await asyncio.sleep(0.02)  # the environment's turn
+            return Sample(req.prompt_ids, resp, rollout_logprobs=lps, turn_ids=tids,
+                          reward=float(j % 2), metadata={"weight_versions": versions,
+                                                         "pid": req.metadata["pid"]})
+
+        async def run():
+            return await asyncio.gather(*(one(r, j) for r in requests for j in range(group_size)))
+
+        return list(asyncio.run(run()))
+
+    prod = producer(eng, k=1, steps=6, lengths=(6,))
+    prod.episodes = episodes
+    prod.start()
+    try:
+        run = train(prod, eng, 6, learner_s=0.03)
+    finally:
+        prod.close()
+    spans = 0
+    for step, samples, m in run:
+        for s in samples:
+            assert s.token_versions == versions(s)  # a token's version is its turn's
+            assert min(s.token_versions) >= step - 1
+            spans += len(set(s.token_versions)) > 1
+        assert m["async/turns_trained_mean"] == 2.0
+    assert spans > 0
