@@ -36,8 +36,9 @@ def main(model: str, run_dir: str, out_dir: str, base_port: int, extra: list[str
         info["type"] = type(eng).__name__
         engines.append(eng)
         if own is not None:
-            info.update(node=own.node, urls=list(own.urls))
-            if own.node == 1 and os.environ.get("CRASH_FIRST_SERVER") == "1":
+            node = getattr(own, "node", 0)  # a single SGLangEngine serves node 0 only
+            info.update(node=node, urls=list(own.urls))
+            if node == 1 and os.environ.get("CRASH_FIRST_SERVER") == "1":
                 own.sync(own._post(own.urls[0], "/standin/faults", {"crash": True}))
         return eng
 
