@@ -9,7 +9,9 @@ examples/tiny/config.yaml against one long-lived server. Wall per step is the tr
 time (sum of `time/step` over all steps, the first one included) divided by the steps.
 `--threads` sets the torch threads of the trainer and of the server (OMP_NUM_THREADS): with 1
 each holds one core of a 2-core machine, as an engine on GPUs of its own would. The last line
-is `ratio=<async wall per step / sync wall per step>` (means over the repeats).
+is `ratio=<async wall per step / sync wall per step>` (means over the repeats); the line
+before it gives the ratio of each back-to-back pair (less sensitive to a machine whose load
+changes between runs).
 """
 
 from __future__ import annotations
@@ -130,6 +132,10 @@ def main() -> None:
                   f"{s['steady_per_step']:>7.3f} {s['rollout_wait']:>6.3f} {s['train']:>6.3f} "
                   f"{int(s['staleness_max']):>5} {s['reward_first']:>7.3f} "
                   f"{s['reward_last']:>7.3f}")
+    pairs = sorted(a["wall_per_step"] / s["wall_per_step"]
+                   for s, a in zip(results["sync"], results["async"], strict=True))
+    print("pair ratios (async/sync of back-to-back runs): "
+          + " ".join(f"{r:.3f}" for r in pairs) + f"; median {pairs[len(pairs) // 2]:.3f}")
     mean = {m: sum(s["wall_per_step"] for s in v) / len(v) for m, v in results.items()}
     print(f"ratio={mean['async'] / mean['sync']:.3f}")
 
