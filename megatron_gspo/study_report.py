@@ -24,9 +24,10 @@ PANELS = [
     ("clip fraction, later mini-batches (+ policy drift)",
      ["clip_fraction/later_minibatches"], True),
     ("expert-change rate per optimizer step", ["~expert_change"], False),
-    ("routing agreement, learner vs engine", ["~routing_agreement"], False),
-    ("grad norm", ["grad_norm"], False),
-    ("ratio spread (max - min ratio in a step)", ["ratio/spread"], True),
+    ("routing agreement, learner vs engine (mean over layers)", ["moe/routing_agreement/mean"],
+     False),
+    ("grad norm (before clipping)", ["grad_norm"], True),
+    ("ratio spread, max - min (GSPO: sequence, GRPO: token)", ["ratio/spread"], True),
 ]
 _MEANS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
           "clip_fraction/first_minibatch", "clip_fraction/later_minibatches", "grad_norm",
@@ -140,7 +141,7 @@ def plot_study(out_dir: Path, arms: list[str], path: Path | None = None) -> Path
                 if not pts:
                     continue
                 xs, ys = zip(*pts, strict=True)
-                label = arm if j == 0 else f"{arm}: {key}"
+                label = arm if j == 0 else None  # later keys: line style, named in the title
                 ax.plot(xs, ys, color=colors[i % len(colors)], linestyle=["-", "--", ":"][j % 3],
                         marker="." if len(pts) < 40 else None, label=label)
                 positive += [y for y in ys if y > 0]
@@ -154,6 +155,11 @@ def plot_study(out_dir: Path, arms: list[str], path: Path | None = None) -> Path
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"study {out_dir.name}: " + ", ".join(arms))
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=64)
     plt.close(fig)
+    from PIL import Image  # a matplotlib dependency; 256 colours keep the file small
+
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=256)
+    small.save(path, optimize=True)
     return path
