@@ -55,6 +55,7 @@ def main(model: str, run_dir: str, out_dir: str, base_port: int, extra: list[str
                                 **got})
         if engine is not None and hasattr(engine, "client"):
             info.setdefault("client_urls", []).append(list(engine.client.urls))
+        dist.barrier()  # rank 0 generates again only once every server has been read
         return m
 
     rollout = phases.rollout
