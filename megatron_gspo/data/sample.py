@@ -100,6 +100,10 @@ class Sample:
         if self.token_versions is not None and len(self.token_versions) != n:
             self._fail(f"token_versions has {len(self.token_versions)} entries for {n} response "
                        "tokens")
+        if isinstance(self.routing, list):  # from `to_dict` (JSON)
+            import torch
+
+            self.routing = torch.tensor(self.routing, dtype=torch.int32)
         if self.routing is not None:
             shape = tuple(getattr(self.routing, "shape", ()))
             t = len(self.prompt_ids) + n

@@ -61,6 +61,7 @@ def test_sample_routing_length_is_checked():
         Sample(prompt_ids=[1, 2], response_ids=[3, 4, 5], routing=r[:3])
     d = Sample(prompt_ids=[1, 2], response_ids=[3, 4, 5], routing=r).to_dict()
     assert d["routing"] == r.tolist()
+    assert torch.equal(Sample(**d).routing, r)  # back from JSON
 
 
 def test_per_expert_weight_names_update_fused_tensors():
