@@ -62,6 +62,7 @@ class _Group:
     version: int  # engine weight version at admission
     parts: list[_Partial] = field(default_factory=list)
     samples: list[Sample] | None = None  # set when finished
+    started: bool = False  # agent mode: its episodes are being played
 
 
 class AsyncProducer:
@@ -215,19 +216,38 @@ class AsyncProducer:
 
     # ------------------------------------------------------------------ producer thread
     def _main(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(64, "async-episodes") if self.episodes is not None else None
         try:
             while True:
                 batch = self._admit()
                 if batch is None:
                     return
-                if self.episodes is not None:
-                    self._run_episodes(batch)
-                else:
+                if pool is None:
                     self._round(batch)
+                    continue
+                for g in batch:  # each group handed over as soon as its episodes end
+                    g.started = True
+                    pool.submit(self._guarded, self._run_episodes, [g])
         except BaseException as e:  # noqa: BLE001  (handed to the learner by `take`)
-            with self._cond:
+            self._fail(e)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    def _guarded(self, fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
                 self._error = e
-                self._cond.notify_all()
+            self._stop = True
+            self._cond.notify_all()
 
     def _allowed(self) -> int:
         """Most groups that may be admitted over the run at the engine's version."""
@@ -254,10 +274,10 @@ class AsyncProducer:
                     self._seq += 1
                     self._groups.append(g)
                     live += 1
-                todo = [g for g in self._groups if g.samples is None]
+                todo = [g for g in self._groups if g.samples is None and not g.started]
                 if todo:
                     return todo
-                if self._exhausted:
+                if self._exhausted and not any(g.samples is None for g in self._groups):
                     return None
                 self._cond.wait(0.5)
         return None
