@@ -20,7 +20,8 @@ which is pi_old for off-policy tokens. With `update_in_flight: abort` an unfinis
 that meets new weights is discarded and regenerated from its prompt instead.
 
 Agent mode: episodes run through an engine wrapper that takes the same pause gate per model
-turn, so episodes stay in flight across weight updates; a token's version is its turn's.
+turn, so episodes stay in flight across weight updates; a token's version is its turn's. Each
+group is played in its own worker and handed over as soon as its episodes end.
 
 Checkpoints (`state_dict`): the finished, untrained groups (whole Samples) and the prompts of
 the groups in flight; on resume finished groups are trained exactly once and in-flight ones
