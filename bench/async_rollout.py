@@ -3,7 +3,7 @@ stand-in SGLang server in its own process (the SGLang client, HTTP, weight sync 
 /update_weights_from_tensor), the same number of trained samples in every run.
 
 Usage: python bench/async_rollout.py [--steps 12] [--repeats 2] [--staleness 1]
-       [--threads 1] [--keep DIR]
+       [--threads 1] [--pin] [--keep DIR]
 Runs alternate (sync, async, sync, async, ...), each a fresh `megatron-gspo train` of
 examples/tiny/config.yaml against one long-lived server. Wall per step is the trainer's loop
 time (sum of `time/step` over all steps, the first one included) divided by the steps.
@@ -45,14 +45,32 @@ def _port() -> int:
     raise RuntimeError("no free port in 20000..55535")
 
 
-def start_server(threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def _pinned(cpus: set[int] | None):
+    """preexec_fn pinning the child to `cpus` (None: no pinning)."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def _split_cpus(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(trainer cpus, server cpus): the machine's CPUs split in two halves when pinning."""
+    if not pin:
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    return set(cpus[:half]), set(cpus[half:]) or set(cpus[:half])
+
+
+def start_server(threads: int, log: Path, cpus: set[int] | None = None
+                 ) -> tuple[subprocess.Popen, str]:
     """The stand-in server of the tiny model in its own process; returns (process, url)."""
     port = _port()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_gspo.rollout.standin_server", "--model-path",
          str(ROOT / "examples/tiny/base"), "--port", str(port), "--dtype", "float32"],
-        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        preexec_fn=_pinned(cpus))
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while time.time() < deadline:
@@ -68,7 +86,8 @@ def start_server(threads: int, log: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"stand-in server not healthy within 180 s; see {log}")
 
 
-def train(mode: str, url: str, run_dir: Path, args: argparse.Namespace) -> list[dict]:
+def train(mode: str, url: str, run_dir: Path, args: argparse.Namespace,
+          cpus: set[int] | None = None) -> list[dict]:
     """One training run; returns its metrics rows."""
     over = [f"train.max_steps={args.steps}", "train.eval_interval=0", "checkpoint.interval=0",
             "logging.progress_bar=false", "logging.tensorboard=false", "logging.log_samples=0",
@@ -83,7 +102,7 @@ def train(mode: str, url: str, run_dir: Path, args: argparse.Namespace) -> list[
     log = run_dir.with_suffix(".log")  # a file, not a pipe: helper processes of the CPU
     with log.open("w") as f:  # tensor sync (torch_shm_manager) can outlive the trainer
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                            timeout=1800).returncode
+                            timeout=1800, preexec_fn=_pinned(cpus)).returncode
     if rc != 0:
         raise RuntimeError(f"{mode} run failed:\n{log.read_text()[-3000:]}")
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -107,15 +126,18 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--keep", default=None, help="keep run dirs and the server log here")
+    ap.add_argument("--pin", action="store_true", help="trainer on the first half of the CPUs, "
+                    "server on the second (as an engine on devices of its own), both modes")
     args = ap.parse_args()
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="async_bench_"))
     work.mkdir(parents=True, exist_ok=True)
-    proc, url = start_server(args.threads, work / "server.log")
+    trainer_cpus, server_cpus = _split_cpus(args.pin)
+    proc, url = start_server(args.threads, work / "server.log", server_cpus)
     results: dict[str, list[dict]] = {"sync": [], "async": []}
     try:
         for rep in range(args.repeats):
             for mode in ("sync", "async"):
-                rows = train(mode, url, work / f"{mode}{rep}", args)
+                rows = train(mode, url, work / f"{mode}{rep}", args, trainer_cpus)
                 results[mode].append(summary(rows))
                 s = results[mode][-1]
                 print(f"# run {rep} {mode}: {s['wall_per_step']:.3f} s/step", flush=True)
@@ -123,7 +145,8 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=30)
     print(f"steps={args.steps} repeats={args.repeats} staleness={args.staleness} "
-          f"threads={args.threads} cpus={os.cpu_count()} load={os.getloadavg()[0]:.2f}")
+          f"threads={args.threads} cpus={os.cpu_count()} pinned={args.pin} "
+          f"load={os.getloadavg()[0]:.2f}")
     print(f"{'mode':<6} {'run':>3} {'samples':>7} {'s/step':>7} {'steady':>7} {'wait':>6} "
           f"{'train':>6} {'stale':>5} {'reward0':>7} {'rewardN':>7}")
     for mode in ("sync", "async"):
