@@ -256,8 +256,8 @@ class AsyncProducer:
         return min((v + self.k + 1) * self.B, self.max_steps * self.B)
 
     def _admit(self) -> list[_Group] | None:
-        """Admit new groups up to the throttle; returns the unfinished groups to work on
-        (waits while there is none; None when stopping)."""
+        """Admit new groups up to the throttle; returns the oldest B unfinished groups to work
+        on (waits while there is none; None when stopping)."""
         with self._cond:
             while not self._stop:
                 live = self._taken + len(self._groups)
@@ -276,8 +276,8 @@ class AsyncProducer:
                     self._groups.append(g)
                     live += 1
                 todo = [g for g in self._groups if g.samples is None and not g.started]
-                if todo:
-                    return todo
+                if todo:  # the oldest step's worth: the learner's next batch finishes first
+                    return todo[:self.B]
                 if self._exhausted and not any(g.samples is None for g in self._groups):
                     return None
                 self._cond.wait(0.5)
