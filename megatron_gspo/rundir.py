@@ -7,8 +7,9 @@
   moment cannot keep the run dir locked. A lock file whose lock is free is stale and is taken
   over (`takeover_note` says whose it was). A held lock is refused with one line naming the
   holder's pid and host. Nothing else in the writer may open and close `run.lock` (closing any
-  descriptor of the file drops a POSIX lock). On file systems without lock support the pid decides: a holder on this host whose pid is gone is stale, a
-  holder on another host is refused (its liveness cannot be checked from here).
+  descriptor of the file drops a POSIX lock). On file systems without lock support the pid
+  decides: a holder on this host whose pid is gone is stale, a holder on another host is
+  refused (its liveness cannot be checked from here).
 - `check_fresh_start`: `train.resume: never` into a run dir that already holds checkpoints or
   metrics is an error naming the dir (a fresh run would overwrite both).
 """

@@ -13,7 +13,7 @@ data-parallel share). Helpers live where they belong: `build.py` (objects from t
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 from megatron_gspo import build, phases
@@ -30,6 +30,8 @@ def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None)
 
     Rank 0 holds the run-dir lock (`RUN_DIR/run.lock`) for the whole run, released also on
     errors; `train.resume: never` into a run dir that already holds a run is a RunError.
+    Whatever the run started (launched servers, the async producer, process groups) is
+    stopped when it ends, also when it ends with an error.
     """
     run_dir = build.resolve_run_dir(run_dir, config_path)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
@@ -39,14 +41,16 @@ def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None)
     try:
         if cfg.train.resume == "never":
             check_fresh_start(run_dir, ckpt_root)
-        return _train(cfg, run_dir, ckpt_root, lock)
+        with ExitStack() as cleanup:
+            return _train(cfg, run_dir, ckpt_root, lock, cleanup)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None) -> Path:
-    """The loop itself (see the module docstring)."""
+def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
+           cleanup: ExitStack) -> Path:
+    """The loop itself (see the module docstring); `cleanup` stops what it starts."""
     hf_config = build.read_hf_config(cfg.model.path)
     rank0 = build.is_rank0()
     tokenizer = build.tokenizer(cfg)  # inputs are checked before the expensive parts
@@ -55,10 +59,13 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
     reward = build.reward_scorer(cfg, tokenizer) if rank0 else None
     evals = build.eval_prompts(cfg, tokenizer) if rank0 else None
     learner = build.learner(cfg, hf_config)  # starts torch.distributed + Megatron parallel state
+    cleanup.callback(learner.shutdown)
     # Rank 0's engine; with colocated servers on several nodes every node leader also holds its
     # node's servers (built collectively).
     every_node = build.colocated_on_every_node(cfg)
     engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 or every_node else None
+    if engine is not None:
+        cleanup.callback(engine.shutdown)  # launched servers stop, also on errors
     controller = ToleranceController(cfg.precision.old_logprobs, cfg.precision.audit_fraction,
                                      cfg.precision.tolerance, cfg.precision.recheck_interval)
     ckpt = Checkpointer(ckpt_root, cfg.checkpoint.keep_last, cfg.checkpoint.checksums)
@@ -79,6 +86,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
                         start_step=start, tensorboard=cfg.logging.tensorboard,
                         wandb_project=cfg.logging.wandb_project, wandb_name=cfg.logging.wandb_name,
                         progress_bar=cfg.logging.progress_bar, config=to_dict(cfg))
+    cleanup.callback(log.close)
     if rank0:
         save_config(cfg, run_dir / "config.yaml")
         for note in [lock.takeover_note] + ckpt.events:  # stale lock, damaged checkpoints
@@ -101,6 +109,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
     producer = None  # rollout.mode async: generation overlaps training (rollout/async_producer)
     if rank0 and cfg.rollout.mode == "async":
         producer = build.async_producer(cfg, engine, prompts, reward, tokenizer, start)
+        cleanup.callback(producer.close)
         if latest is not None and state.get("async"):
             producer.load_state_dict(state["async"])  # finished groups kept, in-flight redone
         producer.start()
@@ -179,10 +188,4 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None)
             path = ckpt.save(step + 1, learner, state)
             log.event(f"checkpoint {path}")
 
-    log.close()
-    if producer is not None:
-        producer.close()
-    if engine is not None:
-        engine.shutdown()
-    learner.shutdown()
-    return run_dir
+    return run_dir  # `cleanup` closes the log, the producer, the engine and the learner

@@ -14,35 +14,13 @@ queue to Megatron's module-level cache, so Megatron never starts its own.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
-import signal
-import sys
 from multiprocessing.managers import SyncManager
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+from megatron_gspo.exec_with_parent import die_with_parent
 
 _state: dict = {"manager": None, "pid": None}
-
-
-def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
-    """Run in a child process: the kernel sends `sig` to it when its parent dies.
-
-    Linux only (elsewhere a no-op). When the parent is already gone the child exits now.
-
-    Args:
-        parent_pid: pid of the process that started this child.
-        sig: signal delivered on the parent's death.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        except (OSError, AttributeError):
-            return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
 
 
 def install_checkpoint_results_queue() -> bool:

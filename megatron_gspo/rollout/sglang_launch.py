@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from megatron_gspo import exec_with_parent
 from megatron_gspo.rollout.sglang_protocol import HEALTH_GENERATION_ENV, MAX_SERVER_PORT
 
 
@@ -202,9 +203,9 @@ class ServerProcess:
         self.argv, self.name = argv, name
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            argv, env={**os.environ, **(env or {})}, stdout=self._log, stderr=self._log,
-            start_new_session=True,
+        self.proc = subprocess.Popen(  # ends with this process, also on SIGKILL
+            exec_with_parent.wrap(argv), env={**os.environ, **(env or {})}, stdout=self._log,
+            stderr=self._log, start_new_session=True,
         )
 
     @property
