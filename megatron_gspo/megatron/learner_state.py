@@ -1,0 +1,136 @@
+"""The learner's weights, frozen reference and checkpoints (a base class of `Learner`).
+
+Full (TP=PP=EP=1) state dicts in and out of the model chunks, the KL reference's weights, and
+Megatron-Core `dist_checkpointing` (torch_dist) save/load of model, optimizer and scheduler in
+any parallel layout, with the model-parallel RNG tracker's state. Attributes used (set by
+`Learner.__init__`): chunks, reference_chunks, tied, optimizer, optim_settings, scheduler,
+steps, hf_config, params_dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.megatron import weights
+
+
+class LearnerState:
+    """Weights, reference and checkpoint methods of `Learner`."""
+
+    # ----------------------------------------------------------------------------- weights
+    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
+        """Set all weights from a full (TP=PP=EP=1) Megatron-named state dict; refreshes the
+        optimizer's fp32 main parameters."""
+        weights.load_full_state_dict(self.chunks, full, self.tied)
+        self._refresh_main_params()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights gathered from all ranks (on every rank; small models / tests)."""
+        return weights.gather_full(self.chunks, self.tied)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Full gradients after `forward_backward` (needs the non-distributed optimizer)."""
+        if self.optim_settings.use_distributed_optimizer:
+            raise ValueError("full_grads needs use_distributed_optimizer=False (gradients are "
+                             "reduce-scattered otherwise)")
+        return weights.gather_full(self.chunks, self.tied, grads=True)
+
+    def load_reference(self, full: dict[str, torch.Tensor] | None = None) -> None:
+        """Set the frozen reference's weights: from a full (TP=PP=1) Megatron-named state dict,
+        or (None) a copy of the current policy weights."""
+        if self.reference_chunks is None:
+            raise ValueError("no reference model was built (kl_coef is 0)")
+        with torch.no_grad():
+            if full is None:
+                for src, dst in zip(self.chunks, self.reference_chunks, strict=True):
+                    dst.load_state_dict(src.state_dict())
+            else:
+                weights.load_full_state_dict(self.reference_chunks, full, self.tied)
+
+    def reference_bytes(self) -> int:
+        """Bytes of this rank's reference parameters (0 when none is built)."""
+        if self.reference_chunks is None:
+            return 0
+        return sum(p.numel() * p.element_size() for m in self.reference_chunks
+                   for p in m.parameters())
+
+    def _refresh_main_params(self) -> None:
+        opt = self.optimizer
+        for o in getattr(opt, "chained_optimizers", [opt]):
+            if hasattr(o, "reload_model_params"):
+                o.reload_model_params()
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def sharded_state_dict(self) -> dict:
+        """Model + optimizer + scheduler state for `megatron.core.dist_checkpointing`."""
+        from megatron_gspo.megatron.checkpoint_io import moe_norm_keys_as_te
+
+        sd = {}
+        for i, m in enumerate(self.chunks):  # unwrapped GPTModels: no DDP "module." prefix
+            key = f"model{i}" if len(self.chunks) > 1 else "model"
+            sd[key] = m.sharded_state_dict()
+            moe_norm_keys_as_te(sd[key], m)  # MoE checkpoints load under either layer spec
+        return sd
+
+    def _full_sharded_sd(self, is_loading: bool) -> dict:
+        sd = self.sharded_state_dict()
+        meta = {"distrib_optim_sharding_type": "dp_reshardable"}
+        if is_loading and self.optim_settings.use_distributed_optimizer:
+            for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                if hasattr(o, "_init_optimizer_states_with_dummy_values"):
+                    o._init_optimizer_states_with_dummy_values()
+        sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=is_loading,
+                                                            metadata=meta)
+        sd["scheduler"] = self.scheduler.state_dict()
+        sd["steps"] = self.steps
+        return sd
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save model, optimizer and scheduler (torch_dist format) to directory `path`."""
+        import os
+
+        from megatron.core import dist_checkpointing
+
+        from megatron_gspo.megatron.child_procs import install_checkpoint_results_queue
+
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        install_checkpoint_results_queue()  # its server dies with this process
+        dist_checkpointing.save(self._full_sharded_sd(False), path)
+        if dist.get_rank() == 0:  # the config `convert mcore-to-hf` rebuilds and checks with
+            from megatron_gspo.convert.sources import write_model_info
+
+            write_model_info(path, self.hf_config, str(self.params_dtype).removeprefix("torch."))
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a checkpoint written by `save_checkpoint` (any parallel layout).
+
+        Trust: Megatron's torch_dist format reads its `.metadata` with `pickle.load`; load only
+        checkpoints from sources you trust.
+        """
+        from megatron.core import dist_checkpointing
+
+        sd = self._full_sharded_sd(True)
+        with torch.no_grad():
+            loaded = dist_checkpointing.load(sd, path)
+        for i, m in enumerate(self.chunks):
+            key = f"model{i}" if len(self.chunks) > 1 else "model"
+            m.load_state_dict(loaded[key])
+        self._refresh_main_params()
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        self.steps = int(loaded["steps"])
+
+    def rng_state(self) -> dict:
+        """States of Megatron's model-parallel RNG tracker (dropout etc.) on this rank."""
+        from megatron.core import tensor_parallel
+
+        return tensor_parallel.get_cuda_rng_tracker().get_states()
+
+    def load_rng_state(self, state: dict) -> None:
+        """Restore what `rng_state` returned."""
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().set_states(state)
