@@ -364,8 +364,8 @@ def reward_scorer(cfg: Config, tok):
         return lambda samples: service.score(samples, detok)
     fn = get_reward_fn(cfg.reward.name)
 
-    def score(samples) -> None:
-        score_samples(samples, fn, detok, kwargs)
+    def score(samples) -> None:  # a reward that fails on a sample fails that sample only
+        score_samples(samples, fn, detok, kwargs, mark_failed=True)
 
     return score
 

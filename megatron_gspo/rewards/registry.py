@@ -146,6 +146,7 @@ def score_samples(
     reward_fn: RewardFn,
     detokenize: Callable[[list[int]], str],
     reward_kwargs: dict[str, Any] | None = None,
+    mark_failed: bool = False,
 ) -> list[float]:
     """Compute and store `sample.reward` for every sample.
 
@@ -154,32 +155,52 @@ def score_samples(
         reward_fn: reward_fn(response_text, label, sample_metadata, **reward_kwargs) -> float.
         detokenize: token ids -> text (e.g. tokenizer.decode with skip_special_tokens=True).
         reward_kwargs: extra keyword arguments for the reward function (config reward.kwargs).
+        mark_failed: what a reward function that raises, or returns something other than a
+            finite real number, does to its sample. False: a RewardError (one line naming
+            the sample). True (the trainer): that sample gets reward 0 and the failed-sample
+            mark `metadata["rollout_error"]` with the same line, so its group is dropped and
+            counted like a failed generation (group sampling stops with one line only when
+            every group of a round failed): one bad sample never ends a run.
     Returns:
         the rewards, in sample order.
     """
     rewards = []
     kwargs = dict(reward_kwargs or {})
     for s in samples:
-        text = detokenize(list(s.response_ids))
-        meta = dict(s.metadata)
-        meta.update(prompt=s.prompt, finish_reason=s.finish_reason, index=s.index,
-                    group_index=s.group_index)
-        name = getattr(reward_fn, "__name__", repr(reward_fn))
         try:
-            value = reward_fn(text, s.label, meta, **kwargs)
-        except Exception as e:
-            raise RewardError(f"reward {name} failed on sample {s.index} (group "
-                              f"{s.group_index}): {type(e).__name__}: {e}") from e
-        real = _as_real(value)
-        if real is None:
-            raise RewardError(f"reward {name} returned {type(value).__name__} {value!r:.40} for "
-                              f"sample {s.index}; expected a real number (int or float)")
-        value = real
-        if not math.isfinite(value):
-            raise RewardError(f"reward {name} returned {value} for sample {s.index}")
+            value = _score_one(s, reward_fn, detokenize, kwargs)
+        except RewardError as e:
+            if not mark_failed:
+                raise
+            value = 0.0
+            s.metadata.setdefault("rollout_error", str(e))
         s.reward = value
         rewards.append(value)
     return rewards
+
+
+def _score_one(s: Sample, reward_fn: RewardFn, detokenize: Callable[[list[int]], str],
+               kwargs: dict[str, Any]) -> float:
+    """One sample's reward as a finite float, or a RewardError naming the sample."""
+    text = detokenize(list(s.response_ids))
+    meta = dict(s.metadata)
+    meta.update(prompt=s.prompt, finish_reason=s.finish_reason, index=s.index,
+                group_index=s.group_index)
+    name = getattr(reward_fn, "__name__", repr(reward_fn))
+    try:
+        value = reward_fn(text, s.label, meta, **kwargs)
+    except Exception as e:
+        raise RewardError(f"reward {name} failed on sample {s.index} (group "
+                          f"{s.group_index}): {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:300]}") from e
+    real = _as_real(value)
+    if real is None:
+        raise RewardError(f"reward {name} returned {type(value).__name__} {value!r:.40} for "
+                          f"sample {s.index}; expected a real number (int or float)")
+    value = real
+    if not math.isfinite(value):
+        raise RewardError(f"reward {name} returned {value} for sample {s.index}")
+    return value
 
 
 register_reward("math", math_reward)

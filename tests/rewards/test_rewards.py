@@ -136,3 +136,52 @@ def test_score_samples_bad_values():
         score_samples(s, lambda t, lab, m: float("nan"), str)
     with pytest.raises(RewardError, match="returned str"):
         score_samples(s, lambda t, lab, m: "high", str)
+
+
+def test_a_reward_failing_on_one_sample_fails_that_sample_only():
+    """In the trainer (mark_failed=True) a reward that raises, or returns a non-number or NaN,
+    on one sample marks that sample failed (its group is then dropped and counted) instead of
+    ending the run; the others are scored as usual."""
+    samples = [_sample(i, [1], lab) for i, lab in enumerate(["ok", "raise", "nan", "str", "ok"])]
+
+    def fn(text, label, meta):
+        if label == "raise":
+            raise ZeroDivisionError("division by zero\nin a user reward")
+        return {"ok": 1.0, "nan": float("nan"), "str": "high"}[label]
+
+    assert score_samples(samples, fn, str, mark_failed=True) == [1.0, 0.0, 0.0, 0.0, 1.0]
+    errors = [s.metadata.get("rollout_error") for s in samples]
+    assert errors[0] is None and errors[4] is None
+    assert "sample 1" in errors[1] and "ZeroDivisionError" in errors[1]
+    assert "returned nan for sample 2" in errors[2]
+    assert "returned str" in errors[3] and "sample 3" in errors[3]
+    assert all("\n" not in e for e in errors[1:4])
+    with pytest.raises(RewardError, match="sample 1"):  # the default still raises
+        score_samples(samples, fn, str)
+
+
+def test_group_sampling_drops_the_group_of_a_failed_reward_and_goes_on():
+    from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+    from megatron_gspo.rollout.groups import GroupSampler
+
+    class Echo:
+        """Answers every request with its label as the response token."""
+
+        default_sampling = SamplingParams()
+
+        def generate(self, requests):
+            return [Sample(prompt_ids=[1], response_ids=[int(r.label)], loss_mask=[1],
+                           index=i, group_index=r.group_index, label=r.label)
+                    for i, r in enumerate(requests)]
+
+    def fn(text, label, meta):
+        if label == "7":
+            raise ValueError("cannot parse the label")
+        return float(len(text))
+
+    sampler = GroupSampler(Echo(), group_size=1, score=lambda ss: score_samples(
+        ss, fn, lambda ids: "x" * ids[0], mark_failed=True))
+    prompts = iter([GenerateRequest(prompt_ids=[1], label=str(v)) for v in (1, 7, 2, 3)])
+    out, m = sampler.collect(prompts, 3)
+    assert [s.label for s in out] == ["1", "2", "3"]
+    assert m["groups_failed"] == 1 and m["samples_failed"] == 1
