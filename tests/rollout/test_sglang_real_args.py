@@ -1,9 +1,8 @@
 """Optional tier: our launch command lines, port rule, context length and API-key decision
 against SGLang 0.5.12's own `ServerArgs`, `ModelConfig` and `decide_request_auth`. Needs the
-pieces of scripts/sglang_pieces.sh (MEGATRON_GSPO_SGLANG_PIECES, default .sglang-pieces) plus
-the packages server_args imports, installed with `pip install --no-deps --target DIR pyzmq
-openai sniffio partial_json_parser dill sentencepiece compressed-tensors loguru gguf` into the
-pieces folder or a folder named by MEGATRON_GSPO_SGLANG_EXTRA; skipped without them. Runs in a
+pieces of scripts/sglang_pieces.sh (MEGATRON_GSPO_SGLANG_PIECES, default .sglang-pieces), which
+also installs the packages server_args imports (pyzmq, openai, ...; an older pieces folder may
+name them in a folder given by MEGATRON_GSPO_SGLANG_EXTRA); skipped without them. Runs in a
 subprocess so SGLang's import-time patches stay out of this process."""
 
 import json
