@@ -10,17 +10,46 @@ plus the multiprocessing resource tracker it keeps alive).
 `install_checkpoint_results_queue()` starts that Manager itself, with an initializer that asks
 the kernel to kill the server when the trainer dies (Linux `PR_SET_PDEATHSIG`), and hands its
 queue to Megatron's module-level cache, so Megatron never starts its own.
+
+The same writer forks worker processes (`write_preloaded_data_multiproc`, fork context) that
+report through a `JoinableQueue`; when the trainer is killed while it waits in that queue's
+`join()`, a worker blocks for ever in `task_done()` (a multiprocessing Condition waits for
+the dead sleeper to wake), and keeps the resource tracker alive with it.
+`tie_forked_children()` registers an at-fork hook so every process this process forks from
+its main thread gets `PR_SET_PDEATHSIG` too: a checkpoint that never got its COMPLETE marker
+is worthless, so its writers end with the trainer.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 from multiprocessing.managers import SyncManager
 
 from megatron_gspo.exec_with_parent import die_with_parent
 
-_state: dict = {"manager": None, "pid": None}
+_state: dict = {"manager": None, "pid": None, "fork_hook": False}
+_fork: dict = {"from_main": False, "parent": 0}  # set in the parent just before each fork
+
+
+def _before_fork() -> None:
+    _fork.update(from_main=threading.current_thread() is threading.main_thread(),
+                 parent=os.getpid())
+
+
+def _after_fork_in_child() -> None:
+    if _fork["from_main"]:  # PR_SET_PDEATHSIG follows the forking thread: the main one lives
+        die_with_parent(_fork["parent"])
+
+
+def tie_forked_children() -> None:
+    """Every process later forked by this process's main thread (multiprocessing's fork
+    context; not subprocess, which execs) is killed by the kernel when this process dies.
+    Idempotent."""
+    if not _state["fork_hook"]:
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        _state["fork_hook"] = True
 
 
 def install_checkpoint_results_queue() -> bool:

@@ -92,12 +92,14 @@ class LearnerState:
 
         from megatron.core import dist_checkpointing
 
-        from megatron_gspo.megatron.child_procs import install_checkpoint_results_queue
+        from megatron_gspo.megatron.child_procs import (install_checkpoint_results_queue,
+                                                        tie_forked_children)
 
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
         install_checkpoint_results_queue()  # its server dies with this process
+        tie_forked_children()  # and so do the writer processes Megatron forks
         dist_checkpointing.save(self._full_sharded_sd(False), path)
         if dist.get_rank() == 0:  # the config `convert mcore-to-hf` rebuilds and checks with
             from megatron_gspo.convert.sources import write_model_info

@@ -121,3 +121,33 @@ def test_checkpoint_queue_server_dies_with_os_exit(tmp_path):
     left = _wait_gone(tag)
     _kill_leftovers(left)
     assert left == [], f"processes outlived os._exit: {left}"
+
+
+def test_processes_forked_by_the_trainer_die_with_it():
+    """Megatron's torch_dist writer forks workers that report through a JoinableQueue; a worker
+    whose trainer was killed while waiting in join() blocks for ever in task_done(). After
+    `tie_forked_children()` a forked child is killed with its parent (kill -9 included)."""
+    tag = uuid.uuid4().hex
+    code = ("import multiprocessing as mp, time\n"
+            "from megatron_gspo.megatron.child_procs import tie_forked_children\n"
+            "tie_forked_children()\n"
+            "q = mp.get_context('fork').JoinableQueue()\n"
+            "def work(q):\n"
+            "    q.get(); time.sleep(3); q.task_done()\n"
+            "p = mp.get_context('fork').Process(target=work, args=(q,)); p.start()\n"
+            "q.put(1); print(p.pid, flush=True); q.join()\n")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", MEGATRON_GSPO_LEAK_TAG=tag)
+    trainer = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, text=True)
+    child = int(trainer.stdout.readline())
+    try:
+        time.sleep(0.5)  # the trainer waits in join(), the worker is inside its work
+        assert any(pid == child for pid, _ in _marked(tag))
+        trainer.kill()
+        trainer.wait()
+        left = _wait_gone(tag, timeout=10.0)
+        assert not left, f"outlived the killed trainer: {left}"
+    finally:
+        trainer.kill()
+        for pid, _ in _marked(tag):
+            os.kill(pid, signal.SIGKILL)
