@@ -89,15 +89,19 @@ class Learner(LearnerState):
             recompute=recompute, use_te=use_te,
             **router_replay.with_replay_enabled(hf_config, model_kwargs))
         n_chunks = max(1, lay.virtual_pipeline or 1)
-        self.chunks = []
-        for vp in range(n_chunks):
-            vps = vp if n_chunks > 1 else None
-            m = build_gpt_model(
-                hf_config, config=self.config, use_te=use_te, vp_stage=vps,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vps),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vps))
-            m.to(self.device)
-            self.chunks.append(m)
+
+        def model_chunks(device) -> list:  # this rank's (virtual) pipeline stages
+            out = []
+            for vp in range(n_chunks):
+                vps = vp if n_chunks > 1 else None
+                out.append(build_gpt_model(
+                    hf_config, config=self.config, use_te=use_te, vp_stage=vps,
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vps),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vps),
+                ).to(device))
+            return out
+
+        self.chunks = model_chunks(self.device)
         wrapped = [Float16Module(self.config, m) if params_dtype != torch.float32 else m
                    for m in self.chunks]
         self.model = wrap_ddp(wrapped, use_distributed_optimizer=(
@@ -121,17 +125,10 @@ class Learner(LearnerState):
         self.reference_chunks = None  # frozen KL reference; None = none built
         self.reference_model = None
         if reference:
-            self.reference_chunks = []
-            for vp in range(n_chunks):
-                vps = vp if n_chunks > 1 else None
-                m = build_gpt_model(
-                    hf_config, config=self.config, use_te=use_te, vp_stage=vps,
-                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vps),
-                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vps))
+            self.reference_chunks = model_chunks("cpu" if reference_offload else self.device)
+            for m in self.reference_chunks:
                 m.requires_grad_(False)
                 m.eval()
-                m.to("cpu" if reference_offload else self.device)
-                self.reference_chunks.append(m)
             self.reference_model = [Float16Module(self.config, m) if params_dtype != torch.float32
                                     else m for m in self.reference_chunks]
 
