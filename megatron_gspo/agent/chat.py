@@ -196,6 +196,36 @@ def render_observation(
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
+def tool_call_json(body: str) -> tuple[Any, str | None]:
+    """The decoded JSON of a tool-call body, or (None, a one-line error)."""
+    try:
+        return json.loads(body), None
+    except json.JSONDecodeError as exc:
+        return None, f"invalid JSON in tool call: {exc.msg} at position {exc.pos}"
+    except RecursionError:
+        return None, "tool call JSON is nested too deeply"
+
+
+def tool_call_from_obj(obj: Any, arg_keys: tuple[str, ...] = ("arguments",)) -> ToolCall | str:
+    """A ToolCall from a decoded JSON object (arguments under the first of `arg_keys` present,
+    as an object or a JSON string), or a one-line error."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return 'tool call must be a JSON object with a string "name"'
+    args: Any = {}
+    for key in arg_keys:
+        if key in obj:
+            args = obj[key]
+            break
+    if isinstance(args, str):
+        args, error = tool_call_json(args)
+        if error:
+            return f'tool call {obj["name"]!r}: arguments are not a JSON object'
+    if not isinstance(args, dict):
+        return f'tool call {obj["name"]!r}: arguments are not a JSON object'
+    call_id = obj.get("id")
+    return ToolCall(obj["name"], args, id=call_id if isinstance(call_id, str) else None)
+
+
 def parse_action(text: str, fmt: ChatFormat = QWEN3) -> ParsedAction:
     """Split the model's turn text into content and tool calls.
 
@@ -215,29 +245,12 @@ def parse_action(text: str, fmt: ChatFormat = QWEN3) -> ParsedAction:
     calls: list[ToolCall] = []
     errors: list[str] = []
     for m in pattern.finditer(text):
-        body = m.group(1).strip()
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as exc:
-            errors.append(f"invalid JSON in tool call: {exc.msg} at position {exc.pos}")
-            continue
-        except RecursionError:
-            errors.append("tool call JSON is nested too deeply")
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            errors.append('tool call must be a JSON object with a string "name"')
-            continue
-        args = obj.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except (json.JSONDecodeError, RecursionError):
-                errors.append(f'tool call {obj["name"]!r}: "arguments" is not a JSON object')
-                continue
-        if not isinstance(args, dict):
-            errors.append(f'tool call {obj["name"]!r}: "arguments" is not a JSON object')
-            continue
-        calls.append(ToolCall(obj["name"], args))
+        obj, error = tool_call_json(m.group(1).strip())
+        got = error if error else tool_call_from_obj(obj)
+        if isinstance(got, str):
+            errors.append(got)
+        else:
+            calls.append(got)
     content = pattern.sub("", text)
     for marker in (fmt.im_end, "<|endoftext|>"):
         content = content.replace(marker, "")

@@ -21,9 +21,9 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from megatron_gspo.agent.chat import ParsedAction, ToolCall, parse_action
+from megatron_gspo.agent.chat import (ParsedAction, ToolCall, parse_action, tool_call_from_obj,
+                                      tool_call_json)
 
 
 @dataclass(frozen=True)
@@ -40,26 +40,6 @@ class ToolParser:
     name: str
     parse: Callable[[str], ParsedAction]
     call_end: str | None = None
-
-
-def _call_from_obj(obj: Any, arg_keys: tuple[str, ...]) -> ToolCall | str:
-    """A ToolCall from a decoded JSON object, or an error message."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return 'tool call must be a JSON object with a string "name"'
-    args: Any = {}
-    for key in arg_keys:
-        if key in obj:
-            args = obj[key]
-            break
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except (json.JSONDecodeError, RecursionError):
-            return f'tool call {obj["name"]!r}: arguments are not a JSON object'
-    if not isinstance(args, dict):
-        return f'tool call {obj["name"]!r}: arguments are not a JSON object'
-    call_id = obj.get("id")
-    return ToolCall(obj["name"], args, id=call_id if isinstance(call_id, str) else None)
 
 
 def _add(got: ToolCall | str, calls: list[ToolCall], errors: list[str]) -> None:
@@ -105,7 +85,7 @@ def parse_llama3_json(text: str) -> ParsedAction:
         except RecursionError:
             errors.append("tool call JSON is nested too deeply")
             break
-        got = _call_from_obj(obj, ("parameters", "arguments"))
+        got = tool_call_from_obj(obj, ("parameters", "arguments"))
         _add(got, calls, errors)
         rest = body[end:].lstrip()
         if not rest:
@@ -139,20 +119,16 @@ def parse_mistral(text: str) -> ParsedAction:
     for chunk in rest.split(_MISTRAL_CALLS):
         chunk = chunk.strip()
         if chunk.startswith(("[", "{")):
-            try:
-                obj = json.loads(chunk)
-            except json.JSONDecodeError as exc:
-                errors.append(f"invalid JSON in tool call: {exc.msg} at position {exc.pos}")
-                continue
-            except RecursionError:
-                errors.append("tool call JSON is nested too deeply")
+            obj, error = tool_call_json(chunk)
+            if error:
+                errors.append(error)
                 continue
             for item in obj if isinstance(obj, list) else [obj]:
-                got = _call_from_obj(item, ("arguments", "parameters"))
+                got = tool_call_from_obj(item, ("arguments", "parameters"))
                 _add(got, calls, errors)
         elif "[ARGS]" in chunk:
             name, _, args = chunk.partition("[ARGS]")
-            got = _call_from_obj({"name": name.strip(), "arguments": args.strip()},
+            got = tool_call_from_obj({"name": name.strip(), "arguments": args.strip()},
                                  ("arguments",))
             _add(got, calls, errors)
         else:
