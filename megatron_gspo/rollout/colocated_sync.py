@@ -94,16 +94,26 @@ def plan_entry_ranks(
     for rank, (host, dev) in enumerate(infos):
         if host == infos[0][0]:
             by_gpu.setdefault(dev, rank)
+    return ranks_on_server_gpus(
+        by_gpu, num_servers, tp_size, base_gpu_id,
+        lambda i, k, gpu: f"colocated tensor sync: server {i} TP rank {k} runs on GPU {gpu} of "
+        "the first node, where no learner rank runs; the learner must cover every server GPU "
+        "(or use rollout.weight_sync=distributed)")
+
+
+def ranks_on_server_gpus(
+    by_gpu: dict[int, int], num_servers: int, tp_size: int, base_gpu_id: int,
+    missing: Callable[[int, int, int], str],
+) -> list[list[int]]:
+    """[server][tp rank] -> `by_gpu[gpu]` for server i's TP rank k on GPU
+    base_gpu_id + i * tp_size + k; a GPU without a rank is a RolloutError `missing(i, k, gpu)`."""
     plan = []
     for i in range(num_servers):
         row = []
         for k in range(tp_size):
             gpu = base_gpu_id + i * tp_size + k
             if gpu not in by_gpu:
-                raise RolloutError(
-                    f"colocated tensor sync: server {i} TP rank {k} runs on GPU {gpu} of the "
-                    "first node, where no learner rank runs; the learner must cover every "
-                    "server GPU (or use rollout.weight_sync=distributed)")
+                raise RolloutError(missing(i, k, gpu))
             row.append(by_gpu[gpu])
         plan.append(row)
     return plan

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.rollout.base import RolloutError
-from megatron_gspo.rollout.colocated_sync import RESUME_AFTER, RESUME_FIRST, free_learner_cache
+from megatron_gspo.rollout.colocated_sync import (RESUME_AFTER, RESUME_FIRST, free_learner_cache,
+                                                   ranks_on_server_gpus)
 from megatron_gspo.rollout.multinode import (
     MultiNodeEngine,
     NodeLayout,
@@ -62,19 +62,11 @@ def node_plan(
     by_gpu: dict[int, int] = {}
     for r in layout.ranks_of(node):
         by_gpu.setdefault(layout.devices[r], r)  # type: ignore[arg-type]
-    plan = []
-    for i in range(num_servers):
-        row = []
-        for k in range(tp_size):
-            gpu = base_gpu_id + i * tp_size + k
-            if gpu not in by_gpu:
-                raise RolloutError(
-                    f"colocated tensor sync: node {node}'s server {i} TP rank {k} runs on GPU "
-                    f"{gpu} of that node, where no learner rank runs; the learner must cover "
-                    "every server GPU of every node")
-            row.append(by_gpu[gpu])
-        plan.append(row)
-    return plan
+    return ranks_on_server_gpus(
+        by_gpu, num_servers, tp_size, base_gpu_id,
+        lambda i, k, gpu: f"colocated tensor sync: node {node}'s server {i} TP rank {k} runs on "
+        f"GPU {gpu} of that node, where no learner rank runs; the learner must cover every "
+        "server GPU of every node")
 
 
 def _node_entries(
