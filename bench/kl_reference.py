@@ -18,20 +18,12 @@ import argparse
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SIZES = {
-    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512),
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=4096),
-}
+from bench.old_logprobs import SIZES, random_qwen3  # noqa: E402
 
 
 def main() -> None:
@@ -47,17 +39,12 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch.distributed as dist
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from megatron_gspo import build
     from megatron_gspo.config import load_config
     from megatron_gspo.data.sample import Sample
 
-    torch.manual_seed(0)
-    hc = Qwen3Config(max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=2,
-                     pad_token_id=3, **SIZES[args.size])
-    d = tempfile.mkdtemp()  # every rank saves the same seeded model into its own folder
-    Qwen3ForCausalLM(hc).save_pretrained(d)
+    d = random_qwen3(args.size)  # every rank saves the same seeded model into its own folder
     cfg = load_config(None, [f"model.path={d}", "model.dtype=float32", "algorithm.kl_coef=0.05",
                              f"algorithm.micro_batch_tokens={args.micro_batch_tokens}",
                              f"parallel.pipeline={args.pipeline}",
@@ -67,9 +54,9 @@ def main() -> None:
     build.load_initial_weights(cfg, learner, hf)
     build.load_reference(cfg, learner, hf)
     rng = random.Random(0)
-    samples = [Sample(prompt_ids=[rng.randrange(10, hc.vocab_size)
+    samples = [Sample(prompt_ids=[rng.randrange(10, SIZES[args.size]["vocab_size"])
                                   for _ in range(args.prompt_tokens)],
-                      response_ids=[rng.randrange(10, hc.vocab_size)
+                      response_ids=[rng.randrange(10, SIZES[args.size]["vocab_size"])
                                     for _ in range(rng.randint(args.response_tokens // 2,
                                                                args.response_tokens))],
                       index=i)

@@ -30,6 +30,18 @@ SIZES = {
 }
 
 
+def random_qwen3(size: str) -> str:
+    """A folder with a seeded random Qwen3 model of `SIZES[size]` (same weights on every call)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    hc = Qwen3Config(max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=2,
+                     pad_token_id=3, **SIZES[size])
+    d = tempfile.mkdtemp()
+    Qwen3ForCausalLM(hc).save_pretrained(d)
+    return d
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -39,19 +51,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from megatron_gspo import build, phases
     from megatron_gspo.algo.precision import ToleranceController, audit_sums, finalize_audit
     from megatron_gspo.config import load_config
     from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
-    torch.manual_seed(0)
-    hc = Qwen3Config(max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=2,
-                     pad_token_id=3, **SIZES[args.size])
-    d = tempfile.mkdtemp()
-    Qwen3ForCausalLM(hc).save_pretrained(d)
+    d = random_qwen3(args.size)
     n_seq = args.prompts * args.group
     common = [f"model.path={d}", "model.dtype=float32", "optimizer.lr=1e-6",
               f"rollout.group_size={args.group}", f"train.prompts_per_step={args.prompts}",
@@ -67,7 +73,7 @@ def main() -> None:
     sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, n=args.group,
                         ignore_eos=True)
     g = torch.Generator().manual_seed(1)
-    reqs = [GenerateRequest(prompt_ids=torch.randint(10, hc.vocab_size, (32,),
+    reqs = [GenerateRequest(prompt_ids=torch.randint(10, SIZES[args.size]["vocab_size"], (32,),
                                                      generator=g).tolist(), sampling=sp)
             for _ in range(args.prompts)]
     samples = engine.generate(reqs)
