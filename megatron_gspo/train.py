@@ -16,7 +16,7 @@ import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
-from megatron_gspo import build, phases
+from megatron_gspo import build, early_checks, phases
 from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.checkpoint import Checkpointer
 from megatron_gspo.config import Config, save_config, to_dict
@@ -36,7 +36,7 @@ def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None)
     run_dir = build.resolve_run_dir(run_dir, config_path)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     if build.is_rank0():
-        build.check_run_dir(run_dir, ckpt_root)
+        early_checks.check_run_dir(run_dir, ckpt_root)
     lock = RunDirLock(run_dir).acquire() if build.is_rank0() else None
     try:
         if cfg.train.resume == "never":
@@ -54,7 +54,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     hf_config = build.read_hf_config(cfg.model.path)
     rank0 = build.is_rank0()
     tokenizer = build.tokenizer(cfg)  # inputs are checked before the expensive parts
-    build.check_inputs(cfg, hf_config, tokenizer)
+    early_checks.check_inputs(cfg, hf_config, tokenizer)
     prompts = build.prompt_stream(cfg, tokenizer) if rank0 else None
     reward = build.reward_scorer(cfg, tokenizer) if rank0 else None
     evals = build.eval_prompts(cfg, tokenizer) if rank0 else None

@@ -216,7 +216,7 @@ def test_qwen3_official_template_with_thinking_keeps_reasoning_and_works(qtok, t
 
 
 def test_missing_template_and_bad_settings_are_config_errors(qtok):
-    from megatron_gspo.build import ConfigError, _check_agent_chat
+    from megatron_gspo.early_checks import ConfigError, _check_agent_chat
     from tests.agent.agent_helpers import ToyTokenizer
 
     cfg = load_config(EX / "config_cpu.yaml")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo import build
+from megatron_gspo import build, early_checks
 from megatron_gspo.config import ConfigError, config_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ BASE = ROOT / "examples" / "tiny" / "base"
 def _check(ref_path) -> None:
     cfg = config_from_dict({}, [f"model.path={BASE}", "algorithm.kl_coef=0.05",
                                 f"model.reference_path={ref_path}"])
-    build.check_inputs(cfg, build.read_hf_config(str(BASE)), build.tokenizer(cfg))
+    early_checks.check_inputs(cfg, build.read_hf_config(str(BASE)), build.tokenizer(cfg))
 
 
 def _copy_config(tmp_path: Path, **changes) -> Path:

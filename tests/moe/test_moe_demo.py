@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gspo import build
+from megatron_gspo import build, early_checks
 from megatron_gspo.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,9 +55,10 @@ def test_base_model_files_and_accuracy():
 def test_moe_config_checks():
     dense = load_config(ROOT / "examples/tiny/config.yaml", ["moe.routing_replay=r2"])
     with pytest.raises(ConfigError, match=r"moe.routing_replay: 'r2' needs an MoE model"):
-        build.check_inputs(dense, build.read_hf_config(dense.model.path), build.tokenizer(dense))
+        early_checks.check_inputs(dense, build.read_hf_config(dense.model.path),
+                                  build.tokenizer(dense))
     moe = load_config(MOE / "config.yaml", ["moe.routing_replay=r3"])
-    build.check_inputs(moe, build.read_hf_config(moe.model.path), build.tokenizer(moe))
+    early_checks.check_inputs(moe, build.read_hf_config(moe.model.path), build.tokenizer(moe))
     with pytest.raises(ConfigError, match="moe.engine_routing is false"):
         load_config(MOE / "config.yaml", ["moe.routing_replay=r3", "moe.engine_routing=false"])
     with pytest.raises(ConfigError, match="moe.routing_replay"):

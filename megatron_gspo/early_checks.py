@@ -1,0 +1,165 @@
+"""Checks that run before the learner is built, so a wrong setting costs seconds and prints
+one line (a ConfigError naming the field) instead of a traceback after minutes of start-up:
+the run and checkpoint directories, the parallel layout against the world size and the model,
+the KL reference, the agent environment, chat template and labels, routing replay.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_gspo.config import Config, ConfigError
+
+LABEL_REWARDS = ("math", "math_boxed_strict", "exact_match")  # built-ins that need a label
+
+
+def check_run_dir(run_dir: Path, ckpt_root: Path) -> None:
+    """RUN_DIR and the checkpoint root can be created and written (ConfigError otherwise)."""
+    import tempfile
+
+    for what, d in (("run dir", Path(run_dir)), ("checkpoint dir", Path(ckpt_root))):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".write_check_", dir=d)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ConfigError(f"{what} {d} is not writable: {e.strerror or e}") from None
+
+
+def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
+    """Settings that would otherwise fail only once the learner and engine exist: the parallel
+    layout against the world size and the model, the chat template, the agent environment and
+    its `agent.env_kwargs`, a reward that needs labels when `data.label_key` is null.
+
+    Raises:
+        ConfigError naming the field.
+    """
+    from megatron_gspo.megatron.parallel import ParallelLayout, ParallelLayoutError, check_layout
+
+    p = cfg.parallel
+    layout = ParallelLayout(tensor=p.tensor, pipeline=p.pipeline,
+                            virtual_pipeline=p.virtual_pipeline, expert=p.expert,
+                            expert_tensor=p.expert_tensor, context=p.context,
+                            sequence_parallel=p.sequence_parallel)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        check_layout(layout, world, hf_config)
+    except ParallelLayoutError as e:
+        raise ConfigError(f"parallel: {e}") from None
+    if cfg.agent.enabled:
+        _check_agent(cfg)
+        _check_agent_chat(cfg, tok)
+    elif cfg.data.apply_chat_template and not getattr(tok, "chat_template", None):
+        raise ConfigError("data.apply_chat_template: the tokenizer of "
+                          f"{cfg.model.tokenizer or cfg.model.path} has no chat template; set "
+                          "data.apply_chat_template=false or use a tokenizer with one")
+    if cfg.data.label_key is None and not cfg.agent.enabled and not cfg.reward.url \
+            and cfg.reward.name in LABEL_REWARDS:
+        raise ConfigError(f"reward.name: {cfg.reward.name!r} compares responses with a label "
+                          "but data.label_key is null; set data.label_key or use a reward that "
+                          "needs no label")
+    if cfg.algorithm.kl_coef > 0 and cfg.model.reference_path:
+        _check_reference(cfg.model.reference_path, hf_config)
+    if cfg.moe.routing_replay != "none" and not is_moe(hf_config):
+        raise ConfigError(f"moe.routing_replay: {cfg.moe.routing_replay!r} needs an MoE model; "
+                          f"{cfg.model.path} ({', '.join(hf_config.get('architectures') or [])}) "
+                          "has no routed experts")
+    if cfg.moe.routing_replay == "r3" and cfg.agent.enabled:
+        raise ConfigError("moe.routing_replay: 'r3' is not supported with agent.enabled (the "
+                          "episodes' environment tokens have no engine routing); use 'r2'")
+
+
+def is_moe(hf_config: dict) -> bool:
+    """The model has routed experts (Qwen3-MoE style `num_experts` / `num_local_experts`)."""
+    return bool(hf_config.get("num_experts") or hf_config.get("num_local_experts"))
+
+
+def _check_reference(path: str, hf_config: dict) -> None:
+    """The KL reference is held in the policy's layout: same family and sizes."""
+    from megatron_gspo.convert.base import ConversionError, dims_from_hf_config
+    from megatron_gspo.convert.hf_io import read_config
+
+    try:
+        ref = read_config(path)
+        diff = [(k, ref.get(k), hf_config.get(k)) for k in ("architectures",)
+                if ref.get(k) != hf_config.get(k)]
+        mine, theirs = dims_from_hf_config(ref), dims_from_hf_config(hf_config)
+    except ConversionError as e:
+        raise ConfigError(f"model.reference_path: {path} has no usable config.json ({e})") \
+            from None
+    diff += [(k, v, getattr(theirs, k)) for k, v in vars(mine).items()
+             if v != getattr(theirs, k)]
+    if diff:
+        k, v, want = diff[0]
+        raise ConfigError(f"model.reference_path: {path} is not the policy's architecture ({k} "
+                          f"{v!r}, model.path has {want!r}); the KL reference must match it")
+
+
+def _env_class(cfg: Config):
+    from megatron_gspo.agent.env import resolve_env
+
+    try:
+        return resolve_env(cfg.agent.environment)
+    except ValueError as e:
+        raise ConfigError(f"agent.environment: {e}") from None
+
+
+def _check_agent(cfg: Config) -> None:
+    import inspect
+
+    if cfg.data.apply_chat_template:
+        raise ConfigError("data.apply_chat_template: must be false with agent.enabled (the "
+                          "environment renders the chat from the raw prompt)")
+    cls = _env_class(cfg)
+    kwargs = dict(cfg.agent.env_kwargs)
+    if cfg.agent.python_tool:
+        kwargs["python_tool"] = True
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"agent.env_kwargs: {cfg.agent.environment} does not take "
+                          f"{sorted(kwargs)}: {e}") from None
+    except ValueError:
+        pass  # no introspectable signature
+
+
+def _check_agent_chat(cfg: Config, tok) -> None:
+    """agent.tool_parser resolves; agent.chat_template has a template to use."""
+    from megatron_gspo.agent.chat_session import ChatTemplateError, make_chat
+    from megatron_gspo.agent.tool_parsers import resolve_tool_parser
+
+    try:
+        parser = resolve_tool_parser(cfg.agent.tool_parser)
+    except ValueError as e:
+        raise ConfigError(f"agent.tool_parser: {e}") from None
+    try:
+        make_chat(cfg.agent.chat_template, tok, parser)
+    except ChatTemplateError as e:
+        msg = str(e).removeprefix("agent.chat_template: ")
+        raise ConfigError(f"agent.chat_template: {msg}") from None
+
+
+def check_agent_labels(cfg: Config, ds) -> None:
+    """Agent mode: the environment's `check_label(label)` (when it has one) on every row; a
+    bad label is a bad row (DatasetError naming it, or skipped with data.skip_bad_rows)."""
+    from megatron_gspo.data.datasets import DatasetError
+
+    check = getattr(_env_class(cfg), "check_label", None)
+    if not callable(check):
+        return
+    keep = []
+    for item in ds.items:
+        try:
+            check(item.label)
+        except (ValueError, TypeError) as e:
+            msg = f"{ds.path} row {item.row}: label {item.label!r:.40}: {e}"
+            if not cfg.data.skip_bad_rows:
+                raise DatasetError(msg + " (set skip_bad_rows to skip such rows)") from None
+            ds.skipped.append(msg)
+            continue
+        keep.append(item)
+    if not keep:
+        raise DatasetError(f"{ds.path}: no usable rows ({len(ds.skipped)} bad rows skipped)")
+    ds.items = keep
