@@ -49,7 +49,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from megatron_gspo.data.datasets import DatasetError
     from megatron_gspo.data.sample import SampleError
     from megatron_gspo.rewards import RewardError
-    from megatron_gspo.rundir import RunError  # run-dir lock, checkpoints, diverged training
+    from megatron_gspo.run.rundir import RunError  # run-dir lock, checkpoints, diverged training
 
     return (DatasetError, RewardError, ConversionError, SampleError, FileNotFoundError, RunError,
             ChatTemplateError)

@@ -21,7 +21,8 @@ from megatron_gspo.algo.precision import (
     finalize_audit,
     sequence_mismatch,
 )
-from megatron_gspo import build, faults
+from megatron_gspo import build
+from megatron_gspo.run import faults
 from megatron_gspo.build import DTYPES
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.data.sample import Sample

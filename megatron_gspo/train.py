@@ -7,7 +7,7 @@
 Every rank runs this loop. Rank 0 owns the prompts, the rollout engine and the rewards; the
 samples are broadcast so every rank trains on the same global batch (the learner picks its
 data-parallel share). Helpers live where they belong: `build.py` (objects from the config),
-`phases.py` (each phase of a step), `checkpoint.py`, `metrics.py`, `algo/` (the math).
+`phases.py` (each phase of a step), `run/checkpoint.py`, `run/metrics.py`, `algo/` (the math).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 
 from megatron_gspo import build, early_checks, phases
 from megatron_gspo.algo.precision import ToleranceController
-from megatron_gspo.checkpoint import Checkpointer
+from megatron_gspo.run.checkpoint import Checkpointer
 from megatron_gspo.config import Config, save_config, to_dict
 from megatron_gspo.megatron.fallbacks import fallback_summary
-from megatron_gspo.metrics import MetricsLogger
-from megatron_gspo.rundir import RunDirLock, RunError, check_fresh_start
+from megatron_gspo.run.metrics import MetricsLogger
+from megatron_gspo.run.rundir import RunDirLock, RunError, check_fresh_start
 
 
 def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None) -> Path:

@@ -65,7 +65,7 @@ class CheckpointSource:
 
 def _step_dir(path: Path, notes: list[str]) -> Path | None:
     """The run checkpoint (step_N folder) `path` designates, or None if it is not one."""
-    from megatron_gspo.checkpoint import Checkpointer
+    from megatron_gspo.run.checkpoint import Checkpointer
 
     if (path / "COMPLETE").is_file() or (_STEP_RE.match(path.name) and (path / "model").is_dir()):
         return path
@@ -101,7 +101,7 @@ def _run_model_path(step: Path) -> Path | None:
 
 
 def _run_source(step: Path, notes: list[str]) -> CheckpointSource:
-    from megatron_gspo.checkpoint import read_marker, verify
+    from megatron_gspo.run.checkpoint import read_marker, verify
 
     if not (step / "COMPLETE").is_file():
         raise ConversionError(

@@ -27,7 +27,7 @@ import os
 import threading
 from multiprocessing.managers import SyncManager
 
-from megatron_gspo.exec_with_parent import die_with_parent
+from megatron_gspo.run.exec_with_parent import die_with_parent
 
 _state: dict = {"manager": None, "pid": None, "fork_hook": False}
 _fork: dict = {"from_main": False, "parent": 0}  # set in the parent just before each fork

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron_gspo import exec_with_parent
+from megatron_gspo.run import exec_with_parent
 from megatron_gspo.rollout.sglang_protocol import HEALTH_GENERATION_ENV, MAX_SERVER_PORT
 
 

@@ -38,7 +38,7 @@ def samples(n: int = 6, seed: int = 0):
 
 
 def run(hf_dirs: dict, work: str) -> None:
-    from megatron_gspo.checkpoint import Checkpointer
+    from megatron_gspo.run.checkpoint import Checkpointer
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader, read_config
     from megatron_gspo.megatron import checkpoint_io as cio

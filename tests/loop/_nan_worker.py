@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 from megatron_gspo import build, phases
-from megatron_gspo.checkpoint import Checkpointer
+from megatron_gspo.run.checkpoint import Checkpointer
 from megatron_gspo.config import load_config
 
 

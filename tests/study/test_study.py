@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.config import ConfigError
-from megatron_gspo.metrics import MetricsLogger, read_metrics
+from megatron_gspo.run.metrics import MetricsLogger, read_metrics
 from megatron_gspo.study import arm_configs, load_study
 from megatron_gspo.study_report import plot_study, summarize
 

@@ -1,6 +1,6 @@
 """Run a command that the kernel ends when the process that launched it dies.
 
-`python -m megatron_gspo.exec_with_parent PARENT_PID -- ARGV...` asks Linux for
+`python -m megatron_gspo.run.exec_with_parent PARENT_PID -- ARGV...` asks Linux for
 `PR_SET_PDEATHSIG` (SIGKILL), checks that the launcher is still alive, then replaces itself
 with ARGV: the setting survives `exec`, so the command keeps this pid, session and process
 group. Launched rollout servers and routers go through it, so a trainer killed with SIGKILL
@@ -43,13 +43,13 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
 
 def wrap(argv: list[str]) -> list[str]:
     """`argv` run through this module on behalf of the calling process."""
-    return [sys.executable, "-m", "megatron_gspo.exec_with_parent", str(os.getpid()), "--",
+    return [sys.executable, "-m", "megatron_gspo.run.exec_with_parent", str(os.getpid()), "--",
             *argv]
 
 
 def main(args: list[str]) -> None:
     if len(args) < 3 or args[1] != "--" or not args[0].isdigit():
-        sys.exit("usage: python -m megatron_gspo.exec_with_parent PARENT_PID -- ARGV...")
+        sys.exit("usage: python -m megatron_gspo.run.exec_with_parent PARENT_PID -- ARGV...")
     die_with_parent(int(args[0]))
     try:
         os.execvp(args[2], args[2:])

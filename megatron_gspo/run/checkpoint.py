@@ -40,8 +40,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import faults
-from megatron_gspo.rundir import RunError
+from megatron_gspo.run import faults
+from megatron_gspo.run.rundir import RunError
 
 __all__ = ["Checkpointer", "CheckpointError", "ResumePoint", "rng_state", "set_rng_state"]
 
