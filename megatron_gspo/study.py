@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_gspo.config import Config, ConfigError, load_config
-from megatron_gspo.config_schema import from_dict, option
+from megatron_gspo.config.schema import from_dict, option
 from megatron_gspo.run.rundir import RunError
-from megatron_gspo.yaml_strict import StrictYAMLError, strict_load
+from megatron_gspo.config.yaml_strict import StrictYAMLError, strict_load
 
 __all__ = ["StudySpec", "load_study", "arm_configs", "run_study", "LOCKED"]
 

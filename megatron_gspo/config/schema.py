@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from megatron_gspo.yaml_strict import StrictYAMLError, strict_load
+from megatron_gspo.config.yaml_strict import StrictYAMLError, strict_load
 
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 

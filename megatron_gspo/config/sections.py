@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from megatron_gspo.config_schema import (
+from megatron_gspo.config.schema import (
     ConfigError,
     apply_overrides,
     describe,
@@ -23,7 +23,7 @@ from megatron_gspo.config_schema import (
     option,
     to_dict,
 )
-from megatron_gspo.yaml_strict import StrictYAMLError, strict_load
+from megatron_gspo.config.yaml_strict import StrictYAMLError, strict_load
 
 __all__ = ["Config", "ConfigError", "load_config", "save_config", "config_from_dict", "describe"]
 
