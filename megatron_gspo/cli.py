@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("config")
     c.add_argument("overrides", nargs="*")
     sub.add_parser("fields", help="list every config field with its type, default and doc")
-    s = sub.add_parser("study", help="run the arms of an A/B study (see megatron_gspo/study.py)")
+    s = sub.add_parser("study", help="run the arms of an A/B study (megatron_gspo/study/)")
     s.add_argument("study", help="study YAML file")
     s.add_argument("--out", default=None, help="output directory (default runs/study-<file>)")
     s.add_argument("overrides", nargs="*", help="section.key=value overrides for every arm")

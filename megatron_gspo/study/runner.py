@@ -159,7 +159,7 @@ def run_study(path: str | Path, out: str | Path | None = None, log=None,
         the output directory. Raises ConfigError for a bad study file, RunError naming the arms
         that failed (after every other arm ran and the summary was written).
     """
-    from megatron_gspo.study_report import plot_study, summarize
+    from megatron_gspo.study.report import plot_study, summarize
 
     log = log or (lambda line: print(f"study: {line}", file=sys.stderr, flush=True))
     spec, base = load_study(path)
