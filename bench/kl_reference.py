@@ -40,7 +40,7 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from megatron_gspo import build
+    from megatron_gspo.loop import build
     from megatron_gspo.config import load_config
     from megatron_gspo.data.sample import Sample
 

@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    from megatron_gspo import build, phases
+    from megatron_gspo.loop import build, phases
     from megatron_gspo.algo.precision import ToleranceController, audit_sums, finalize_audit
     from megatron_gspo.config import load_config
     from megatron_gspo.rollout.base import GenerateRequest, SamplingParams

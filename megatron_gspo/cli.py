@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(bad or extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    from megatron_gspo.config import ConfigError, describe, load_config, to_dict
-    from megatron_gspo.config import Config
+    from megatron_gspo.config import Config, ConfigError, describe, load_config, to_dict
 
     try:
         if args.command == "fields":
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0
-        from megatron_gspo.train import run
+        from megatron_gspo.loop.train import run
 
         run(cfg, run_dir=args.run_dir, config_path=args.config)
         return 0

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from megatron_gspo import build
+from megatron_gspo.loop import build
 from megatron_gspo.agent.chat import parse_action
 from megatron_gspo.agent.env import StepResult, resolve_env
 from megatron_gspo.agent.envs import CalculatorEnv

@@ -216,7 +216,7 @@ def test_qwen3_official_template_with_thinking_keeps_reasoning_and_works(qtok, t
 
 
 def test_missing_template_and_bad_settings_are_config_errors(qtok):
-    from megatron_gspo.early_checks import ConfigError, _check_agent_chat
+    from megatron_gspo.loop.early_checks import ConfigError, _check_agent_chat
     from tests.agent.agent_helpers import ToyTokenizer
 
     cfg = load_config(EX / "config_cpu.yaml")
@@ -243,7 +243,7 @@ def test_shipped_example_tokenizer_carries_the_append_only_template():
 
 
 def test_cli_reports_a_template_error_in_one_line(monkeypatch, capsys):
-    import megatron_gspo.train as train_mod
+    import megatron_gspo.loop.train as train_mod
     from megatron_gspo import cli
 
     def run(*_a, **_k):

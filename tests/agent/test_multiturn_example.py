@@ -125,7 +125,7 @@ def test_shipped_base_tokenizer_and_config():
 
 
 def test_evaluation_plays_one_episode_per_prompt(tok):
-    from megatron_gspo import phases
+    from megatron_gspo.loop import phases
     from megatron_gspo.data.datasets import PromptItem
 
     cfg = load_config(EX / "config_cpu.yaml", ["train.eval_temperature=0.5",

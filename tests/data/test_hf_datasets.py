@@ -82,7 +82,7 @@ def test_train_path_and_eval_sets_from_saved_datasets_through_the_config(tmp_pat
 
     from transformers import AutoTokenizer
 
-    from megatron_gspo import build
+    from megatron_gspo.loop import build
     from megatron_gspo.config import load_config
 
     root = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_gspo import build, phases, train
+from megatron_gspo.loop import build, phases, train
 from megatron_gspo.config import load_config
 
 

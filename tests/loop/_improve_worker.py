@@ -3,7 +3,7 @@ torch.distributed): prints the advantage-weighted change of the batch's mean tok
 
 import json
 
-from megatron_gspo import build, phases
+from megatron_gspo.loop import build, phases
 from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.config import load_config
 

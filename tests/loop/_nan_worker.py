@@ -10,7 +10,7 @@ import tempfile
 
 import torch
 
-from megatron_gspo import build, phases
+from megatron_gspo.loop import build, phases
 from megatron_gspo.run.checkpoint import Checkpointer
 from megatron_gspo.config import load_config
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo import build
+from megatron_gspo.loop import build
 from megatron_gspo.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

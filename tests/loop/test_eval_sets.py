@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo import build, phases
+from megatron_gspo.loop import build, phases
 from megatron_gspo.config import ConfigError, load_config
 from megatron_gspo.data.datasets import PromptItem
-from megatron_gspo.evaluation import default_ks, pass_at_k, set_metrics
+from megatron_gspo.loop.evaluation import default_ks, pass_at_k, set_metrics
 from megatron_gspo.rollout.base import RolloutEngine, SamplingParams, make_sample
 
 ROOT = Path(__file__).resolve().parents[2]

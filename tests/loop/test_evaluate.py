@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo import build, phases
+from megatron_gspo.loop import build, phases
 from megatron_gspo.config import load_config
 from megatron_gspo.data.datasets import PromptItem
 from tests.agent.agent_helpers import ScriptedEngine

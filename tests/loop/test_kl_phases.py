@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from megatron_gspo import phases
+from megatron_gspo.loop import phases
 from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.data.sample import Sample
@@ -41,7 +41,7 @@ def _samples(engine: bool) -> list[Sample]:
 
 
 def _steps_3_4(overrides: list[str], step: int, engine: bool = True):
-    """The loop's steps 3 (reference + advantages) and 4 (pi_old), as `train.py` runs them."""
+    """The loop's steps 3 (reference + advantages) and 4 (pi_old), as `loop/train.py` runs them."""
     cfg = config_from_dict({}, ["rollout.group_size=2", "train.prompts_per_step=2", *overrides])
     p = cfg.precision
     controller = ToleranceController(p.old_logprobs, p.audit_fraction, p.tolerance,

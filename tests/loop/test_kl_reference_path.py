@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo import build, early_checks
+from megatron_gspo.loop import build, early_checks
 from megatron_gspo.config import ConfigError, config_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]

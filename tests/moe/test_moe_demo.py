@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gspo import build, early_checks
+from megatron_gspo.loop import build, early_checks
 from megatron_gspo.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]

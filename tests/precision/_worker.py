@@ -28,7 +28,7 @@ def tiny_model_dir() -> str:
 
 
 def main() -> None:
-    from megatron_gspo import build, phases
+    from megatron_gspo.loop import build, phases
     from megatron_gspo.algo.precision import (ToleranceController, audit_sums, finalize_audit,
                                               sequence_mismatch)
     from megatron_gspo.config import load_config

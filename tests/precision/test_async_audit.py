@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_gspo import phases
+from megatron_gspo.loop import phases
 from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.data.sample import Sample

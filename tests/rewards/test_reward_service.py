@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo import build
+from megatron_gspo.loop import build
 from megatron_gspo.config import ConfigError, load_config
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rewards import RewardError

@@ -29,7 +29,7 @@ def tiny_model(d: Path) -> None:
 
 
 def main(work: str, bucket_bytes: int) -> None:
-    from megatron_gspo import train
+    from megatron_gspo.loop import train
     from megatron_gspo.config import load_config
     from megatron_gspo.rollout.embedded import EmbeddedEngine
     from megatron_gspo.rollout.standin_server import StandinServer

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def main(model: str, run_dir: str, out_dir: str, base_port: int, extra: list[str]) -> None:
     import torch.distributed as dist
 
-    from megatron_gspo import build, phases, train
+    from megatron_gspo.loop import build, phases, train
     from megatron_gspo.config import load_config
     from megatron_gspo.megatron.export import export_hf_weights
     from megatron_gspo.rollout.multinode import gather_layout, node_engine

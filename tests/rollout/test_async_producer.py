@@ -179,7 +179,7 @@ def test_no_group_lost_or_duplicated_across_pause_and_resume():
         t0 = time.time()  # the update lets the producer admit new groups: wait for them
         while not any(g.samples is None for g in prod._groups) and time.time() - t0 < 5:
             time.sleep(0.001)
-        saved = prod.state_dict()  # after the update to version `cut`, as train.py saves
+        saved = prod.state_dict()  # after the update to version `cut`, as loop/train.py saves
     finally:
         prod.close()  # the 'killed' run: its in-flight responses are lost
     assert saved["finished"] and saved["redo"] and saved["taken"] == cut * B

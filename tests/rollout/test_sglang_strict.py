@@ -324,7 +324,7 @@ def test_agent_turn_the_engine_gave_up_on_is_masked():
 def test_rollout_phase_counts_failed_and_aborted_samples(standin):
     from types import SimpleNamespace
 
-    from megatron_gspo import phases
+    from megatron_gspo.loop import phases
     from megatron_gspo.config import config_from_dict
 
     class Tok:

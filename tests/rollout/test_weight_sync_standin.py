@@ -100,7 +100,7 @@ def test_tensor_sync_without_sglang_refused_before_any_payload(engine, tiny_mode
                                                                  monkeypatch):
     from aiohttp import web
 
-    from megatron_gspo.build import sglang_engine
+    from megatron_gspo.loop.build import sglang_engine
     from megatron_gspo.config import ConfigError, load_config
     from megatron_gspo.rollout.standin_server import StandinServer
 

@@ -32,7 +32,7 @@ def _adv(s) -> float:
 
 
 def main() -> None:
-    from megatron_gspo import build, phases
+    from megatron_gspo.loop import build, phases
     from megatron_gspo.config import load_config
     from megatron_gspo.megatron.step import LossSettings
     from megatron_gspo.rollout.base import GenerateRequest, SamplingParams

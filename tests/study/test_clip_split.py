@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.phases import clip_split, minibatch_parts
+from megatron_gspo.loop.phases import clip_split, minibatch_parts
 
 WORKER = Path(__file__).with_name("_clip_split_worker.py")
 

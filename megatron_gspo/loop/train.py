@@ -6,8 +6,8 @@
 
 Every rank runs this loop. Rank 0 owns the prompts, the rollout engine and the rewards; the
 samples are broadcast so every rank trains on the same global batch (the learner picks its
-data-parallel share). Helpers live where they belong: `build.py` (objects from the config),
-`phases.py` (each phase of a step), `run/checkpoint.py`, `run/metrics.py`, `algo/` (the math).
+data-parallel share). Helpers live where they belong: `loop/build.py` (objects from the config),
+`loop/phases.py` (each phase of a step), `run/checkpoint.py`, `run/metrics.py`, `algo/` (the math).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
-from megatron_gspo import build, early_checks, phases
+from megatron_gspo.loop import build, early_checks, phases
 from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.run.checkpoint import Checkpointer
 from megatron_gspo.config import Config, save_config, to_dict

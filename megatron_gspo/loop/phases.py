@@ -1,4 +1,4 @@
-"""The phases of one RL step, called in order by `train.py`: rollout, advantages, pi_old
+"""The phases of one RL step, called in order by `loop/train.py`: rollout, advantages, pi_old
 (with the precision audit), training over mini-batches, weight sync, evaluation.
 
 Each phase takes the objects it works on plus the config, and returns metrics as a flat dict.
@@ -21,9 +21,9 @@ from megatron_gspo.algo.precision import (
     finalize_audit,
     sequence_mismatch,
 )
-from megatron_gspo import build
+from megatron_gspo.loop import build
 from megatron_gspo.run import faults
-from megatron_gspo.build import DTYPES
+from megatron_gspo.loop.build import DTYPES
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.data.sample import Sample
 
@@ -43,7 +43,7 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
     Returns:
         (samples, metrics)
     """
-    from megatron_gspo.build import sampling_params
+    from megatron_gspo.loop.build import sampling_params
     from megatron_gspo.rollout.groups import GroupSampler
 
     if producer is None and hasattr(engine, "generator"):  # per-step seed: same after a resume
@@ -380,8 +380,8 @@ def _tensor_sync(cfg: Config) -> bool:
 def evaluate(cfg: Config, engine, tok, score, prompts) -> dict:
     """Every eval set: `train.eval_samples` responses per prompt at `train.eval_temperature`
     (0: greedy; top-p/top-k of the rollouts; episodes in agent mode), reward_mean, mean@n and
-    pass@k per set (see `evaluation.py`). `prompts`: {set name: items} or one list."""
-    from megatron_gspo.evaluation import evaluate as evaluate_sets
+    pass@k per set (see `loop/evaluation.py`). `prompts`: {set name: items} or one list."""
+    from megatron_gspo.loop.evaluation import evaluate as evaluate_sets
 
     return evaluate_sets(cfg, engine, tok, score, prompts)
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import Config, ConfigError
-from megatron_gspo.early_checks import check_agent_labels, is_moe
+from megatron_gspo.loop.early_checks import check_agent_labels, is_moe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -93,7 +93,7 @@ def _requests(prompts):
 def _generate(cfg: Any, engine: Any, tok: Any, score, prompts, n: int) -> tuple[list[Sample],
                                                                                 dict]:
     """n scored responses per prompt (group_index = prompt position) and extra metrics."""
-    from megatron_gspo.build import sampling_params
+    from megatron_gspo.loop.build import sampling_params
 
     if cfg.agent.enabled:
         from megatron_gspo.agent.loop import make_runner
