@@ -57,8 +57,8 @@ def run_checks(workdir: str, tp_size: int = 1, logprob_tol: float = 0.05,
     """
     from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
     from megatron_gspo.rollout.embedded import build_hf_model, sequence_logprobs
-    from megatron_gspo.rollout.sglang import SGLangEngine
-    from megatron_gspo.rollout.sglang_launch import LaunchSpec
+    from megatron_gspo.rollout.sglang.client import SGLangEngine
+    from megatron_gspo.rollout.sglang.launch import LaunchSpec
 
     torch.manual_seed(0)
     cuda = torch.cuda.is_available()

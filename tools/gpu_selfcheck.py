@@ -49,7 +49,7 @@ def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1, at most 55535: SGLang 0.5.12 sets
     grpc_port = port + 10000 for every server and refuses one above 65535 (the launcher's
     `pick_ports` keeps to that bound)."""
-    from megatron_gspo.rollout.sglang_launch import pick_ports
+    from megatron_gspo.rollout.sglang.launch import pick_ports
 
     return pick_ports("127.0.0.1", 0, 1)[0]
 

@@ -228,9 +228,9 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
     """SGLang servers from `rollout.*`: attached by URL, or launched (colocated or not).
     `hf_config` (the learner's model config) gives the vocabulary size and the context length
     used when the servers do not report one."""
-    from megatron_gspo.rollout.sglang import SGLangEngine
-    from megatron_gspo.rollout.sglang_launch import LaunchSpec
-    from megatron_gspo.rollout.sglang_protocol import context_length_of
+    from megatron_gspo.rollout.sglang.client import SGLangEngine
+    from megatron_gspo.rollout.sglang.launch import LaunchSpec
+    from megatron_gspo.rollout.sglang.protocol import context_length_of
 
     r = cfg.rollout
     api_key = None
@@ -275,7 +275,7 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
                                 ("--enable-return-routed-experts",) if routing else ()),
                             log_dir=r.server_log_dir or log_dir, api_key=api_key,
                             module=module)
-        from megatron_gspo.rollout.sglang_launch import check_local_gpus
+        from megatron_gspo.rollout.sglang.launch import check_local_gpus
 
         try:
             check_local_gpus(launch, torch.cuda.device_count() if torch.cuda.is_available() else 0)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.rollout.base import RolloutError
-from megatron_gspo.rollout.sglang_weights import LiveBytes
+from megatron_gspo.rollout.sglang.weights import LiveBytes
 from megatron_gspo.rollout.weight_sync import FLATTENED_BUCKET, flatten_bucket, group_by_dtype, \
     serialize
 

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rollout.base import GenerateRequest, RolloutEngine, RolloutError
-from megatron_gspo.rollout.sglang import SGLangEngine
-from megatron_gspo.rollout.sglang_launch import (
+from megatron_gspo.rollout.sglang.client import SGLangEngine
+from megatron_gspo.rollout.sglang.launch import (
     LaunchSpec,
     ServerProcess,
     pick_ports,

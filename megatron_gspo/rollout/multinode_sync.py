@@ -35,7 +35,7 @@ from megatron_gspo.rollout.multinode import (
     gather_urls,
     node_engine,
 )
-from megatron_gspo.rollout.sglang_weights import LiveBytes
+from megatron_gspo.rollout.sglang.weights import LiveBytes
 from megatron_gspo.rollout.weight_sync import (
     FLATTENED_BUCKET,
     flatten_bucket,

@@ -32,7 +32,7 @@ import torch
 from aiohttp import web
 
 from megatron_gspo.rollout.base import SamplingParams
-from megatron_gspo.rollout.sglang_protocol import (
+from megatron_gspo.rollout.sglang.protocol import (
     HEALTH_GENERATION_ENV,
     auth_allowed,
     context_length_of,

@@ -33,7 +33,7 @@ from aiohttp import web
 
 from megatron_gspo.rollout.base import MEMORY_TAGS, SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine
-from megatron_gspo.rollout.sglang_protocol import grpc_port_error
+from megatron_gspo.rollout.sglang.protocol import grpc_port_error
 from megatron_gspo.rollout.standin_generate import Faults, GenerationEndpoints, api_key_middleware
 from megatron_gspo.rollout.weight_sync import decode_tensor_update, init_learner_update_group
 

@@ -21,7 +21,7 @@ def _state(pid: int) -> str:
 
 
 def test_launched_server_dies_with_a_trainer_killed_by_sigkill():
-    code = ("import sys, time; from megatron_gspo.rollout.sglang_launch import ServerProcess; "
+    code = ("import sys, time; from megatron_gspo.rollout.sglang.launch import ServerProcess; "
             "p = ServerProcess([sys.executable, '-c', 'import time; time.sleep(300)'], 'server'); "
             "time.sleep(1.0); print(p.proc.pid, flush=True); time.sleep(300)")
     trainer = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,

@@ -13,8 +13,8 @@ import torch
 
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine, RoutingCapture, moe_routers
-from megatron_gspo.rollout.sglang import SGLangEngine
-from megatron_gspo.rollout.sglang_protocol import decode_routed_experts
+from megatron_gspo.rollout.sglang.client import SGLangEngine
+from megatron_gspo.rollout.sglang.protocol import decode_routed_experts
 from megatron_gspo.rollout.standin_server import StandinServer
 
 BASE = Path(__file__).resolve().parents[2] / "examples" / "moe" / "base"

@@ -30,7 +30,7 @@ def main(rank: int, port: int, mode: str) -> None:
         named = [(k, v + 1) for k, v in named]
     srv = eng = None
     if rank == 0:
-        from megatron_gspo.rollout.sglang import SGLangEngine
+        from megatron_gspo.rollout.sglang.client import SGLangEngine
         from megatron_gspo.rollout.standin_server import StandinServer
 
         torch.manual_seed(0)

@@ -73,8 +73,8 @@ def main() -> None:
         return
     from transformers import Qwen3Config
 
-    from megatron_gspo.rollout.sglang_launch import LaunchSpec, pick_ports, server_argv
-    from megatron_gspo.rollout.sglang_protocol import (
+    from megatron_gspo.rollout.sglang.launch import LaunchSpec, pick_ports, server_argv
+    from megatron_gspo.rollout.sglang.protocol import (
         auth_allowed,
         context_length_of,
         grpc_port_error,

@@ -47,7 +47,7 @@ def standin(engine):
 
 @pytest.fixture()
 def client(standin):
-    from megatron_gspo.rollout.sglang import SGLangEngine
+    from megatron_gspo.rollout.sglang.client import SGLangEngine
 
     eng = SGLangEngine(server_urls=[standin.url], backoff_s=0.01, request_timeout_s=30)
     yield eng

@@ -21,7 +21,7 @@ STEPS, SAMPLES = 3, 16  # train.max_steps, prompts_per_step x group_size in the 
 def _two_nodes(tmp: Path, env_of=lambda node: {}, extra=()):
     """Run both node launches at once; returns ({rank: result}, [(rc, stderr)] per node)."""
     from megatron_gspo.megatron.parallel import free_port
-    from megatron_gspo.rollout.sglang_launch import pick_ports
+    from megatron_gspo.rollout.sglang.launch import pick_ports
 
     model, out = ROOT / "examples" / "tiny" / "base", tmp / "out"  # rewards vary: weights move
     out.mkdir(exist_ok=True)

@@ -18,7 +18,7 @@ from megatron_gspo.rollout.multinode import (
     nodes_in_job,
 )
 from megatron_gspo.rollout.multinode_sync import node_plan
-from megatron_gspo.rollout.sglang_launch import LaunchSpec
+from megatron_gspo.rollout.sglang.launch import LaunchSpec
 
 
 def test_layout_groups_ranks_by_node_key():

@@ -7,7 +7,7 @@ import torch
 
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.embedded import build_hf_model, sequence_logprobs
-from megatron_gspo.rollout.sglang import SGLangEngine, parse_generate_output
+from megatron_gspo.rollout.sglang.client import SGLangEngine, parse_generate_output
 
 
 def _batch(n=3):

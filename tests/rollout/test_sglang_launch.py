@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
-from megatron_gspo.rollout.sglang import SGLangEngine
-from megatron_gspo.rollout.sglang_launch import (LaunchSpec, check_local_gpus, router_argv,
+from megatron_gspo.rollout.sglang.client import SGLangEngine
+from megatron_gspo.rollout.sglang.launch import (LaunchSpec, check_local_gpus, router_argv,
                                                  server_argv)
 
 STANDIN = "megatron_gspo.rollout.standin_server"
@@ -131,7 +131,7 @@ class _FakeSocket:
 
 def test_launched_ports_stay_within_sglang_grpc_rule(monkeypatch):
     """SGLang refuses --port above 55535 (port + 10000 is its gRPC port, <= 65535)."""
-    from megatron_gspo.rollout import sglang_launch
+    from megatron_gspo.rollout.sglang import launch as sglang_launch
 
     ports = iter([60001, 55536, 40000, 40000, 41000])
     monkeypatch.setattr(sglang_launch.socket, "socket", lambda *a, **k: _FakeSocket(ports))
@@ -160,7 +160,7 @@ def test_standin_refuses_ports_sglang_refuses(monkeypatch):
 
 
 def test_launch_env_and_argv_health_api_key():
-    from megatron_gspo.rollout.sglang_launch import redact_argv, server_env
+    from megatron_gspo.rollout.sglang.launch import redact_argv, server_env
 
     spec = LaunchSpec(model_path="m", python="py", api_key="k3y", env={"A": "1"})
     env = server_env(spec)

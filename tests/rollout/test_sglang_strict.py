@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
-from megatron_gspo.rollout.sglang import SGLangEngine
-from megatron_gspo.rollout.sglang_protocol import parse_generate_output
+from megatron_gspo.rollout.sglang.client import SGLangEngine
+from megatron_gspo.rollout.sglang.protocol import parse_generate_output
 from megatron_gspo.rollout.standin_router import StandinRouter
 from megatron_gspo.rollout.standin_server import StandinServer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
-from megatron_gspo.rollout.sglang import SGLangEngine
+from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.weight_sync import serialize, sglang_importable, tensor_update_payloads
 
 GREEDY = [GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=8, temperature=0.0,

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_gspo.run import exec_with_parent
-from megatron_gspo.rollout.sglang_protocol import HEALTH_GENERATION_ENV, MAX_SERVER_PORT
+from megatron_gspo.rollout.sglang.protocol import HEALTH_GENERATION_ENV, MAX_SERVER_PORT
 
 
 @dataclass

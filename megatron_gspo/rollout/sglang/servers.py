@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from megatron_gspo.rollout.base import RolloutError
-from megatron_gspo.rollout.sglang_launch import (
+from megatron_gspo.rollout.sglang.launch import (
     LaunchSpec,
     ServerProcess,
     pick_ports,
@@ -29,9 +29,9 @@ from megatron_gspo.rollout.sglang_launch import (
     server_argv,
     server_env,
 )
-from megatron_gspo.rollout.sglang_protocol import context_length_of, decode_json, http_error
+from megatron_gspo.rollout.sglang.protocol import context_length_of, decode_json, http_error
 
-log = logging.getLogger("megatron_gspo.rollout.sglang")
+log = logging.getLogger("megatron_gspo.rollout.sglang.client")
 
 #: Transient transport failures of one HTTP call.
 RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError,

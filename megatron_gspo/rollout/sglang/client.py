@@ -53,11 +53,11 @@ from megatron_gspo.rollout.base import (
     make_sample,
     plan_slots,
 )
-from megatron_gspo.rollout.sglang_launch import LaunchSpec, ServerProcess
-from megatron_gspo.rollout.sglang_protocol import (decode_json, decode_routed_experts, http_error,
+from megatron_gspo.rollout.sglang.launch import LaunchSpec, ServerProcess
+from megatron_gspo.rollout.sglang.protocol import (decode_json, decode_routed_experts, http_error,
                                                     parse_generate_output)
-from megatron_gspo.rollout.sglang_servers import RETRYABLE, SGLangServers
-from megatron_gspo.rollout.sglang_weights import SGLangWeightSync
+from megatron_gspo.rollout.sglang.servers import RETRYABLE, SGLangServers
+from megatron_gspo.rollout.sglang.weights import SGLangWeightSync
 
 log = logging.getLogger(__name__)
 
