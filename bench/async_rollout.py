@@ -67,7 +67,7 @@ def start_server(threads: int, log: Path, cpus: set[int] | None = None
     port = _port()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_gspo.rollout.standin_server", "--model-path",
+        [sys.executable, "-m", "megatron_gspo.rollout.standin.server", "--model-path",
          str(ROOT / "examples/tiny/base"), "--port", str(port), "--dtype", "float32"],
         cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
         preexec_fn=_pinned(cpus))

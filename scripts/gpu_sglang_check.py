@@ -18,7 +18,7 @@ Exits 0 when every check passes; prints one line per check.
 Usage: python scripts/gpu_sglang_check.py [--workdir DIR] [--tp-size 1] [--keep]
 Needs CUDA and `sglang` installed (`pip install -e .[sglang]`). Server ports come from the
 launcher (at most 55535: SGLang adds 10000 for its gRPC port and refuses more than 65535).
-`run_checks(..., module="megatron_gspo.rollout.standin_server")` runs the same checks on the CPU
+`run_checks(..., module="megatron_gspo.rollout.standin.server")` runs the same checks on the CPU
 against the stand-in server, which follows SGLang's rules (weights lost on release included).
 """
 

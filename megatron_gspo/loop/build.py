@@ -166,7 +166,7 @@ def sampling_params(cfg: Config, tok):
                           top_k=r.top_k, n=r.group_size, stop_token_ids=_stop_ids(cfg, tok))
 
 
-STANDIN_MODULE = "megatron_gspo.rollout.standin_server"
+STANDIN_MODULE = "megatron_gspo.rollout.standin.server"
 
 
 def colocated_on_every_node(cfg: Config) -> bool:

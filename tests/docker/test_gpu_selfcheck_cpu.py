@@ -65,10 +65,10 @@ def test_sglang_round_trip_against_a_server_with_sglangs_api(tmp_path):
     finally:
         sys.path.pop(0)
     # "tiny": the check builds its own random Qwen3 directory (no tokenizer, token ids only).
-    row = sc.check_sglang("tiny", timeout_s=90, module="megatron_gspo.rollout.standin_server")
+    row = sc.check_sglang("tiny", timeout_s=90, module="megatron_gspo.rollout.standin.server")
     assert row.status == "ok", row
     assert "16 tokens + 16 logprobs" in row.detail
-    bad = sc.check_sglang(str(tmp_path), timeout_s=5, module="megatron_gspo.rollout.standin_server")
+    bad = sc.check_sglang(str(tmp_path), timeout_s=5, module="megatron_gspo.rollout.standin.server")
     assert bad.status == "FAIL" and "no config.json" in bad.detail
 
 

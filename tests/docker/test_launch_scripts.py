@@ -285,7 +285,7 @@ def test_disaggregated_rollout_serves_with_api_key_for_real(tmp_path):
     key = "k-123"
     e = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV}
     e.update(GPUS_PER_NODE="1", ROLLOUT_BASE_PORT=str(port), SGLANG_API_KEY=key,
-             PYTHON=sys.executable, SGLANG_SERVER_MODULE="megatron_gspo.rollout.standin_server",
+             PYTHON=sys.executable, SGLANG_SERVER_MODULE="megatron_gspo.rollout.standin.server",
              ROLLOUT_DTYPE="float32", PYTHONPATH=str(ROOT), LOG_DIR=str(tmp_path))
     proc = subprocess.Popen(["bash", str(LAUNCH / "disaggregated.sh"), "rollout",
                              str(ROOT / "examples" / "tiny" / "base")], env=e, cwd=ROOT,

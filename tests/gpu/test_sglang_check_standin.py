@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STANDIN = "megatron_gspo.rollout.standin_server"
+STANDIN = "megatron_gspo.rollout.standin.server"
 
 
 @pytest.mark.slow

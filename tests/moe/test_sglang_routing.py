@@ -15,7 +15,7 @@ from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingPa
 from megatron_gspo.rollout.embedded import EmbeddedEngine, RoutingCapture, moe_routers
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.sglang.protocol import decode_routed_experts
-from megatron_gspo.rollout.standin_server import StandinServer
+from megatron_gspo.rollout.standin.server import StandinServer
 
 BASE = Path(__file__).resolve().parents[2] / "examples" / "moe" / "base"
 PROMPT = [1, 40, 45, 50, 51, 52, 2, 10, 1, 60]

@@ -32,7 +32,7 @@ def main(work: str, bucket_bytes: int) -> None:
     from megatron_gspo.loop import train
     from megatron_gspo.config import load_config
     from megatron_gspo.rollout.embedded import EmbeddedEngine
-    from megatron_gspo.rollout.standin_server import StandinServer
+    from megatron_gspo.rollout.standin.server import StandinServer
 
     model = Path(work) / "model"
     tiny_model(model)

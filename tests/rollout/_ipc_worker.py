@@ -31,7 +31,7 @@ def main(rank: int, port: int, mode: str) -> None:
     srv = eng = None
     if rank == 0:
         from megatron_gspo.rollout.sglang.client import SGLangEngine
-        from megatron_gspo.rollout.standin_server import StandinServer
+        from megatron_gspo.rollout.standin.server import StandinServer
 
         torch.manual_seed(0)
         d = tempfile.mkdtemp()

@@ -38,7 +38,7 @@ def engine(tiny_model_dir):
 @pytest.fixture()
 def standin(engine):
     """A stand-in SGLang server in a thread, backed by `engine`."""
-    from megatron_gspo.rollout.standin_server import StandinServer
+    from megatron_gspo.rollout.standin.server import StandinServer
 
     srv = StandinServer(engine, model_path="tiny").start_in_thread()
     yield srv

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_multinode_worker.py")
-STANDIN = "megatron_gspo.rollout.standin_server"
+STANDIN = "megatron_gspo.rollout.standin.server"
 STEPS, SAMPLES = 3, 16  # train.max_steps, prompts_per_step x group_size in the worker
 
 

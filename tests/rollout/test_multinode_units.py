@@ -65,7 +65,7 @@ def test_advertised_names_every_interface_by_the_node_address():
 
 
 def test_client_leaves_a_refusing_server_out_and_loses_no_sample(engine):
-    from megatron_gspo.rollout.standin_server import StandinServer
+    from megatron_gspo.rollout.standin.server import StandinServer
 
     servers = [StandinServer(engine, model_path="tiny").start_in_thread() for _ in range(2)]
     with socket.socket() as s:  # a port where nothing listens: a dead server

@@ -107,7 +107,7 @@ def test_unrecoverable_and_bad_requests_fail_clearly(standin):
 
 def test_two_servers_share_load(engine, tiny_model_dir):
     from megatron_gspo.rollout.embedded import EmbeddedEngine
-    from megatron_gspo.rollout.standin_server import StandinServer
+    from megatron_gspo.rollout.standin.server import StandinServer
 
     a = StandinServer(engine).start_in_thread()
     b = StandinServer(EmbeddedEngine(tiny_model_dir, seed=1)).start_in_thread()
@@ -190,7 +190,7 @@ def test_shutdown_aborts_a_running_generate(standin):
 
 def test_router_url_gets_generation_workers_get_weights(engine, tiny_model_dir):
     from megatron_gspo.rollout.embedded import EmbeddedEngine
-    from megatron_gspo.rollout.standin_server import StandinServer
+    from megatron_gspo.rollout.standin.server import StandinServer
 
     worker = StandinServer(engine).start_in_thread()
     router = StandinServer(EmbeddedEngine(tiny_model_dir, seed=2)).start_in_thread()

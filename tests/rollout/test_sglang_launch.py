@@ -13,7 +13,7 @@ from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.sglang.launch import (LaunchSpec, check_local_gpus, router_argv,
                                                  server_argv)
 
-STANDIN = "megatron_gspo.rollout.standin_server"
+STANDIN = "megatron_gspo.rollout.standin.server"
 
 
 def test_server_argv_matches_sglang_flags():
@@ -148,7 +148,7 @@ def test_launched_ports_stay_within_sglang_grpc_rule(monkeypatch):
 
 
 def test_standin_refuses_ports_sglang_refuses(monkeypatch):
-    from megatron_gspo.rollout import standin_server
+    from megatron_gspo.rollout.standin import server as standin_server
 
     monkeypatch.delenv("SGLANG_GRPC_PORT", raising=False)
     with pytest.raises(ValueError, match=r"SGLANG_GRPC_PORT \(70000\) must be between 1 and "

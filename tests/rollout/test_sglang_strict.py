@@ -13,8 +13,8 @@ import pytest
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.sglang.protocol import parse_generate_output
-from megatron_gspo.rollout.standin_router import StandinRouter
-from megatron_gspo.rollout.standin_server import StandinServer
+from megatron_gspo.rollout.standin.router import StandinRouter
+from megatron_gspo.rollout.standin.server import StandinServer
 
 
 def _reqs(prompt_len=3, max_new=6, n=2):

@@ -42,7 +42,7 @@ def test_release_without_cpu_backup_loses_weights_until_pushed(client, standin, 
 
 
 def test_cpu_backup_keeps_weights(engine):
-    from megatron_gspo.rollout.standin_server import StandinServer
+    from megatron_gspo.rollout.standin.server import StandinServer
 
     srv = StandinServer(engine, weights_cpu_backup=True).start_in_thread()
     eng = SGLangEngine(server_urls=[srv.url], backoff_s=0.01)
@@ -71,7 +71,7 @@ def test_memory_tags_and_updates_while_released_are_refused(client, standin, eng
 
 
 def test_every_tp_rank_decodes_its_own_entry(engine):
-    from megatron_gspo.rollout.standin_server import StandinServer
+    from megatron_gspo.rollout.standin.server import StandinServer
 
     srv = StandinServer(engine, tp_size=2).start_in_thread()
     eng = SGLangEngine(server_urls=[srv.url], tp_size=2, backoff_s=0.01)
@@ -102,7 +102,7 @@ def test_tensor_sync_without_sglang_refused_before_any_payload(engine, tiny_mode
 
     from megatron_gspo.loop.build import sglang_engine
     from megatron_gspo.config import ConfigError, load_config
-    from megatron_gspo.rollout.standin_server import StandinServer
+    from megatron_gspo.rollout.standin.server import StandinServer
 
     srv = StandinServer(engine)
 
