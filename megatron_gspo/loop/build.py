@@ -197,7 +197,7 @@ def rollout_engine(cfg: Config, hf_config: dict, tok):
 
 def async_producer(cfg: Config, engine, prompts, score, tok, start_step: int):
     """The producer of asynchronous rollouts (`rollout.mode: async`), not yet started."""
-    from megatron_gspo.rollout.async_producer import AsyncProducer
+    from megatron_gspo.rollout.asynchronous.producer import AsyncProducer
     from megatron_gspo.rollout.base import GenerateRequest
 
     r = cfg.rollout

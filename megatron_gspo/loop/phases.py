@@ -183,8 +183,8 @@ def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: 
         (old, source, metrics): `old` is None when the engine's `rollout_logprobs` are used,
         else the learner's per-sample log-prob lists; source is "rollout" or "recompute".
     """
-    if _split_audit(cfg, samples, step):
-        from megatron_gspo.async_audit import split_old_logprobs  # stale samples: split audit
+    if _split_audit(cfg, samples, step):  # stale samples: split audit
+        from megatron_gspo.rollout.asynchronous.audit import split_old_logprobs
 
         return split_old_logprobs(cfg, learner, controller, samples, step, _padded, _correct)
     p, a = cfg.precision, cfg.algorithm

@@ -1,6 +1,6 @@
-"""Asynchronous rollouts (`rollout/async_producer.py`) against a scripted engine: the staleness
-bound, per-token weight versions across a partial rollout, abort/regenerate, no group lost or
-trained twice across pause/continue and a save/resume, and the length-bias report."""
+"""Asynchronous rollouts (`rollout/asynchronous/producer.py`) against a scripted engine: the
+staleness bound, per-token weight versions across a partial rollout, abort/regenerate, no group lost
+or trained twice across pause/continue and a save/resume, and the length-bias report."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from megatron_gspo.data.datasets import PromptIterator
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.rollout.async_producer import AsyncProducer
-from megatron_gspo.rollout.async_stats import step_report
+from megatron_gspo.rollout.asynchronous.producer import AsyncProducer
+from megatron_gspo.rollout.asynchronous.stats import step_report
 from megatron_gspo.rollout.base import (
     GenerateRequest,
     RolloutEngine,

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.rollout.async_gate import GatedEngine, UpdateGate
-from megatron_gspo.rollout.async_stats import step_report
+from megatron_gspo.rollout.asynchronous.gate import GatedEngine, UpdateGate
+from megatron_gspo.rollout.asynchronous.stats import step_report
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.groups import has_zero_variance, renumber
 
