@@ -173,7 +173,7 @@ def colocated_on_every_node(cfg: Config) -> bool:
     """True when every node launches its own colocated SGLang servers (`rollout.multinode`):
     launched (no server_urls), colocated, tensor weight sync, on a job of several nodes. Then
     `rollout_engine` is called on every rank (collective)."""
-    from megatron_gspo.rollout.multinode import nodes_in_job
+    from megatron_gspo.rollout.multinode.servers import nodes_in_job
 
     r = cfg.rollout
     return (r.engine == "sglang" and r.colocate and not r.server_urls
@@ -282,7 +282,7 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if launch is not None and colocated_on_every_node(cfg):  # each node launches its own
-        from megatron_gspo.rollout.multinode import start_node_servers
+        from megatron_gspo.rollout.multinode.servers import start_node_servers
 
         if r.launch_router or r.router_url:
             raise ConfigError("rollout.launch_router/router_url: not used with colocated "

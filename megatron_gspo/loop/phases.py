@@ -331,12 +331,12 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
     buckets = export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
                                 dtype=dtype)
     if _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
-        from megatron_gspo.rollout.multinode_sync import multinode_sync
+        from megatron_gspo.rollout.multinode.sync import multinode_sync
 
         st = multinode_sync(buckets, engine, version, num_servers=r.num_servers,
                             tp_size=r.tp_size)
     elif _tensor_sync(cfg):
-        from megatron_gspo.rollout.colocated_sync import colocated_sync
+        from megatron_gspo.rollout.multinode.colocated import colocated_sync
 
         st = colocated_sync(buckets, engine, version, num_servers=len(r.server_urls) or
                             r.num_servers, tp_size=r.tp_size, attached=bool(r.server_urls))
@@ -352,7 +352,7 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
 
         st = {}
         if _colocated_sglang(cfg):  # NCCL broadcast into servers on the learner's GPUs
-            from megatron_gspo.rollout.colocated_sync import in_memory_order
+            from megatron_gspo.rollout.multinode.colocated import in_memory_order
 
             st["order"] = in_memory_order(engine, send)
         else:

@@ -19,7 +19,7 @@ TINY = dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_siz
 def main(rank: int, port: int, mode: str) -> None:
     from megatron_gspo.megatron.export import bucketize
     from megatron_gspo.rollout.base import RolloutError
-    from megatron_gspo.rollout.colocated_sync import stream_buckets
+    from megatron_gspo.rollout.multinode.colocated import stream_buckets
     from megatron_gspo.rollout.embedded import EmbeddedEngine, build_hf_model
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

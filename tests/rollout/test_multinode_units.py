@@ -10,14 +10,14 @@ import socket
 import pytest
 
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
-from megatron_gspo.rollout.multinode import (
+from megatron_gspo.rollout.multinode.servers import (
     ClusterClient,
     advertised,
     layout_from,
     node_spec,
     nodes_in_job,
 )
-from megatron_gspo.rollout.multinode_sync import node_plan
+from megatron_gspo.rollout.multinode.sync import node_plan
 from megatron_gspo.rollout.sglang.launch import LaunchSpec
 
 

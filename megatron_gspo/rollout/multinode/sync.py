@@ -24,9 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.rollout.colocated_sync import (RESUME_AFTER, RESUME_FIRST, free_learner_cache,
-                                                   ranks_on_server_gpus)
-from megatron_gspo.rollout.multinode import (
+from megatron_gspo.rollout.multinode.colocated import (
+    RESUME_AFTER,
+    RESUME_FIRST,
+    free_learner_cache,
+    ranks_on_server_gpus,
+)
+from megatron_gspo.rollout.multinode.servers import (
     MultiNodeEngine,
     NodeLayout,
     advertised,
