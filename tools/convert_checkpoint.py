@@ -4,7 +4,7 @@
   mcore-to-hf --ckpt DIR [--hf-config DIR] --out DIR [--dtype ...] [--max-shard-size GB]
               [--tp N --pp N --ep N] [--force]
 
-Thin wrapper over `megatron_gspo.convert.cli` (also `megatron-gspo convert ...`).
+Thin wrapper over `megatron_gspo.cli.convert` (also `megatron-gspo convert ...`).
 """
 
 import sys
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_gspo.convert.cli import main  # noqa: E402
+from megatron_gspo.cli.convert import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `megatron-gspo` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "convert":
-        from megatron_gspo.convert.cli import main as convert_main
+        from megatron_gspo.cli.convert import main as convert_main
 
         return convert_main(argv[1:])
     parser = _parser()
@@ -99,6 +99,3 @@ def main(argv: list[str] | None = None) -> int:
         print("megatron-gspo: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())
