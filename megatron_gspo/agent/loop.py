@@ -34,10 +34,10 @@ def _check(cfg: Any) -> None:
 def make_runner(cfg: Any, engine: Any, tok: Any, temperature: float | None = None):
     """EpisodeRunner configured from `agent.*` and `rollout.*` (`temperature` overrides
     `rollout.temperature`, e.g. for evaluation; 0 is greedy)."""
-    from megatron_gspo.loop.build import sampling_params
+    from megatron_gspo.rollout.base import SamplingParams
 
     _check(cfg)
-    sampling = sampling_params(cfg, tok).with_n(1)
+    sampling = SamplingParams.for_rollouts(cfg.rollout, tok).with_n(1)
     if temperature is not None:
         sampling = replace(sampling, temperature=temperature)
     a = cfg.agent

@@ -145,27 +145,6 @@ def tokenizer(cfg: Config):
                           f"{str(e).splitlines()[0]}") from None
 
 
-def _stop_ids(cfg: Config, tok) -> tuple[int, ...]:
-    ids = list(cfg.rollout.stop_token_ids)
-    for t in ("<|im_end|>", "<|endoftext|>"):
-        tid = tok.convert_tokens_to_ids(t) if t in tok.get_vocab() else None
-        if tid is not None and tid not in ids:
-            ids.append(int(tid))
-    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
-        ids.append(int(tok.eos_token_id))
-    return tuple(ids)
-
-
-def sampling_params(cfg: Config, tok):
-    """Sampling parameters of the rollouts."""
-    from megatron_gspo.rollout.base import SamplingParams
-
-    r = cfg.rollout
-    return SamplingParams(max_new_tokens=r.max_new_tokens,
-                          temperature=r.temperature, top_p=r.top_p,
-                          top_k=r.top_k, n=r.group_size, stop_token_ids=_stop_ids(cfg, tok))
-
-
 STANDIN_MODULE = "megatron_gspo.rollout.standin.server"
 
 
@@ -184,21 +163,24 @@ def rollout_engine(cfg: Config, hf_config: dict, tok):
     """The embedded engine (in-process) or SGLang servers (launched or attached). With
     colocated servers on several nodes (`colocated_on_every_node`): collective, rank 0 gets the
     engine over all nodes, the other node leaders their node's servers, other ranks None."""
+    from megatron_gspo.rollout.base import SamplingParams
+
     r = cfg.rollout
+    sampling = SamplingParams.for_rollouts(r, tok)
     if r.engine == "embedded":
         from megatron_gspo.rollout.embedded import EmbeddedEngine
 
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return EmbeddedEngine(dict(hf_config), dtype=r.dtype, device=device, seed=cfg.train.seed,
-                              default_sampling=sampling_params(cfg, tok),
+                              default_sampling=sampling,
                               return_routing=cfg.moe.engine_routing and is_moe(hf_config))
-    return sglang_engine(cfg, sampling_params(cfg, tok), hf_config=hf_config)
+    return sglang_engine(cfg, sampling, hf_config=hf_config)
 
 
 def async_producer(cfg: Config, engine, prompts, score, tok, start_step: int):
     """The producer of asynchronous rollouts (`rollout.mode: async`), not yet started."""
     from megatron_gspo.rollout.asynchronous.producer import AsyncProducer
-    from megatron_gspo.rollout.base import GenerateRequest
+    from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
 
     r = cfg.rollout
 
@@ -206,21 +188,23 @@ def async_producer(cfg: Config, engine, prompts, score, tok, start_step: int):
         return GenerateRequest(prompt_ids=list(item.prompt_ids), prompt=item.prompt,
                                label=item.label, metadata={"row": item.row})
 
-    episodes = None
+    episodes = episode_metrics = None
     if cfg.agent.enabled:
         from megatron_gspo.agent.loop import make_runner
+        from megatron_gspo.agent.runner import episode_metrics
 
         def episodes(eng, requests, group_size):
             items = [{**dict(q.metadata), "prompt": q.prompt, "label": q.label}
                      for q in requests]
             return make_runner(cfg, eng, tok).run_batch_sync(items, n_per_prompt=group_size)
 
-    return AsyncProducer(engine, prompts, to_request, score, sampling_params(cfg, tok),
+    return AsyncProducer(engine, prompts, to_request, score, SamplingParams.for_rollouts(r, tok),
                          group_size=r.group_size, groups_per_step=cfg.train.prompts_per_step,
                          max_staleness=r.max_staleness, max_steps=cfg.train.max_steps,
                          start_step=start_step, update_in_flight=r.update_in_flight,
                          chunk_tokens=r.chunk_tokens,
-                         drop_zero_variance=r.drop_zero_variance_groups, episodes=episodes)
+                         drop_zero_variance=r.drop_zero_variance_groups, episodes=episodes,
+                         episode_metrics=episode_metrics)
 
 
 def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,

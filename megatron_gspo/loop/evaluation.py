@@ -93,7 +93,7 @@ def _requests(prompts):
 def _generate(cfg: Any, engine: Any, tok: Any, score, prompts, n: int) -> tuple[list[Sample],
                                                                                 dict]:
     """n scored responses per prompt (group_index = prompt position) and extra metrics."""
-    from megatron_gspo.loop.build import sampling_params
+    from megatron_gspo.rollout.base import SamplingParams
 
     if cfg.agent.enabled:
         from megatron_gspo.agent.loop import make_runner
@@ -104,7 +104,8 @@ def _generate(cfg: Any, engine: Any, tok: Any, score, prompts, n: int) -> tuple[
         runner = make_runner(cfg, engine, tok, temperature=cfg.train.eval_temperature)
         samples = runner.run_batch_sync(items, n_per_prompt=n)
         return samples, episode_metrics(samples)
-    sp = replace(sampling_params(cfg, tok), n=n, temperature=cfg.train.eval_temperature)
+    sp = replace(SamplingParams.for_rollouts(cfg.rollout, tok), n=n,
+                 temperature=cfg.train.eval_temperature)
     reqs = [replace(r, sampling=sp, group_index=i) for i, r in enumerate(_requests(prompts))]
     samples = engine.generate(reqs)
     score(samples)

@@ -43,7 +43,7 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
     Returns:
         (samples, metrics)
     """
-    from megatron_gspo.loop.build import sampling_params
+    from megatron_gspo.rollout.base import SamplingParams
     from megatron_gspo.rollout.groups import GroupSampler
 
     if producer is None and hasattr(engine, "generator"):  # per-step seed: same after a resume
@@ -56,7 +56,7 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
         samples, m = rollout_episodes(cfg, engine, _requests(prompts), tok, step)
     else:
         sampler = GroupSampler(engine, cfg.rollout.group_size, score,
-                               sampling=sampling_params(cfg, tok),
+                               sampling=SamplingParams.for_rollouts(cfg.rollout, tok),
                                oversample_factor=cfg.rollout.over_sample,
                                drop_zero_variance=cfg.rollout.drop_zero_variance_groups)
         samples, gm = sampler.collect(_requests(prompts), cfg.train.prompts_per_step)

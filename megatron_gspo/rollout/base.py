@@ -82,6 +82,30 @@ class SamplingParams:
         """True when the temperature is (numerically) zero."""
         return self.temperature < 1e-6
 
+    @classmethod
+    def for_rollouts(cls, rollout: Any, tok: Any) -> SamplingParams:
+        """The sampling parameters of a run's rollouts.
+
+        Args:
+            rollout: the `rollout` config section (max_new_tokens, temperature, top_p, top_k,
+                group_size, stop_token_ids).
+            tok: the tokenizer; its ChatML end tokens and end-of-sequence token are added to the
+                configured stop tokens.
+        Returns:
+            SamplingParams with n = the group size.
+        """
+        ids = [int(t) for t in rollout.stop_token_ids]
+        vocab = tok.get_vocab()
+        for t in ("<|im_end|>", "<|endoftext|>"):
+            tid = tok.convert_tokens_to_ids(t) if t in vocab else None
+            if tid is not None and tid not in ids:
+                ids.append(int(tid))
+        if tok.eos_token_id is not None and tok.eos_token_id not in ids:
+            ids.append(int(tok.eos_token_id))
+        return cls(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                   top_p=rollout.top_p, top_k=rollout.top_k, n=rollout.group_size,
+                   stop_token_ids=tuple(ids))
+
     def with_n(self, n: int) -> SamplingParams:
         """Copy with another n."""
         return replace(self, n=n)

@@ -85,6 +85,8 @@ class AsyncProducer:
         drop_zero_variance: discard (and replace) groups whose rewards are all equal.
         episodes: agent mode: callable(engine, requests, group_size) -> Samples, request by
             request (G each), with metadata["weight_versions"] per turn; None: single-turn.
+        episode_metrics: agent mode: callable(Samples) -> the episode metrics of a step's
+            samples (turns, tool calls, ...), merged into the step's report.
     """
 
     def __init__(self, engine: Any, prompts: Iterator[Any],
@@ -92,7 +94,8 @@ class AsyncProducer:
                  score: Callable[[list[Sample]], None], sampling: SamplingParams, *,
                  group_size: int, groups_per_step: int, max_staleness: int, max_steps: int,
                  start_step: int = 0, update_in_flight: str = "continue", chunk_tokens: int = 64,
-                 drop_zero_variance: bool = False, episodes: Callable | None = None) -> None:
+                 drop_zero_variance: bool = False, episodes: Callable | None = None,
+                 episode_metrics: Callable[[list[Sample]], dict] | None = None) -> None:
         if update_in_flight not in ("continue", "abort"):
             raise ValueError(f"rollout.update_in_flight: expected continue or abort, got "
                              f"{update_in_flight!r}")
@@ -102,6 +105,7 @@ class AsyncProducer:
         self.G, self.B, self.k = group_size, groups_per_step, max_staleness
         self.max_steps, self.mode, self.chunk = max_steps, update_in_flight, chunk_tokens
         self.drop_zero_variance, self.episodes = drop_zero_variance, episodes
+        self.episode_metrics = episode_metrics
         self.gate = UpdateGate()
         self._cond = threading.Condition()
         self._groups: list[_Group] = []  # admitted, not yet taken, in admission order
@@ -173,10 +177,8 @@ class AsyncProducer:
                   "async/groups_waiting": float(waiting), "async/groups_in_flight":
                   float(in_flight), "async/admitted_version_min": float(head[0].version)})
         m.update({f"async/{k}_total": float(v) for k, v in self.counters.items()})
-        if self.episodes is not None:
-            from megatron_gspo.agent.runner import episode_metrics
-
-            m.update(episode_metrics(samples))
+        if self.episode_metrics is not None:
+            m.update(self.episode_metrics(samples))
         return samples, m
 
     # ------------------------------------------------------------------ checkpoints
