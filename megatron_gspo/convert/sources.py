@@ -25,6 +25,9 @@ from megatron_gspo.convert.base import ConversionError
 from megatron_gspo.convert.hf_io import read_config
 
 MODEL_INFO = "megatron_gspo_model.json"
+META_NAME = "megatron_gspo_checkpoint.json"  # a converted checkpoint's metadata (hf-to-mcore)
+HF_SIDE_DIR = "hf_config"  # its HF config and tokenizer files
+FORMAT = "megatron_gspo/dist_checkpoint/v1"
 _STEP_RE = re.compile(r"^step_\d{8}$")
 
 
@@ -132,16 +135,23 @@ def _run_source(step: Path, notes: list[str]) -> CheckpointSource:
     return CheckpointSource("run", step, dist_dir, stored, _run_model_path(step), dtype, notes)
 
 
+def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
+    """The metadata dict of a checkpoint written by `megatron.checkpoint_io.save_checkpoint`."""
+    path = Path(ckpt_dir) / META_NAME
+    if not path.is_file():
+        raise ConversionError(f"{ckpt_dir}: not a megatron_gspo checkpoint ({META_NAME} missing)")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ConversionError(f"{path}: unknown format {meta.get('format')!r}, expected {FORMAT}")
+    return meta
+
+
 def resolve_checkpoint(ckpt: str | os.PathLike) -> CheckpointSource:
     """Resolve ``--ckpt`` (see the module docstring); one-line ConversionError otherwise."""
-    from megatron_gspo.megatron.checkpoint_io import HF_SIDE_DIR, META_NAME
-
     path = Path(ckpt)
     if not path.is_dir():
         raise ConversionError(f"--ckpt {ckpt}: no such directory")
     if (path / META_NAME).is_file():
-        from megatron_gspo.megatron.checkpoint_io import read_checkpoint_metadata
-
         meta = read_checkpoint_metadata(path)
         side = path / HF_SIDE_DIR
         stored = read_config(side) if (side / "config.json").is_file() else None

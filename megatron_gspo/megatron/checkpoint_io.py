@@ -32,11 +32,13 @@ from megatron_gspo.convert.base import (
     to_mcore_tensor,
 )
 from megatron_gspo.convert.hf_io import HFCheckpointReader, commit_output_dir, copy_side_files
+from megatron_gspo.convert.sources import (  # the on-disk format, shared with the converter
+    FORMAT,
+    HF_SIDE_DIR,
+    META_NAME,
+)
 from megatron_gspo.convert.sharding import expert_index, layer_index, rename_indices, tp_shard
 
-META_NAME = "megatron_gspo_checkpoint.json"
-HF_SIDE_DIR = "hf_config"
-FORMAT = "megatron_gspo/dist_checkpoint/v1"
 
 
 def normalize_hf_config(cfg: Mapping) -> dict:
@@ -254,17 +256,6 @@ def save_checkpoint(
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
-    """The metadata dict of a checkpoint written by `save_checkpoint`."""
-    path = Path(ckpt_dir) / META_NAME
-    if not path.is_file():
-        raise ConversionError(f"{ckpt_dir}: not a megatron_gspo checkpoint ({META_NAME} missing)")
-    meta = json.loads(path.read_text())
-    if meta.get("format") != FORMAT:
-        raise ConversionError(f"{path}: unknown format {meta.get('format')!r}, expected {FORMAT}")
-    return meta
 
 
 @torch.no_grad()
