@@ -197,6 +197,8 @@ class PythonSandbox:
             if rc is not None and rc < 0:
                 rc = None if rc == -signal.SIGKILL else rc
             err_text = err.decode(errors="replace")
+            if not ns and not over and (used := _disk_usage(tmp)) > self.max_disk_bytes:
+                over.append(used)  # passed the quota between two checks
             if over:
                 rc, timed_out = None, False
                 err_text += f"\n{_QUOTA_MARK} ({over[0]} bytes)\n"
