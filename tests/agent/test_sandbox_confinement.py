@@ -73,6 +73,21 @@ def test_refuses_without_landlock(monkeypatch):
     assert rc != 0 and "root:" not in out
 
 
+def test_config_check_refuses_python_tool_without_landlock(monkeypatch):
+    from pathlib import Path
+
+    from megatron_gspo.config import ConfigError, load_config
+    from megatron_gspo.early_checks import _check_agent
+
+    config = Path(__file__).resolve().parents[2] / "examples/multiturn_agent/config_cpu.yaml"
+    cfg = load_config(config, ["agent.python_tool=true"])
+    _check_agent(cfg)
+    monkeypatch.setattr(sandbox_os, "landlock_abi", lambda: 0)
+    with pytest.raises(ConfigError, match="agent.python_tool: this kernel has no Landlock"):
+        _check_agent(cfg)
+    _check_agent(load_config(config, ["agent.python_tool=false"]))
+
+
 # One thread renames m1/m2/d to d and back; the other opens d's deep subdirectory and climbs
 # back up as many `..` as it went down. The hook sees the temp dir; when a rename lands in the
 # middle of the kernel's walk, the walk climbs two levels too many and ends at `/`. Each landing
