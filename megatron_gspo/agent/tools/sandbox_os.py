@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -87,24 +88,67 @@ def death_prefix() -> tuple[str, ...]:
     return (sys.executable, "-I", "-S", "-c", PDEATHSIG_PY)
 
 
+def _needed(path: str) -> list[str]:
+    """DT_NEEDED entries of a 64-bit little-endian ELF shared object ([] if not one)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return []
+    if data[:6] != b"\x7fELF\x02\x01":
+        return []
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    loads, dyn = [], None
+    for i in range(phnum):
+        p_type, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from(
+            "<IIQQQQ", data, phoff + i * phentsize)
+        if p_type == 1:  # PT_LOAD
+            loads.append((p_vaddr, p_offset, p_filesz))
+        elif p_type == 2:  # PT_DYNAMIC
+            dyn = (p_offset, p_filesz)
+    if dyn is None:
+        return []
+    entries = [struct.unpack_from("<qQ", data, dyn[0] + k) for k in range(0, dyn[1], 16)]
+    strtab = next((v for t, v in entries if t == 5), None)  # DT_STRTAB (an address)
+    if strtab is None:
+        return []
+    base = next((off + strtab - va for va, off, size in loads if va <= strtab < va + size), None)
+    if base is None:
+        return []
+    out = []
+    for tag, val in entries:
+        if tag == 1:  # DT_NEEDED
+            end = data.index(b"\0", base + val)
+            out.append(data[base + val:end].decode(errors="replace"))
+    return out
+
+
+_LIB_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu",
+             "/usr/lib/aarch64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib",
+             "/usr/local/lib")
+
+
 @functools.lru_cache(maxsize=1)
 def readable_files() -> tuple[str, ...]:
-    """Shared libraries needed by the extension modules of the standard library, and the
-    dynamic loader's cache (found with `ldd`; none when it is missing)."""
-    ldd = shutil.which("ldd")
+    """Shared libraries the standard library's extension modules load (their DT_NEEDED
+    closure, looked up in the interpreter's and the system's library directories) and the
+    dynamic loader's cache: the only files outside the standard library a sandboxed program
+    may read."""
+    dirs = [sysconfig.get_config_var("LIBDIR") or "", *_LIB_DIRS]
     dynload = os.path.join(sysconfig.get_paths()["stdlib"], "lib-dynload")
-    mods = sorted(glob.glob(os.path.join(dynload, "*.so")))
-    found = {"/etc/ld.so.cache"}
-    if ldd is not None and mods:
-        try:
-            out = subprocess.run([ldd, *mods], capture_output=True, text=True, timeout=60,
-                                 check=False).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            out = ""
-        for line in out.splitlines():
-            m = re.search(r"=>\s*(/\S+)", line)
-            if m:
-                found.add(m.group(1))
+    todo = sorted(glob.glob(os.path.join(dynload, "*.so")))
+    seen, found = set(), {"/etc/ld.so.cache"}
+    while todo:
+        for name in _needed(todo.pop()):
+            if name in seen:
+                continue
+            seen.add(name)
+            lib = next((os.path.join(d, name) for d in dirs
+                        if d and os.path.isfile(os.path.join(d, name))), None)
+            if lib is not None:
+                found.add(lib)
+                todo.append(lib)
     out = set()
     for p in found:
         if os.path.isfile(p):
