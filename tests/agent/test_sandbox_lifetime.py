@@ -94,3 +94,56 @@ def test_tool_call_dies_with_the_trainer(tmp_path, sig):
     assert not run_traces(p.pid)
     print(f"{sig.name}: {len(procs)} processes of the call gone; {len(traces)} temp dirs/"
           "cgroups left by the trainer, removed by the next sweep")
+
+
+_PARENT = (
+    "import asyncio, sys\n"
+    "from megatron_gspo.agent.tools.python_sandbox import PythonSandbox\n"
+    "sb = PythonSandbox(wall_timeout_s=300)\n"
+    "sb.isolate_network = sys.argv[1] == '1'\n"
+    "asyncio.run(sb.run('import time\\ntime.sleep(300)'))\n"
+)
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_tool_call_dies_with_a_killed_parent(isolate):
+    """The same for a bare process running one call (no trainer), with and without the PID
+    namespace."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-c", _PARENT, "1" if isolate else "0"], env=env)
+    try:
+        procs = wait_for_tool_call(p, timeout=120)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert not leftovers(procs), leftovers(procs)
+    assert run_traces(p.pid)
+    sandbox_os.sweep_stale()
+    assert not run_traces(p.pid)
+
+
+def test_sweep_removes_only_what_dead_owners_left(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = sandbox_os.PREFIX + f"{dead.pid}-x"
+    mine = sandbox_os.make_temp_dir()
+    os.mkdir(os.path.join(tempfile.gettempdir(), stale))
+    cg = None
+    if os.access(sandbox_os.PIDS_ROOT, os.W_OK):  # a stale cgroup with a process still in it
+        cg = os.path.join(sandbox_os.PIDS_ROOT, f"{sandbox_os.PREFIX}{dead.pid}-0")
+        os.mkdir(cg)
+        sleeper = subprocess.Popen(
+            ["/bin/sh", "-c", f'echo $$ > "{cg}/cgroup.procs"; exec sleep 300'])
+        time.sleep(0.3)
+    try:
+        sandbox_os.sweep_stale()
+        assert not os.path.exists(os.path.join(tempfile.gettempdir(), stale))
+        assert os.path.isdir(mine)  # this process is alive: its dir stays
+        if cg is not None:
+            assert sleeper.wait(timeout=10) == -signal.SIGKILL
+            assert not os.path.exists(cg)
+    finally:
+        os.rmdir(mine)
