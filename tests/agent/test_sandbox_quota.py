@@ -54,7 +54,7 @@ def test_three_concurrent_calls_hold_their_own_quota_each():
         return await asyncio.gather(*(sb.run(_WRITE.format(total=12)) for _ in range(3)))
 
     wrote = []
-    for rc, out, err, _ in asyncio.run(three()):
+    for _rc, out, err, _ in asyncio.run(three()):
         assert "No space left on device" in err, err
         wrote.append(int(out.split()[-1]))
     assert all(n <= 4 for n in wrote) and sum(wrote) <= 3 * 4, wrote
