@@ -66,8 +66,9 @@ def _alive(q: psutil.Process) -> bool:
 
 
 def run_traces(pid: int) -> list[str]:
-    return (glob.glob(os.path.join(tempfile.gettempdir(), f"{sandbox_os.PREFIX}{pid}-*"))
-            + glob.glob(os.path.join(sandbox_os.PIDS_ROOT, f"{sandbox_os.PREFIX}{pid}-*")))
+    tag = sandbox_os.owner_tag(pid)
+    return (glob.glob(os.path.join(tempfile.gettempdir(), f"{tag}*"))
+            + glob.glob(os.path.join(sandbox_os.PIDS_ROOT, f"{tag}*")))
 
 
 @pytest.mark.slow
@@ -128,12 +129,14 @@ def test_tool_call_dies_with_a_killed_parent(isolate):
 def test_sweep_removes_only_what_dead_owners_left(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = sandbox_os.PREFIX + f"{dead.pid}-x"
+    stale = sandbox_os.owner_tag(dead.pid) + "x"
+    other_ns = f"{sandbox_os.PREFIX}{dead.pid}.1-x"  # same pid, another PID namespace: kept
     mine = sandbox_os.make_temp_dir()
     os.mkdir(os.path.join(tempfile.gettempdir(), stale))
+    os.mkdir(os.path.join(tempfile.gettempdir(), other_ns))
     cg = None
     if os.access(sandbox_os.PIDS_ROOT, os.W_OK):  # a stale cgroup with a process still in it
-        cg = os.path.join(sandbox_os.PIDS_ROOT, f"{sandbox_os.PREFIX}{dead.pid}-0")
+        cg = os.path.join(sandbox_os.PIDS_ROOT, sandbox_os.owner_tag(dead.pid) + "0")
         os.mkdir(cg)
         sleeper = subprocess.Popen(
             ["/bin/sh", "-c", f'echo $$ > "{cg}/cgroup.procs"; exec sleep 300'])
@@ -142,8 +145,10 @@ def test_sweep_removes_only_what_dead_owners_left(tmp_path):
         sandbox_os.sweep_stale()
         assert not os.path.exists(os.path.join(tempfile.gettempdir(), stale))
         assert os.path.isdir(mine)  # this process is alive: its dir stays
+        assert os.path.isdir(os.path.join(tempfile.gettempdir(), other_ns))
         if cg is not None:
             assert sleeper.wait(timeout=10) == -signal.SIGKILL
             assert not os.path.exists(cg)
     finally:
         os.rmdir(mine)
+        os.rmdir(os.path.join(tempfile.gettempdir(), other_ns))

@@ -268,7 +268,7 @@ class Chaos:
         self.counts["python_tool_processes_killed"] += len(procs)
         traces = [f"{root}/{n}" for root in (tempfile.gettempdir(), sandbox_os.PIDS_ROOT)
                   if os.path.isdir(root)
-                  for n in os.listdir(root) if n.startswith(f"{sandbox_os.PREFIX}{p.pid}-")]
+                  for n in os.listdir(root) if n.startswith(sandbox_os.owner_tag(p.pid))]
         sandbox_os.sweep_stale()
         if any(os.path.exists(t) for t in traces):
             self.counts["violations"] += 1

@@ -31,7 +31,20 @@ import time
 PIDS_ROOT = "/sys/fs/cgroup/pids"
 PREFIX = "gspo-sandbox-"
 _CG_IDS = itertools.count()
-_NAME = re.compile(re.escape(PREFIX) + r"(\d+)-")
+_NAME = re.compile(re.escape(PREFIX) + r"(\d+)\.(\d+)-")
+
+
+def _pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """Start of the names of the temp dirs and cgroups made by process `pid` (default: this
+    one): its pid and PID namespace, so a sweep never takes another namespace's pids for dead."""
+    return f"{PREFIX}{os.getpid() if pid is None else pid}.{_pid_ns()}-"
 
 
 @functools.lru_cache(maxsize=1)
@@ -163,7 +176,7 @@ def make_pids_cgroup(max_processes: int) -> str | None:
         return None
     path = None
     try:
-        path = os.path.join(PIDS_ROOT, f"{PREFIX}{os.getpid()}-{next(_CG_IDS)}")
+        path = os.path.join(PIDS_ROOT, f"{owner_tag()}{next(_CG_IDS)}")
         os.mkdir(path)
         with open(os.path.join(path, "pids.max"), "w") as f:
             f.write(str(max_processes))
@@ -206,12 +219,12 @@ def remove_cgroup(path: str) -> None:
 
 def make_temp_dir() -> str:
     """A fresh temp dir named after this process (so a later sweep knows its owner)."""
-    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
+    return tempfile.mkdtemp(prefix=owner_tag())
 
 
 def _owner_gone(name: str) -> bool:
     m = _NAME.match(name)
-    if m is None:
+    if m is None or int(m.group(2)) != _pid_ns():
         return False
     try:
         os.kill(int(m.group(1)), 0)
