@@ -64,6 +64,19 @@ def test_os_alone_refuses_reads_outside(secret, isolate):
     assert rc == 0 and out.split() == ["True", "x", str(__import__("zlib").crc32(b"a"))], err
 
 
+def test_calculator_env_python_tool_reads_nothing_outside(secret, monkeypatch):
+    """The config's path (agent.python_tool: true -> CalculatorEnv's python tool, a hermes tool
+    call), with the audit hook off so that only the OS stands in the way."""
+    monkeypatch.setattr(PythonSandbox, "_audit_hook", False)
+    env = make_env_factory("calculator", {
+        "python_tool": True, "tool_timeout_s": 30, "max_tool_output_chars": 20000,
+        "python_kwargs": {"cpu_seconds": 2, "wall_timeout_s": 20, "max_output_chars": 20000}})()
+    asyncio.run(env.reset({"prompt": "2+2?", "label": 4}))
+    out = asyncio.run(env.step(_tool_call(_reads(secret)))).observation[0]["content"]
+    assert SECRET not in out and "root:" not in out and "READ" not in out, out
+    assert out.count("refused") == 12, out
+
+
 def test_refuses_without_landlock(monkeypatch):
     monkeypatch.setattr(sandbox_os, "landlock_abi", lambda: 0)
     with pytest.raises(SandboxUnavailable, match="no Landlock"):
