@@ -248,7 +248,9 @@ class AgentConfig:
     advantage: str = option("episode", "episode-level (GSPO) or turn-level (GSPO-token)",
                             choices=("episode", "turn"))
     turn_discount: float = option(1.0, "discount of later-turn rewards", ge=0, le=1)
-    python_tool: bool = option(False, "enable the sandboxed Python tool")
+    python_tool: bool = option(False, "enable the sandboxed Python tool (needs Landlock; its "
+                               "limits, e.g. max_disk_mb: the byte quota of a call's temp dir, "
+                               "64 MiB, go in env_kwargs.python_kwargs; see README)")
     env_kwargs: dict[str, Any] = option({}, "constructor arguments of the environment (tool "
                                         "timeouts, output caps, sandbox limits, ...)")
     turn_normalization: str = option("pooled", "turn-level advantages: normalise all turns of a "

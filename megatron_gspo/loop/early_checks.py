@@ -116,6 +116,7 @@ def _check_agent(cfg: Config) -> None:
     kwargs = dict(cfg.agent.env_kwargs)
     if cfg.agent.python_tool:
         kwargs["python_tool"] = True
+        _check_python_sandbox(kwargs.get("python_kwargs"))
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as e:
@@ -123,6 +124,19 @@ def _check_agent(cfg: Config) -> None:
                           f"{sorted(kwargs)}: {e}") from None
     except ValueError:
         pass  # no introspectable signature
+
+
+def _check_python_sandbox(python_kwargs) -> None:
+    """agent.python_tool: the kernel can confine the sandbox (Landlock), or the config says
+    the audit hook alone will do."""
+    from megatron_gspo.agent.tools.sandbox_os import landlock_abi
+
+    opts = python_kwargs if isinstance(python_kwargs, dict) else {}
+    if opts.get("require_landlock", True) and not landlock_abi():
+        raise ConfigError(
+            "agent.python_tool: this kernel has no Landlock (Linux >= 5.13 with landlock "
+            "enabled), so the python sandbox cannot keep reads inside its temp dir; turn the "
+            "tool off, or set agent.env_kwargs.python_kwargs.require_landlock: false")
 
 
 def _check_agent_chat(cfg: Config, tok) -> None:

@@ -3,7 +3,9 @@ rename/COMPLETE window, a second writer, a damaged newest checkpoint, NaN steps.
 injection the run is resumed to the end and must give the metrics of an undisturbed run (every
 non-timing value of every metrics.jsonl row, bit for bit), and nothing that looks complete may
 be wrong (every checkpoint with COMPLETE verifies, its trainer.json names its step; no lock
-left behind).
+left behind). `kill_python_tool` kills an agent run (the multi-turn demo with the python tool)
+with -9 in the middle of a python tool call: no process of the run may be left, and the next
+sandbox made removes the call's temp dir and cgroup.
 
     python tests/loop/chaos.py --rounds 10 --seed 0 [--workdir DIR] [--model DIR]
 
@@ -39,7 +41,12 @@ SETTINGS = [f"train.max_steps={STEPS}", "checkpoint.interval=1", "checkpoint.kee
             "logging.tensorboard=false", "train.eval_interval=0", "logging.log_samples=0",
             "precision.audit_fraction=0.5"]
 TIMING = ("time", "time/", "tokens_per_s", "time_fwd_bwd", "time_optimizer")
-KINDS = ("kill_random", "kill_window", "second_writer", "corrupt_newest", "nan_step")
+KINDS = ("kill_random", "kill_window", "second_writer", "corrupt_newest", "nan_step",
+         "kill_python_tool")
+AGENT_CONFIG = ROOT / "examples" / "multiturn_agent" / "config_cpu.yaml"
+AGENT_SETTINGS = ["agent.environment=tests/agent/sleepy_python_env.py:SleepyPythonEnv",
+                  "agent.python_tool=true", "train.max_steps=1", "train.prompts_per_step=1",
+                  "rollout.group_size=2", "train.eval_interval=0", "logging.tensorboard=false"]
 
 
 class Chaos:
@@ -228,6 +235,44 @@ class Chaos:
         if any(rows[s] != clean[s] for s in range(NAN_STEP)):  # before the NaN: as undisturbed
             self.counts["mismatches"] += 1
             self.problems.append(f"{run.name}: steps before the NaN step differ")
+
+    def kill_python_tool(self, run: Path) -> None:
+        import psutil
+
+        from megatron_gspo.agent.tools import sandbox_os
+
+        extra = [f"model.path={self.model}"] if self.model else []
+        p = subprocess.Popen([sys.executable, "-m", "megatron_gspo.cli", "train",
+                              str(AGENT_CONFIG), "--run-dir", str(run), *AGENT_SETTINGS, *extra],
+                             cwd=ROOT, env=self._env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+        procs, deadline = [], time.time() + 600
+        while not procs and p.poll() is None and time.time() < deadline:
+            try:
+                kids = psutil.Process(p.pid).children(recursive=True)
+                if any("_landlock" in " ".join(k.cmdline()) for k in kids):
+                    time.sleep(0.3)
+                    procs = psutil.Process(p.pid).children(recursive=True)
+            except psutil.Error:
+                pass
+            time.sleep(0.1)
+        if not self._kill(p) or not procs:
+            self.problems.append(f"{run.name}: no python tool call to kill in ({p.returncode})")
+            return
+        self.counts["kill_python_tool"] += 1
+        time.sleep(2.0)
+        left = [q.pid for q in procs if q.is_running() and q.status() != psutil.STATUS_ZOMBIE]
+        if left:
+            self.counts["violations"] += 1
+            self.problems.append(f"{run.name}: {len(left)} processes of the tool call left")
+        self.counts["python_tool_processes_killed"] += len(procs)
+        traces = [f"{root}/{n}" for root in (tempfile.gettempdir(), sandbox_os.PIDS_ROOT)
+                  if os.path.isdir(root)
+                  for n in os.listdir(root) if n.startswith(sandbox_os.owner_tag(p.pid))]
+        sandbox_os.sweep_stale()
+        if any(os.path.exists(t) for t in traces):
+            self.counts["violations"] += 1
+            self.problems.append(f"{run.name}: temp dirs/cgroups of the call not swept")
 
     def run(self, rounds: int) -> int:
         self.reference()
