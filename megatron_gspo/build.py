@@ -51,10 +51,11 @@ def learner(cfg: Config, hf_config: dict):
     """The Megatron-Core learner of this rank (starts torch.distributed and parallel state)."""
     from megatron_gspo.megatron.learner import BatchSettings, Learner
     from megatron_gspo.megatron.optimizer import OptimSettings
-    from megatron_gspo.megatron.parallel import ParallelLayout
+    from megatron_gspo.megatron.parallel import ParallelLayout, configure_timeouts
     from megatron_gspo.megatron.step import LossSettings
 
     p, o, a = cfg.parallel, cfg.optimizer, cfg.algorithm
+    configure_timeouts(p.timeout, p.rank0_wait_timeout)
     lo, hi = a.clip_range()
     layout = ParallelLayout(tensor=p.tensor, pipeline=p.pipeline,
                             virtual_pipeline=p.virtual_pipeline, expert=p.expert,
@@ -261,8 +262,14 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
             master = (host, int(port))
         else:
             from megatron_gspo.megatron.parallel import free_port
+            from megatron_gspo.rollout.multinode import update_master_address
 
-            master = (os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port())
+            try:  # MASTER_ADDR, or this node's routable address for servers on other hosts
+                host = update_master_address(list(r.server_urls) + (
+                    [r.router_url] if r.router_url else []))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            master = (host, free_port())
     # MoE: each token's routed experts (SGLang's return_routed_experts)
     routing = cfg.moe.engine_routing and is_moe(hf_config or {})
     launch = None

@@ -66,6 +66,12 @@ class ParallelConfig:
     sequence_parallel: bool = option(False, "sequence parallelism (needs tensor > 1)")
     backend: str = option("auto", "torch.distributed backend: nccl on GPU, gloo on CPU (auto)",
                           choices=("auto", "nccl", "gloo"))
+    timeout: float = option(
+        1800.0, "seconds one collective among the learner's ranks may wait before the job fails "
+        "(the default process group; NCCL's watchdog ends the job)", gt=0)
+    rank0_wait_timeout: float = option(
+        86400.0, "seconds ranks 1..N may wait for rank 0's rollout, scoring, evaluation, "
+        "weight push and server start-up (on a gloo group of its own, not NCCL)", gt=0)
 
 
 @dataclass
@@ -119,7 +125,8 @@ class RolloutConfig:
                               choices=("auto", "tensor", "distributed"))
     weight_sync_master: str | None = option(
         None, "host:port of the learner's NCCL weight-update group (distributed sync); default "
-        "MASTER_ADDR and a free port")
+        "MASTER_ADDR and a free port, or, when MASTER_ADDR is a loopback address and the "
+        "servers are on other hosts, this node's address on the route to them")
     router_url: str | None = option(None, "send generation through this running sglang-router")
     launch_router: bool = option(False, "start an sglang-router over the launched servers")
     router_policy: str = option("cache_aware", "sglang-router load-balancing policy")
