@@ -41,8 +41,6 @@ class ModelConfig:
                         choices=("float32", "bfloat16", "float16"))
     transformer_impl: str = option("auto", "layer spec: TE when importable (auto), or forced",
                                    choices=("auto", "local", "transformer_engine"))
-    make_vocab_size_divisible_by: int = option(
-        128, "pad the vocabulary to a multiple of lcm(this, TP)", ge=1)
     recompute_activations: bool = option(False, "full activation recomputation in the learner")
     load_checkpoint: str | None = option(
         None, "Megatron dist checkpoint to initialise from instead of the HF weights")
@@ -64,8 +62,6 @@ class ParallelConfig:
                                        ge=1)
     context: int = option(1, "context-parallel size (needs Transformer Engine attention)", ge=1)
     sequence_parallel: bool = option(False, "sequence parallelism (needs tensor > 1)")
-    backend: str = option("auto", "torch.distributed backend: nccl on GPU, gloo on CPU (auto)",
-                          choices=("auto", "nccl", "gloo"))
     timeout: float = option(
         1800.0, "seconds one collective among the learner's ranks may wait before the job fails "
         "(the default process group; NCCL's watchdog ends the job)", gt=0)
@@ -292,7 +288,10 @@ class TrainConfig:
                                     "empty: 1, 2, 4, ... up to eval_samples, and eval_samples")
     eval_pass_threshold: float = option(1.0, "an eval response counts as correct for pass@k "
                                         "when its reward is at least this")
-    deterministic: bool = option(False, "deterministic algorithms (slower; for reproducibility)")
+    deterministic: bool = option(
+        False, "reproducible runs (slower): torch.use_deterministic_algorithms, cuDNN "
+        "deterministic, CUBLAS_WORKSPACE_CONFIG=:4096:8, NCCL_ALGO=Ring, Megatron-Core's "
+        "deterministic_mode (and NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 for TE attention)")
     max_skipped_steps: int = option(
         3, "stop with an error after this many steps in a row whose optimizer updates were all "
         "skipped for a non-finite loss or gradient (0: never stop)", ge=0)
@@ -327,7 +326,6 @@ class CheckpointConfig:
     keep_last: int = option(2, "complete checkpoints kept (older ones deleted)", ge=1)
     checksums: bool = option(True, "store sha256 of every checkpoint file in COMPLETE and verify "
                              "it on resume (False: sizes only; saves one read of each file)")
-    save_optimizer: bool = option(True, "include optimizer and scheduler state")
 
 
 @dataclass
