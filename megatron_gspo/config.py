@@ -62,12 +62,10 @@ class ParallelConfig:
                                        ge=1)
     context: int = option(1, "context-parallel size (needs Transformer Engine attention)", ge=1)
     sequence_parallel: bool = option(False, "sequence parallelism (needs tensor > 1)")
-    timeout: float = option(
-        1800.0, "seconds one collective among the learner's ranks may wait before the job fails "
-        "(the default process group; NCCL's watchdog ends the job)", gt=0)
-    rank0_wait_timeout: float = option(
-        86400.0, "seconds ranks 1..N may wait for rank 0's rollout, scoring, evaluation, "
-        "weight push and server start-up (on a gloo group of its own, not NCCL)", gt=0)
+    timeout: float = option(1800.0, "seconds one collective among the learner's ranks may "
+                            "wait before the job fails (NCCL's watchdog)", gt=0)
+    rank0_wait_timeout: float = option(86400.0, "seconds ranks 1..N may wait on a gloo group for "
+                                       "rank 0's rollout, scoring, eval, server start-up", gt=0)
 
 
 @dataclass
@@ -121,8 +119,7 @@ class RolloutConfig:
                               choices=("auto", "tensor", "distributed"))
     weight_sync_master: str | None = option(
         None, "host:port of the learner's NCCL weight-update group (distributed sync); default "
-        "MASTER_ADDR and a free port, or, when MASTER_ADDR is a loopback address and the "
-        "servers are on other hosts, this node's address on the route to them")
+        "MASTER_ADDR (for remote servers when loopback: this node's routable one), a free port")
     router_url: str | None = option(None, "send generation through this running sglang-router")
     launch_router: bool = option(False, "start an sglang-router over the launched servers")
     router_policy: str = option("cache_aware", "sglang-router load-balancing policy")
@@ -288,10 +285,8 @@ class TrainConfig:
                                     "empty: 1, 2, 4, ... up to eval_samples, and eval_samples")
     eval_pass_threshold: float = option(1.0, "an eval response counts as correct for pass@k "
                                         "when its reward is at least this")
-    deterministic: bool = option(
-        False, "reproducible runs (slower): torch.use_deterministic_algorithms, cuDNN "
-        "deterministic, CUBLAS_WORKSPACE_CONFIG=:4096:8, NCCL_ALGO=Ring, Megatron-Core's "
-        "deterministic_mode (and NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 for TE attention)")
+    deterministic: bool = option(False, "reproducible runs (slower): torch's, cuDNN's, cuBLAS's, "
+                                 "NCCL's and Megatron-Core's determinism switches")
     max_skipped_steps: int = option(
         3, "stop with an error after this many steps in a row whose optimizer updates were all "
         "skipped for a non-finite loss or gradient (0: never stop)", ge=0)
