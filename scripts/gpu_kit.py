@@ -94,10 +94,10 @@ def recorded_imports(folder: Path) -> dict[str, list[str]]:
 
 
 def render_stage_imports(stages: dict[str, list[str]]) -> str:
-    head = ("# Installed top-level modules each stage of scripts/gpu_checks.sh imports, as a CPU dry"
-            "\n# run in the GPU machine's package set recorded them (GPU_CHECKS_RECORD_IMPORTS; made"
-            "\n# by `scripts/gpu_kit.py imports --recorded DIR --write`). The wheels stage imports"
-            "\n# every one of them.\n")
+    head = ("# Installed top-level modules each stage of scripts/gpu_checks.sh imports, as a\n"
+            "# CPU dry run in the GPU machine's package set recorded them\n"
+            "# (GPU_CHECKS_RECORD_IMPORTS; made by `scripts/gpu_kit.py imports --recorded DIR\n"
+            "# --write`). The wheels stage imports every one of them.\n")
     return head + "".join(f"{k}: {' '.join(v)}\n" for k, v in stages.items())
 
 
