@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import megatron_gspo.megatron.learner as learner_mod
 import megatron_gspo.megatron.model as model_mod
+import tests.megatron._gpu_extra as _gpu_extra
 import tests.megatron._workers as workers
 
 
@@ -19,6 +20,7 @@ def test_each_model_fails_on_its_own_dense_first(monkeypatch, tmp_path):
             raise NameError(f"{name}: stand-in failure")
 
     monkeypatch.setattr(learner_mod, "Learner", Broken)
+    monkeypatch.setattr(_gpu_extra, "check_grads_finite_cuda", lambda chk, info: None)  # CUDA
     monkeypatch.setattr(model_mod, "te_available", lambda: False)
     monkeypatch.setattr(workers.torch, "load", lambda *a, **k: {"dense": {}, "moe": {}})
     chk, info = workers.Checker(), {}

@@ -368,6 +368,9 @@ def case_gpu(outdir: Path, chk: Checker, info: dict):
     ref = torch.load(outdir / "ref.pt", weights_only=False)
     samples = make_samples()
     info["te_available"] = te_available()
+    from tests.megatron import _gpu_extra
+
+    _gpu_extra.check_grads_finite_cuda(chk, info)
     specs = [("local", False, torch.float32)]
     if te_available():
         specs.append(("te", True, torch.bfloat16))
