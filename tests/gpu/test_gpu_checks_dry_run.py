@@ -45,7 +45,7 @@ def fake_wheel(folder: Path, name: str = "megatron_core", version: str = "0.16.1
 
 def run_checks(*args: str, env: dict | None = None, timeout: float = 300):
     e = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECKS_")}
-    e.update(PYTHON=sys.executable, **(env or {}))
+    e.update({"PYTHON": sys.executable, **(env or {})})
     e.pop("OUT", None)
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
                           env=e, timeout=timeout, cwd=ROOT)
