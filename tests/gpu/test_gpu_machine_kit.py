@@ -45,7 +45,7 @@ def test_every_stage_import_is_on_the_machine_or_in_the_kit():
     here = {gpu_machine_venv.norm(d.metadata["Name"]): d for d in md.distributions()}
     have = gpu_machine_venv.closure(machine(), here) | kit()
     stages = gpu_kit.read_stage_imports()
-    assert set(stages) == set(STAGES)
+    assert set(stages) == set(STAGES) - {"wheels"}  # the wheels stage imports all of them
     lacking = {}
     for stage, mods in stages.items():
         for m in mods:
@@ -87,7 +87,7 @@ def test_dry_run_in_the_gpu_machines_package_set(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["checks.log", "metrics.jsonl",
                                                      "results.json", "summary.md"]
     got, listed = gpu_kit.recorded_imports(rec), gpu_kit.read_stage_imports()
-    assert set(got) == set(STAGES)
+    assert set(got) == set(STAGES) - {"wheels"}
     new = {s: sorted(set(m) - set(listed.get(s, []))) for s, m in got.items()}
     assert not any(new.values()), (
         f"stages import modules the kit check does not: {new}; run the dry run with "
