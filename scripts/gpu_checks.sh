@@ -2,7 +2,8 @@
 # The one GPU check command: on a GPU machine with torch, triton and transformers but no network,
 # install the kit's wheels offline (scripts/gpu_wheels.sh made the kit on a CPU machine), then run
 # each stage under its own time limit:
-#   wheels          check the kit, pip install --no-index --no-deps into a target dir, imports
+#   wheels          check the kit, pip install --no-index --no-deps into a target dir, import
+#                   every module the stages import (scripts/gpu_stage_imports.txt)
 #   selfcheck       tools/gpu_selfcheck.py --allow-missing (TE, apex, SGLang skipped if absent)
 #   learner         scripts/gpu_learner_check.py (CUDA local spec vs the CPU reference)
 #   demo            the tiny demo on CUDA (learner + embedded engine), 20 steps, metrics.jsonl
@@ -23,7 +24,12 @@
 #   --list        print the stages and their time limits, and exit
 # Environment: PYTHON (GPU default python3; dry run: .venv/bin/python if present),
 #   GPU_CHECKS_LIMIT_<STAGE>=SECONDS overrides a stage's limit (e.g. GPU_CHECKS_LIMIT_DEMO=120),
-#   GPU_CHECKS_WORK=DIR keeps the work files (default: a temp dir).
+#   GPU_CHECKS_WORK=DIR keeps the work files (default: a temp dir),
+#   GPU_CHECKS_RECORD_IMPORTS=DIR records the top-level modules every Python process of each
+#   stage imported, as DIR/<stage>.<pid>.txt (scripts/gpu_imports/sitecustomize.py); then
+#   `scripts/gpu_kit.py imports --recorded DIR --write` updates scripts/gpu_stage_imports.txt,
+#   which the wheels stage imports. Run the dry run in the venv of scripts/gpu_machine_venv.py
+#   (the GPU machine's packages plus the kit's) to see what the machine would lack.
 # The kit folder (.whl, ignored by git) must travel with the working tree to the GPU machine;
 # allow the command about 540 s (the limits plus start-up and the summary).
 set -uo pipefail
@@ -110,6 +116,10 @@ else
     export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
     export CUDA_VISIBLE_DEVICES=""   # the CPU paths, even on a machine with a GPU
 fi
+if [[ -n "${GPU_CHECKS_RECORD_IMPORTS:-}" ]]; then
+    mkdir -p "$GPU_CHECKS_RECORD_IMPORTS" || die "cannot create $GPU_CHECKS_RECORD_IMPORTS"
+    export PYTHONPATH="$root/scripts/gpu_imports:$PYTHONPATH"
+fi
 cd "$root" || die "cannot enter $root"
 
 echo "gpu_checks.sh ($mode): stages ${selected[*]}; limits total ${total_limit} s;" \
@@ -122,7 +132,7 @@ run_stage() {
     echo "== [$name] limit ${limit} s: $*" | tee -a "$out/checks.log"
     t0=$(date +%s.%N)
     # timeout signals the command's whole process group; -k: SIGKILL 10 s after SIGTERM.
-    timeout -k 10 "$limit" "$@" 2>&1 | tee "$work/$name.log" >> "$out/checks.log"
+    GPU_CHECKS_STAGE=$name timeout -k 10 "$limit" "$@" 2>&1 | tee "$work/$name.log" >> "$out/checks.log"
     rc=${PIPESTATUS[0]}
     t1=$(date +%s.%N)
     local secs

@@ -4,10 +4,12 @@ summary of a run (the format of docs/gpu-results.md), and inserting a summary in
     python scripts/gpu_kit.py kit --kit .whl --target DIR [--cross] [--json OUT.json]
     python scripts/gpu_kit.py summary --work DIR --mode gpu|dry [--out summary.md]
     python scripts/gpu_kit.py insert summary.md docs/gpu-results.md
+    python scripts/gpu_kit.py imports --recorded DIR [--write]
 
 `kit` checks that the folder holds exactly one wheel of every pin in scripts/gpu_wheels.txt and
 stays under the travel limit, installs the wheels with pip (offline, no dependencies) into
---target, and imports what the checks need. `--cross` installs for the GPU machine's CPython
+--target, and imports every module the stages import (scripts/gpu_stage_imports.txt, recorded
+from the stages themselves by `imports`). `--cross` installs for the GPU machine's CPython
 3.12 / x86-64 instead of this interpreter (the CPU dry run), and skips the import check of the
 installed wheels (this interpreter's own packages are checked instead).
 """
@@ -28,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "scripts" / "gpu_wheels.txt"
 LIMIT_BYTES = 64 * 2**20  # what may travel with the working tree to the GPU machine
-# Imported by the stages (learner, embedded engine, tiny demo, benches) beyond torch itself.
-NEEDED_MODULES = ("megatron.core", "transformers", "yaml", "safetensors", "numpy", "psutil",
-                  "tqdm", "aiohttp", "pyarrow", "einops", "tensorboard", "matplotlib")
+# Per stage, the installed top-level modules its processes import (recorded by a dry run with
+# GPU_CHECKS_RECORD_IMPORTS; `imports --write` updates it); the kit check imports all of them.
+STAGE_IMPORTS = ROOT / "scripts" / "gpu_stage_imports.txt"
 CROSS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
          *[a for p in ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64",
                        "manylinux_2_17_x86_64", "manylinux2014_x86_64")
@@ -58,6 +60,60 @@ def read_manifest(path: Path = MANIFEST) -> dict[str, str]:
             raise SystemExit(f"{path}: '{line}' is not an exact pin NAME==VERSION")
         pins[_norm(name)] = version.strip()
     return pins
+
+
+def read_stage_imports(path: Path = STAGE_IMPORTS) -> dict[str, list[str]]:
+    """{stage: [top-level module, ...]} from lines `stage: mod mod ...` (# comments)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            stage, _, mods = line.partition(":")
+            out[stage.strip()] = mods.split()
+    return out
+
+
+def recorded_imports(folder: Path) -> dict[str, list[str]]:
+    """{stage: sorted modules} from the files of a GPU_CHECKS_RECORD_IMPORTS run, keeping the
+    modules of the distributions the GPU machine has or the kit carries (not the standard
+    library, not this repository; not the requirements that only this interpreter's versions
+    of the machine's packages bring, such as a newer huggingface-hub's httpx2)."""
+    from gpu_machine_venv import KIT, MACHINE, names_of, norm
+
+    keep = names_of(MACHINE) | names_of(KIT)
+    dists = importlib.metadata.packages_distributions()
+    own = {p.name for p in ROOT.iterdir()} | {"sitecustomize"}
+    out: dict[str, set[str]] = {}
+    for f in sorted(folder.glob("*.txt")):
+        stage = f.name.split(".", 1)[0]
+        if stage == "wheels":  # its import check imports the other stages' modules
+            continue
+        names = {m for m in f.read_text().split() if m not in own
+                 and m not in sys.stdlib_module_names
+                 and {norm(d) for d in dists.get(m, [])} & keep}
+        out.setdefault(stage, set()).update(names)
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def render_stage_imports(stages: dict[str, list[str]]) -> str:
+    head = ("# Installed top-level modules each stage of scripts/gpu_checks.sh imports, as a\n"
+            "# CPU dry run in the GPU machine's package set recorded them\n"
+            "# (GPU_CHECKS_RECORD_IMPORTS; made by `scripts/gpu_kit.py imports --recorded DIR\n"
+            "# --write`). The wheels stage imports every one of them.\n")
+    return head + "".join(f"{k}: {' '.join(v)}\n" for k, v in stages.items())
+
+
+def cmd_imports(args) -> int:
+    got = recorded_imports(Path(args.recorded))
+    if not got:
+        print(f"no recorded imports in {args.recorded}")
+        return 1
+    text = render_stage_imports(got)
+    if args.write:
+        STAGE_IMPORTS.write_text(text)
+        print(f"wrote {STAGE_IMPORTS}")
+    print(text, end="")
+    return 0
 
 
 def check_kit(kit: Path, pins: dict[str, str],
@@ -118,8 +174,13 @@ def cmd_kit(args) -> int:
         paths = ([] if args.cross else [str(target)]) + [str(ROOT)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        by_stage = read_stage_imports()
+        # setuptools first: its distutils shim refuses to load after the stdlib's distutils,
+        # which another of the modules may import (in the stages setuptools came earlier)
+        needed = sorted({m for mods in by_stage.values() for m in mods},
+                        key=lambda m: (m != "setuptools", m))
         code = ("import importlib, json, sys\nout = {}\n"
-                f"for m in {NEEDED_MODULES!r}:\n"
+                f"for m in {needed!r}:\n"
                 "    try:\n        mod = importlib.import_module(m)\n"
                 "        out[m] = str(getattr(mod, '__version__', 'ok'))\n"
                 "    except Exception as e:\n"
@@ -134,8 +195,9 @@ def cmd_kit(args) -> int:
         missing = {m: v for m, v in mods.items() if v.startswith(("MISSING", "FAILED"))}
         print("modules: " + ", ".join(f"{m} {v}" for m, v in mods.items() if m not in missing))
         for m, v in missing.items():
-            print(f"  problem: {m}: {v}")
-            report["problems"].append(f"{m}: {v}")
+            users = ", ".join(k for k, mods in by_stage.items() if m in mods)
+            print(f"  problem: {m} (imported by {users}): {v}")
+            report["problems"].append(f"{m} (imported by {users}): {v}")
         ok = not missing
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
@@ -360,11 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", default=None)
     s.add_argument("--json", default=None)
     s.add_argument("--commit", default=None)
+    m = sub.add_parser("imports", help="modules per stage from a GPU_CHECKS_RECORD_IMPORTS run")
+    m.add_argument("--recorded", required=True)
+    m.add_argument("--write", action="store_true", help="update scripts/gpu_stage_imports.txt")
     i = sub.add_parser("insert", help="insert a summary into docs/gpu-results.md")
     i.add_argument("summary")
     i.add_argument("doc")
     args = ap.parse_args(argv)
-    return {"kit": cmd_kit, "summary": cmd_summary, "insert": cmd_insert}[args.cmd](args)
+    return {"kit": cmd_kit, "summary": cmd_summary, "insert": cmd_insert,
+            "imports": cmd_imports}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ where Transformer Engine is installed, the TE layer spec (THD packed attention).
 
 1. reference run on the CPU (gloo, 1 process)            -> ref.pt
 2. one GPU, NCCL: local spec (fp32, TF32 off) vs the reference (log-probs, loss, GSPO clip
-   statistics, gradients, parameters after one Adam step); TE spec in bf16 when installed
+   statistics, gradients, parameters after one Adam step); TE spec in bf16 when installed;
+   the dense model first, then the MoE model, each passing or failing on its own ("gpu.dense",
+   "gpu.moe" in --json)
 3. with >= 4 GPUs: the 4-rank layout checks (TP/PP/VPP/EP/SP/DP, vocab-parallel log-probs,
    CP reduction) on NCCL
 
@@ -142,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         failures += fails
         results[case] = {"status": "FAIL" if fails else "ok", "failures": fails,
                          "info": reports[0]["info"]}
+        for model, status in reports[0]["info"].get("models", {}).items():  # dense first
+            print(f"  [{case}] {model}: {status}")
+            results[f"{case}.{model}"] = {"status": status}
     print("OK" if not failures else f"{len(failures)} failure(s)")
     if args.reference_only and not failures:
         size = compact(out / "ref.pt")

@@ -41,8 +41,6 @@ class ModelConfig:
                         choices=("float32", "bfloat16", "float16"))
     transformer_impl: str = option("auto", "layer spec: TE when importable (auto), or forced",
                                    choices=("auto", "local", "transformer_engine"))
-    make_vocab_size_divisible_by: int = option(
-        128, "pad the vocabulary to a multiple of lcm(this, TP)", ge=1)
     recompute_activations: bool = option(False, "full activation recomputation in the learner")
     load_checkpoint: str | None = option(
         None, "Megatron dist checkpoint to initialise from instead of the HF weights")
@@ -64,8 +62,10 @@ class ParallelConfig:
                                        ge=1)
     context: int = option(1, "context-parallel size (needs Transformer Engine attention)", ge=1)
     sequence_parallel: bool = option(False, "sequence parallelism (needs tensor > 1)")
-    backend: str = option("auto", "torch.distributed backend: nccl on GPU, gloo on CPU (auto)",
-                          choices=("auto", "nccl", "gloo"))
+    timeout: float = option(1800.0, "seconds one collective among the learner's ranks may "
+                            "wait before the job fails (NCCL's watchdog)", gt=0)
+    rank0_wait_timeout: float = option(86400.0, "seconds ranks 1..N may wait on a gloo group for "
+                                       "rank 0's rollout, scoring, eval, server start-up", gt=0)
 
 
 @dataclass
@@ -119,7 +119,7 @@ class RolloutConfig:
                               choices=("auto", "tensor", "distributed"))
     weight_sync_master: str | None = option(
         None, "host:port of the learner's NCCL weight-update group (distributed sync); default "
-        "MASTER_ADDR and a free port")
+        "MASTER_ADDR (for remote servers when loopback: this node's routable one), a free port")
     router_url: str | None = option(None, "send generation through this running sglang-router")
     launch_router: bool = option(False, "start an sglang-router over the launched servers")
     router_policy: str = option("cache_aware", "sglang-router load-balancing policy")
@@ -287,7 +287,8 @@ class TrainConfig:
                                     "empty: 1, 2, 4, ... up to eval_samples, and eval_samples")
     eval_pass_threshold: float = option(1.0, "an eval response counts as correct for pass@k "
                                         "when its reward is at least this")
-    deterministic: bool = option(False, "deterministic algorithms (slower; for reproducibility)")
+    deterministic: bool = option(False, "reproducible runs (slower): torch's, cuDNN's, cuBLAS's, "
+                                 "NCCL's and Megatron-Core's determinism switches")
     max_skipped_steps: int = option(
         3, "stop with an error after this many steps in a row whose optimizer updates were all "
         "skipped for a non-finite loss or gradient (0: never stop)", ge=0)
@@ -322,7 +323,6 @@ class CheckpointConfig:
     keep_last: int = option(2, "complete checkpoints kept (older ones deleted)", ge=1)
     checksums: bool = option(True, "store sha256 of every checkpoint file in COMPLETE and verify "
                              "it on resume (False: sizes only; saves one read of each file)")
-    save_optimizer: bool = option(True, "include optimizer and scheduler state")
 
 
 @dataclass

@@ -51,10 +51,11 @@ def learner(cfg: Config, hf_config: dict):
     """The Megatron-Core learner of this rank (starts torch.distributed and parallel state)."""
     from megatron_gspo.megatron.learner import BatchSettings, Learner
     from megatron_gspo.megatron.optimizer import OptimSettings
-    from megatron_gspo.megatron.parallel import ParallelLayout
+    from megatron_gspo.megatron.parallel import ParallelLayout, configure_timeouts
     from megatron_gspo.megatron.step import LossSettings
 
     p, o, a = cfg.parallel, cfg.optimizer, cfg.algorithm
+    configure_timeouts(p.timeout, p.rank0_wait_timeout)
     lo, hi = a.clip_range()
     layout = ParallelLayout(tensor=p.tensor, pipeline=p.pipeline,
                             virtual_pipeline=p.virtual_pipeline, expert=p.expert,
@@ -72,12 +73,31 @@ def learner(cfg: Config, hf_config: dict):
                         kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
     use_te = {"auto": None, "local": False, "transformer_engine": True}[cfg.model.transformer_impl]
     return Learner(hf_config, layout=layout, optim=optim, loss=loss,
+                   model_kwargs=deterministic_switches(cfg.train.deterministic),
                    batching=BatchSettings(max_tokens_per_microbatch=a.micro_batch_tokens,
                                           pad_id=int(hf_config.get("pad_token_id") or 0)),
                    params_dtype=DTYPES[cfg.model.dtype], seed=cfg.train.seed, use_te=use_te,
                    recompute=cfg.model.recompute_activations, reference=a.kl_coef > 0,
                    reference_offload=cfg.model.reference_offload,
                    routing_replay=cfg.moe.routing_replay)
+
+
+def deterministic_switches(on: bool) -> dict:
+    """With `train.deterministic`: torch's deterministic algorithms (also for the embedded
+    engine), cuDNN without autotuning, cuBLAS's reproducible workspace, NCCL's ring algorithm
+    (other algorithms need not reduce in one fixed order; NCCL reads it when the communicators
+    start, so this runs before the learner starts torch.distributed) and, returned as
+    TransformerConfig fields, Megatron-Core's `deterministic_mode` (TE attention then needs
+    NVTE_ALLOW_NONDETERMINISTIC_ALGO=0). Variables already set are kept. {} when off."""
+    if not on:
+        return {}
+    for var, value in (("CUBLAS_WORKSPACE_CONFIG", ":4096:8"), ("NCCL_ALGO", "Ring"),
+                       ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")):
+        os.environ.setdefault(var, value)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    return {"deterministic_mode": True}
 
 
 def load_initial_weights(cfg: Config, learner_, hf_config: dict) -> None:
@@ -245,8 +265,14 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
             master = (host, int(port))
         else:
             from megatron_gspo.megatron.parallel import free_port
+            from megatron_gspo.rollout.multinode.servers import update_master_address
 
-            master = (os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port())
+            try:  # MASTER_ADDR, or this node's routable address for servers on other hosts
+                host = update_master_address(list(r.server_urls) + (
+                    [r.router_url] if r.router_url else []))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            master = (host, free_port())
     # MoE: each token's routed experts (SGLang's return_routed_experts)
     routing = cfg.moe.engine_routing and is_moe(hf_config or {})
     launch = None

@@ -96,6 +96,14 @@ def broadcast(samples):
     return broadcast_samples(samples)
 
 
+def wait_for_rank0() -> None:
+    """Every rank waits for rank 0 (after its server start-up, evaluation and weight push) on
+    the gloo group with `parallel.rank0_wait_timeout`, not in an NCCL collective."""
+    from megatron_gspo.megatron.parallel import wait_for_rank0 as wait
+
+    wait()
+
+
 def fill_advantages(cfg: Config, samples: list[Sample]) -> None:
     """Group-normalised advantages; per-token for GSPO-token (turn-level in agent mode)."""
     a = cfg.algorithm

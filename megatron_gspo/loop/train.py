@@ -66,6 +66,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 or every_node else None
     if engine is not None:
         cleanup.callback(engine.shutdown)  # launched servers stop, also on errors
+    phases.wait_for_rank0()  # rank 0's servers may take long to start
     controller = ToleranceController(cfg.precision.old_logprobs, cfg.precision.audit_fraction,
                                      cfg.precision.tolerance, cfg.precision.recheck_interval)
     ckpt = Checkpointer(ckpt_root, cfg.checkpoint.keep_last, cfg.checkpoint.checksums)
@@ -182,6 +183,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
             log.event(phases.sample_preview(samples, tokenizer, cfg.logging.log_samples, step))
         done = step + 1 == cfg.train.max_steps
         if (cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0) or done:
+            phases.wait_for_rank0()  # rank 0's evaluation and weight push
             state = {"step": step + 1, "precision": controller.state_dict(),
                      "data": prompts.state_dict() if rank0 else None,
                      "async": producer.state_dict() if producer else None}

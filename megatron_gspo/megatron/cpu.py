@@ -25,7 +25,8 @@ files:
 4. `torch.distributed.all_to_all_single` accepts tensor split sizes (converted to lists, which
    Megatron only does for CUDA tensors); `all_gather` accepts outputs of different sizes (the
    MoE dispatcher gathers per-rank token counts under TP + EP; gloo needs equal sizes).
-5. `te_general_gemm`, referenced by the MoE router without Transformer Engine, is set to None.
+5. `te_general_gemm`, referenced by the MoE router without Transformer Engine, is set to None
+   (`fallbacks.bind_missing_te_names`, which the model builder also runs on GPU machines).
 6. torch.compile is disabled (`torch._dynamo.config.disable`): Megatron compiles a few small
    helpers, which costs tens of seconds cold on a CPU and gains nothing there.
 
@@ -291,12 +292,9 @@ def _patch_all_to_all_single() -> None:
 
 
 def _patch_megatron() -> None:
-    try:
-        from megatron.core.transformer.moe import moe_utils
-    except ImportError:  # pragma: no cover - megatron-core is a hard dependency
-        return
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    from megatron_gspo.megatron.fallbacks import bind_missing_te_names
+
+    bind_missing_te_names()  # also done by megatron_gspo.megatron.model, on every device
 
 
 def _check_versions() -> None:

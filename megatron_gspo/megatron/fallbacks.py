@@ -31,6 +31,20 @@ def quiet_fallback_warnings() -> None:
         warnings.filterwarnings("ignore", message=msg, category=UserWarning, module=r"megatron")
 
 
+def bind_missing_te_names() -> None:
+    """Bind the Transformer Engine names Megatron-Core reads without TE installed.
+
+    megatron-core 0.16.1's `transformer/moe/moe_utils.py` binds `te_general_gemm` only inside
+    its TE import, and the MoE router's gating GEMM reads it on every call (`is not None`
+    selects the torch path): without TE, on any device, the first MoE forward raised NameError.
+    Idempotent; run by `megatron_gspo.megatron.model` at import, before any model is built.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def _attr(module: str, name: str, default=None):
     mod = sys.modules.get(module)
     return getattr(mod, name, default) if mod is not None else default

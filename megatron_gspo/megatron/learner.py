@@ -402,6 +402,6 @@ class Learner(LearnerState):
 def broadcast_samples(samples: list[Sample] | None, src: int = 0) -> list[Sample]:
     """Send rank `src`'s sample list to every rank (pickled object broadcast)."""
     obj = [samples]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(obj, src=src)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # waits for rank 0's rollout: gloo
+        dist.broadcast_object_list(obj, src=src, group=parallel.rank0_group())
     return obj[0]

@@ -60,6 +60,10 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_gspo.megatron.fallbacks import bind_missing_te_names
+
+bind_missing_te_names()  # the MoE router without Transformer Engine (GPU or CPU)
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",

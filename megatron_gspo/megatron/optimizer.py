@@ -133,9 +133,20 @@ def grads_finite(ddp_chunks: list) -> bool:
         else:
             grads = [g for p in chunk.parameters()
                      for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
-        if any(not torch.isfinite(g).all() for g in grads):
+        if not all(_finite(g) for g in grads):
             return False
     return True
+
+
+def _finite(g: torch.Tensor) -> bool:
+    """Whether every element of `g` is finite, without a temporary of `g`'s size (a bool mask of
+    an 8B-parameter gradient buffer is 8 GB; `isfinite` also takes `abs` of it): the minimum and
+    maximum come from one reduction, NaN propagates into both, and -inf / +inf are the minimum /
+    maximum when present. (A sum could overflow to inf for large finite values.)"""
+    if g.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(g)
+    return bool(torch.isfinite(torch.stack([lo, hi])).all())
 
 
 def all_ranks_agree(flag: bool, device) -> bool:

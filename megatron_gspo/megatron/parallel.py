@@ -17,6 +17,32 @@ import torch
 import torch.distributed as dist
 
 
+# Seconds: a collective of the default group (NCCL's watchdog ends a job whose collective
+# outlasts it, torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1), and the waits of ranks 1..N for
+# rank 0's rollout, scoring, evaluation, weight push and server start-up, which run on a gloo
+# group of their own (`rank0_group`). `configure_timeouts` sets them (config `parallel.timeout`,
+# `parallel.rank0_wait_timeout`) before `initialize`.
+TIMEOUTS = {"collective": 1800.0, "rank0_wait": 86400.0}
+_RANK0_GROUP: list = [None]
+
+
+def configure_timeouts(collective_s: float, rank0_wait_s: float) -> None:
+    """Timeouts of the process groups `initialize` makes next."""
+    TIMEOUTS.update(collective=float(collective_s), rank0_wait=float(rank0_wait_s))
+
+
+def rank0_group():
+    """The gloo group over every rank on which ranks wait for rank 0 (None: one process)."""
+    return _RANK0_GROUP[0]
+
+
+def wait_for_rank0() -> None:
+    """Every rank waits here until rank 0 arrives, on the gloo group (with its long timeout),
+    so that no rank waits in an NCCL collective of the default group meanwhile."""
+    if _RANK0_GROUP[0] is not None:
+        dist.barrier(group=_RANK0_GROUP[0])
+
+
 class ParallelLayoutError(ValueError):
     """An impossible parallel layout (sizes that do not divide, unsupported combinations)."""
 
@@ -125,7 +151,7 @@ def _model_errors(lay: ParallelLayout, hf: dict) -> list[str]:
     return errs
 
 
-def initialize(layout: ParallelLayout, *, seed: int = 1234, timeout_s: int = 600,
+def initialize(layout: ParallelLayout, *, seed: int = 1234, timeout_s: float | None = None,
                hf_config: dict | None = None) -> int:
     """Start torch.distributed (from torchrun env vars) and Megatron parallel_state.
 
@@ -136,7 +162,8 @@ def initialize(layout: ParallelLayout, *, seed: int = 1234, timeout_s: int = 600
     Args:
         layout: parallel sizes.
         seed: base seed for Megatron's RNG tracker (TP-aware).
-        timeout_s: collective timeout.
+        timeout_s: collective timeout of the default group (default TIMEOUTS["collective"]);
+            the rank-0 wait group gets TIMEOUTS["rank0_wait"].
         hf_config: checked against the layout before anything is built.
     Returns:
         the data-parallel size.
@@ -161,10 +188,14 @@ def initialize(layout: ParallelLayout, *, seed: int = 1234, timeout_s: int = 600
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend="nccl" if on_gpu else "gloo", world_size=world,
                                 rank=int(os.environ.get("RANK", "0")),
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=datetime.timedelta(
+                                    seconds=timeout_s or TIMEOUTS["collective"]))
     elif dist.get_world_size() != world:
         world = dist.get_world_size()
         dp = check_layout(layout, world, hf_config)
+    if _RANK0_GROUP[0] is None and dist.get_world_size() > 1:
+        _RANK0_GROUP[0] = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+            seconds=TIMEOUTS["rank0_wait"]))
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -196,5 +227,6 @@ def shutdown() -> None:
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    _RANK0_GROUP[0] = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.data.batch import MicroBatch, cp_local_index
+from megatron_gspo.megatron.routing_exchange import exchange_rows
 
 MODES = ("none", "r2", "r3")
 
@@ -289,34 +290,42 @@ class RoutingReplay:
         (tp_rank, tp_size), (cp_rank, cp_size) = run["tp"], run["cp"]
         L, k = self.num_layers, self.topk
         lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        got = torch.full((len(samples), max(lens), L, k), -1, dtype=torch.int32)  # [B, T, L, k]
-        own = torch.zeros(len(samples), dtype=torch.bool)
+        rows: dict[int, torch.Tensor] = {}  # sample -> [T, L, k] (-1: not routed here)
         by_mb: dict[int, dict[int, torch.Tensor]] = {}
         for (mbi, li), live in run["captured"].items():
             by_mb.setdefault(mbi, {})[li] = live
         for mbi, layers in sorted(by_mb.items()):
             mb = mbs[mbi]
             lis = sorted(layers)
-            stacked = torch.stack([layers[li].cpu() for li in lis], 1)  # [S_local, l, k]
-            full = self._full_row(stacked, mb, tp_rank, tp_size, cp_rank, cp_size)  # [S, l, k]
-            sel = mb.seq_valid  # [n, T]
-            si = torch.tensor(mb.sample_indices)[:, None].expand_as(sel)[sel]  # [N]
-            ti = torch.arange(sel.shape[1])[None, :].expand_as(sel)[sel]  # [N]
-            vals = full[mb.seq_index[sel]].to(got.dtype)  # [N, l, k]
-            got[si[:, None], ti[:, None], torch.tensor(lis)[None, :]] = vals
-            own[torch.tensor(mb.sample_indices)] = True
+            stacked = torch.stack([layers[li] for li in lis], 1)  # [S_local, l, k], on device
+            full = self._full_row(stacked, mb, tp_rank, tp_size, cp_rank, cp_size).cpu()
+            lis_t = torch.tensor(lis)[None, :]
+            for i, si in enumerate(mb.sample_indices):
+                ti = mb.seq_valid[i].nonzero().squeeze(1)  # [n] token positions
+                row = rows.get(si)
+                if row is None:
+                    row = rows[si] = torch.full((lens[si], L, k), -1, dtype=torch.int32)
+                row[ti[:, None], lis_t] = full[mb.seq_index[i, ti]].to(torch.int32)
         if tp_rank == 0 and cp_rank == 0:
-            self._metrics(samples, lens, got, own, version)
+            self._metrics(samples, lens, rows, version)
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.dp_group)
+            rows = exchange_rows(rows, lens, self._layers_here(), self.num_layers, self.topk,
+                                 self.num_experts, self.dp_group)
         self._prune()
         for si, s in enumerate(samples):
             rec = self.records.get(id(s))
             if rec is None or rec[0]() is not s:
-                self.records[id(s)] = (weakref.ref(s), version, got[si, :lens[si]].clone())
+                got = rows.get(si)
+                if got is None:  # routed by no rank
+                    got = torch.full((lens[si], L, k), -1, dtype=torch.int32)
+                self.records[id(s)] = (weakref.ref(s), version, got)
+
+    def _layers_here(self) -> list[int]:
+        return sorted(li for routers in self.routers for li, _ in routers)
 
     def _full_row(self, live, mb, tp_rank, tp_size, cp_rank, cp_size) -> torch.Tensor:
-        """[S, ...] full packed row from this rank's [S_local, ...] share (SP and CP gathers)."""
+        """[S, ...] full packed row from this rank's [S_local, ...] share (SP and CP gathers,
+        on `live`'s device: the routers' tensors, where the TP / CP groups' backend needs them)."""
         if self.sp and tp_size > 1:
             parts = [torch.empty_like(live) for _ in range(tp_size)]
             dist.all_gather(parts, live.contiguous(), group=self.tp_group)
@@ -324,44 +333,42 @@ class RoutingReplay:
         if cp_size > 1:
             parts = [torch.empty_like(live) for _ in range(cp_size)]
             dist.all_gather(parts, live.contiguous(), group=self.cp_group)
-            full = torch.empty(mb.seq_len, *live.shape[1:], dtype=live.dtype)
+            full = torch.empty(mb.seq_len, *live.shape[1:], dtype=live.dtype, device=live.device)
             for r, part in enumerate(parts):
-                full[cp_local_index(mb.cu_seqlens, cp_size, r)] = part
+                full[cp_local_index(mb.cu_seqlens, cp_size, r).to(live.device)] = part
             return full
         return live
 
-    def _metrics(self, samples, lens, got, own, version: int) -> None:
+    def _metrics(self, samples, lens, rows: dict[int, torch.Tensor], version: int) -> None:
         """Agreement with the engine (each sample's first capture, [T-1] engine rows) and the
-        expert change against a record taken one optimizer step earlier."""
+        expert change against a record taken one optimizer step earlier (`rows`: this rank's
+        samples, [T, L, k] each)."""
         L = self.num_layers
-        B, T = got.shape[:2]
-        eng = torch.full_like(got, -1)
-        prev = torch.full_like(got, -1)
-        first = torch.zeros(B, dtype=torch.bool)
-        later = torch.zeros(B, dtype=torch.bool)
-        for si, s in enumerate(samples):
-            if not own[si]:
-                continue
+        a_eng, b_eng, a_prev, b_prev = [], [], [], []
+        for si, got in rows.items():
+            s = samples[si]
             rec = self.records.get(id(s))
             if rec is None or rec[0]() is not s:
                 r = getattr(s, "routing", None)
                 if r is not None:
                     r = torch.as_tensor(r).long()[:lens[si]]
                     if tuple(r.shape[1:]) == (L, self.topk):
-                        eng[si, :r.shape[0]] = r
-                        first[si] = True
+                        eng = torch.full_like(got, -1)
+                        eng[:r.shape[0]] = r
+                        a_eng.append(got)
+                        b_eng.append(eng)
             elif version == rec[1] + 1:
-                prev[si, :lens[si]] = rec[2]
-                later[si] = True
-        if first.any():
-            a, b = got[first], eng[first]  # [F, T, L, k]
-            has = (a >= 0).all(-1) & (b >= 0).all(-1)  # [F, T, L]
-            inter = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum(-1).double()  # [F, T, L]
-            self._acc[:L] += torch.where(has, inter / self.topk, 0.0).sum((0, 1))
-            self._acc[L:2 * L] += has.sum((0, 1)).double()
-        if later.any():
-            a, b = got[later], prev[later]
-            has = (a >= 0).all(-1) & (b >= 0).all(-1)  # [F, T, L]
+                a_prev.append(got)
+                b_prev.append(rec[2])
+        if a_eng:
+            a, b = torch.cat(a_eng), torch.cat(b_eng)  # [N, L, k]
+            has = (a >= 0).all(-1) & (b >= 0).all(-1)  # [N, L]
+            inter = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum(-1).double()  # [N, L]
+            self._acc[:L] += torch.where(has, inter / self.topk, 0.0).sum(0)
+            self._acc[L:2 * L] += has.sum(0).double()
+        if a_prev:
+            a, b = torch.cat(a_prev), torch.cat(b_prev)
+            has = (a >= 0).all(-1) & (b >= 0).all(-1)  # [N, L]
             same = (a.sort(-1).values == b.sort(-1).values).all(-1)
             self._acc[2 * L] += (has & ~same).sum().double()
             self._acc[2 * L + 1] += has.sum().double()

@@ -1,6 +1,6 @@
 """scripts/gpu_checks.sh and its helpers on a CPU machine: the stage list and its time budget,
-the kit folder's check and cross-install, the summary writer, a failing stage reported as failed,
-and (slow) the whole dry run with tiny sizes."""
+the kit folder's check and cross-install, the summary writer, a failing stage reported as failed.
+The whole dry run, in the GPU machine's package set, is in test_gpu_machine_kit.py."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def fake_wheel(folder: Path, name: str = "megatron_core", version: str = "0.16.1
 
 def run_checks(*args: str, env: dict | None = None, timeout: float = 300):
     e = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECKS_")}
-    e.update(PYTHON=sys.executable, **(env or {}))
+    e.update({"PYTHON": sys.executable, **(env or {})})
     e.pop("OUT", None)
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
                           env=e, timeout=timeout, cwd=ROOT)
@@ -80,7 +80,7 @@ def test_manifest_pins_the_image_megatron_core():
     pins = gpu_kit.read_manifest()
     docker = (ROOT / "docker" / "Dockerfile").read_text()
     [mcore] = set(re.findall(r"^ARG MEGATRON_CORE_VERSION=(\S+)", docker, re.MULTILINE))
-    assert pins == {"megatron_core": mcore}
+    assert pins["megatron_core"] == mcore
 
 
 def test_kit_check(tmp_path):
@@ -111,7 +111,8 @@ def test_kit_check(tmp_path):
 
 def test_kit_installs_for_the_gpu_python(tmp_path):
     kit = tmp_path / "kit"
-    fake_wheel(kit)
+    for name, version in gpu_kit.read_manifest().items():
+        fake_wheel(kit, name=name, version=version)
     args = ["kit", "--kit", str(kit), "--target", str(tmp_path / "site"), "--cross",
             "--json", str(tmp_path / "kit.json")]
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_kit.py"), *args],
@@ -196,25 +197,6 @@ def test_failing_stages_are_reported_and_the_script_exits_0(tmp_path):
     assert "does not exist: run scripts/gpu_wheels.sh" in (out / "checks.log").read_text()
     results = json.loads((out / "results.json").read_text())
     assert [s["status"] for s in results["stages"]] == ["FAILED (exit 1)", "TIMEOUT (limit 1 s)"]
-
-
-@pytest.mark.slow
-def test_whole_dry_run(tmp_path):
-    """Every stage with tiny sizes on the CPU, a kit made of a stand-in wheel (no download)."""
-    kit = tmp_path / "kit"
-    fake_wheel(kit)
-    out = tmp_path / "out"
-    r = run_checks("--cpu-dry-run", "--kit", str(kit), str(out), timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    summary = (out / "summary.md").read_text()
-    assert "Every stage passed." in summary, r.stdout[-4000:]
-    rows = [ln for ln in summary.splitlines() if ln.startswith("| ") and "---" not in ln]
-    assert len(rows) == 1 + len(STAGES)
-    assert all(" | ok | " in row for row in rows[1:])
-    assert "2 steps, reward/mean" in summary and "tiny-qwen3 float32 local spec" in summary
-    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 2
-    assert sorted(p.name for p in out.iterdir()) == ["checks.log", "metrics.jsonl",
-                                                     "results.json", "summary.md"]
 
 
 @pytest.mark.parametrize("script", ["gpu_checks.sh", "gpu_wheels.sh"])

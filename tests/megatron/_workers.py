@@ -339,6 +339,23 @@ def case_par(outdir: Path, chk: Checker, info: dict):
 
 
 # ----------------------------------------------------------------------------- gpu (1 rank)
+GPU_ORDER = ("dense", "moe")  # the dense model first: an MoE-only failure leaves it checked
+
+
+def each_model(chk: Checker, info: dict, one) -> None:
+    """Run `one(name, hf_config)` for every model in `GPU_ORDER`, each passing or failing on
+    its own: an exception is that model's failure, and the next model still runs.
+    `info["models"]` = {name: "ok" | "FAIL"}."""
+    info["models"] = {}
+    for name in GPU_ORDER:
+        before = len(chk.failures)
+        try:
+            one(name, MODELS[name])
+        except Exception:
+            chk.failures.append(f"{name}: exception:\n" + traceback.format_exc())
+        info["models"][name] = "ok" if len(chk.failures) == before else "FAIL"
+
+
 def case_gpu(outdir: Path, chk: Checker, info: dict):
     """One GPU, NCCL: the local spec against the CPU reference (TF32 off), then the TE spec
     (THD packed attention) in bf16 against the same reference with a loose tolerance."""
@@ -351,10 +368,14 @@ def case_gpu(outdir: Path, chk: Checker, info: dict):
     ref = torch.load(outdir / "ref.pt", weights_only=False)
     samples = make_samples()
     info["te_available"] = te_available()
+    from tests.megatron import _gpu_extra
+
+    _gpu_extra.check_grads_finite_cuda(chk, info)
     specs = [("local", False, torch.float32)]
     if te_available():
         specs.append(("te", True, torch.bfloat16))
-    for model, hf in MODELS.items():
+
+    def one(model: str, hf: dict) -> None:
         R = ref[model]
         for spec, use_te, dtype in specs:
             tag = f"{model}.{spec}"
@@ -377,6 +398,8 @@ def case_gpu(outdir: Path, chk: Checker, info: dict):
                           rtol=1e-4, atol=1e-5)
             elif not diff < 0.1:
                 chk.failures.append(f"{tag}: max |logprob - reference| = {diff:.3f} >= 0.1")
+
+    each_model(chk, info, one)
 
 
 def main():

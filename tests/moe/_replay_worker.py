@@ -213,6 +213,50 @@ def case_one(outdir: Path, chk: Checker, info: dict):
         chk.failures.append(f"tokens without record: {info['r3_metrics']}")
 
 
+class CollectiveSizes:
+    """Records (group, numel, device) of every all_reduce / all_gather made inside."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.calls, self._orig = [], (dist.all_reduce, dist.all_gather)
+        ar, ag = self._orig
+
+        def all_reduce(t, *a, group=None, **k):
+            self.calls.append((group, t.numel(), t.device.type))
+            return ar(t, *a, group=group, **k)
+
+        def all_gather(out, t, *a, group=None, **k):
+            self.calls.append((group, t.numel(), t.device.type))
+            return ag(out, t, *a, group=group, **k)
+
+        dist.all_reduce, dist.all_gather = all_reduce, all_gather
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.all_reduce, dist.all_gather = self._orig
+        return False
+
+
+def check_dp_payload(chk: Checker, name: str, rep, samples, calls) -> None:
+    """The routing records crossing the data-parallel group: only the rows each rank owns
+    (less than one full [T, L, k] record of every sample), never the dense [B, T, L, k]."""
+    import torch.distributed as dist
+
+    rr = rep.routing
+    if rr.dp_group is None or dist.get_world_size(rr.dp_group) < 2:
+        return
+    on_dp = [n for g, n, _ in calls if g is rr.dp_group]
+    full = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) * rr.num_layers * rr.topk
+    if not on_dp:
+        chk.failures.append(f"{name}: no routing exchange over the data-parallel group")
+    elif max(on_dp) >= full:
+        chk.failures.append(f"{name}: {max(on_dp)} elements crossed the data-parallel group in "
+                            f"one collective, >= every sample's full record ({full})")
+
+
 def case_par(outdir: Path, chk: Checker, info: dict):
     from megatron_gspo.megatron import parallel
 
@@ -229,8 +273,10 @@ def case_par(outdir: Path, chk: Checker, info: dict):
             base = {k: v.clone() for k, v in first.full_state_dict().items()}
         rep, m = _replay_equals_live(chk, name, MOE_PRE, layout, base, samples)
         tap = RoutingTap(rep)
-        rep.forward_backward(samples, [[0.0] * len(s.response_ids) for s in samples])
+        with CollectiveSizes() as sizes:
+            rep.forward_backward(samples, [[0.0] * len(s.response_ids) for s in samples])
         tap.close()
+        check_dp_payload(chk, name, rep, samples, sizes.calls)
         rec = {id(s): rep.routing.records[id(s)][2] for s in samples}
         info[name] = {"loss": m["loss"], "checked": check_tap_equals(
             chk, f"{name} replayed", rep, samples, tap, lambda s, rec=rec: rec[id(s)],

@@ -315,6 +315,43 @@ def _loopback(host: str) -> bool:
     return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
+def _route_address(host: str) -> str | None:
+    """This machine's address on the route to `host` (a UDP socket's source address after
+    `connect`, which sends nothing), or None when there is no route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def update_master_address(server_urls: Sequence[str], environ=None) -> str:
+    """The learner's address for the servers' weight-update rendezvous (distributed sync).
+
+    MASTER_ADDR (the default) is kept while every server is on this host or MASTER_ADDR is
+    routable. docker/launch/torchrun.sh sets it to 127.0.0.1 on a single learner node; servers
+    on other hosts would then connect to themselves: the address on the route to the first
+    remote server is used instead.
+
+    Raises:
+        ValueError (one line) when servers are remote and no routable address is found.
+    """
+    environ = os.environ if environ is None else environ
+    master = environ.get("MASTER_ADDR") or "127.0.0.1"
+    remote = [h for h in (u.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+                          for u in server_urls) if not _loopback(h)]
+    if not remote or not _loopback(master):
+        return master
+    found = _route_address(remote[0])
+    if found is None or _loopback(found) or found == "0.0.0.0":
+        raise ValueError(
+            f"rollout.weight_sync_master: the servers ({remote[0]}, ...) are on other hosts and "
+            f"MASTER_ADDR is {master}, which they cannot reach; set "
+            "rollout.weight_sync_master=HOST:PORT to an address of this node they can reach")
+    return found
+
+
 def advertised(urls: Sequence[str]) -> list[str]:
     """`urls` as other nodes reach them: a server bound to every interface (0.0.0.0, ::) is
     named by the address this node's host name resolves to."""

@@ -360,6 +360,25 @@ async def _memory_tags(request: web.Request) -> list[str] | web.Response:
     return tags
 
 
+def tp_group_rendezvous(timeout_s: float = 30.0) -> None:
+    """The start-up step SGLang 0.5.12 takes before loading a model: its model runner forms the
+    server's tensor-parallel group with torch's `tcp://` rendezvous on a port of its own, the
+    server's TP rank 0 hosting the store. In a process that inherited a torchrun worker's
+    TORCHELASTIC_USE_AGENT_STORE=True no one hosts it, and the server never becomes healthy
+    (here: exits with DistNetworkError after `timeout_s`)."""
+    import socket
+    from datetime import timedelta
+
+    from torch.distributed import rendezvous
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 1,
+                                  timeout=timedelta(seconds=timeout_s)))
+    del store
+
+
 def main(argv: list[str] | None = None) -> None:
     """Serve a model directory with SGLang's launch flags (unknown flags are ignored)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -378,6 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     port_error = grpc_port_error(args.port, os.environ)
     if port_error:  # SGLang refuses the port before loading anything
         raise ValueError(port_error)
+    tp_group_rendezvous()
     dtype = "float32" if args.dtype in ("auto", "float") else args.dtype
     engine = EmbeddedEngine(args.model_path, dtype=dtype, seed=args.random_seed)
     server = StandinServer(engine, args.host, args.port, args.tp_size, args.model_path, True,
