@@ -103,7 +103,16 @@ class RolloutConfig:
                               "(colocated with tensor weight sync: every node of the job)",
                               ge=1)
     tp_size: int = option(1, "tensor-parallel size of each SGLang server", ge=1)
-    mem_fraction: float = option(0.7, "SGLang --mem-fraction-static", gt=0, le=1)
+    mem_fraction: float = option(
+        0.7, "SGLang --mem-fraction-static: the share of the memory FREE when a server starts "
+        "(the learner's resident memory already taken) that holds its weights and KV cache; KV "
+        "tokens = (free x mem_fraction - weights) / bytes per token, the rest of the free memory "
+        "holds CUDA graphs and activations (`megatron-gspo plan` prints the tokens)", gt=0, lt=1)
+    offload_learner: bool | None = option(
+        None, "colocated SGLang: move the learner's weights, gradient buffer, fp32 main weights, "
+        "Adam moments and KL reference off the GPU while the servers hold their memory (grads "
+        "are dropped, the rest goes to pinned CPU memory), back before training; null = on "
+        "with colocated SGLang servers, off otherwise")
     host: str = option("127.0.0.1", "host SGLang servers bind to (colocated on several hosts: "
                        "each node's address that rank 0 reaches)")
     base_port: int = option(30000, "first port for launched servers (SGLang refuses ports above "
