@@ -136,6 +136,7 @@ class Learner(LearnerState):
     def _micro_batches(self, samples: list[Sample], old_logprobs) -> list[MicroBatch]:
         from megatron.core import parallel_state as ps
 
+        self._require_resident()
         min_mbs = self.batching.num_microbatches or 1
         if len(self.model) > 1:  # the interleaved schedule needs >= PP micro-batches
             min_mbs = max(min_mbs, self.layout.pipeline)
