@@ -99,10 +99,15 @@ class LearnerState:
             total += o.offload(part, tensors, keep=keep, skip=wptrs if part != "weights" else None)
         return total
 
+    def offloaded_bytes(self) -> int:
+        """Bytes of this rank's accelerator memory now released by `offload`."""
+        off = getattr(self, "_offload", None)
+        return sum(n for recs in (off.parts.values() if off else []) for _, n, _ in recs)
+
     def onload(self, parts=None) -> int:
         """Bring offloaded `parts` (default: all) back; returns the bytes restored."""
         o = self._offloader()
-        return sum(o.onload(p) for p in (parts or self.offloaded_parts()))
+        return sum(o.onload(p) for p in (self.offloaded_parts() if parts is None else parts))
 
     def _require_resident(self) -> None:
         off = self.offloaded_parts()

@@ -85,7 +85,7 @@ class StorageOffload:
 
 
 def optimizer_tensors(optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(parameters the inner torch optimizers update, their state tensors) of a Megatron
+    """(parameters the inner torch optimizers update, their state tensors but scalars) of a Megatron
     optimizer (chained or not): for bf16 / fp16 models the first are the fp32 main weights
     (or, with the distributed optimizer, this rank's shards of them)."""
     main, state = [], []
@@ -96,7 +96,8 @@ def optimizer_tensors(optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]
         for g in inner.param_groups:
             main += [p for p in g["params"] if isinstance(p, torch.Tensor)]
         for st in inner.state.values():
-            state += [v for v in st.values() if isinstance(v, torch.Tensor)]
+            # Adam's `step` is a 0-dim tensor (host memory unless capturable): left in place
+            state += [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     return main, state
 
 

@@ -50,10 +50,9 @@ def measured(L) -> dict:
     weights = [p for m in L.chunks for p in m.parameters()]
     wptrs = {p.untyped_storage().data_ptr() for p in weights}
     main, state = optimizer_tensors(L.optimizer)
-    moments = [t for t in state if t.dim() > 0]  # Adam's `step` is a scalar
     ref = [p for m in (L.reference_chunks or []) for p in m.parameters()]
     return {"weights": _unique_bytes(weights), "grads": _unique_bytes(grad_buffers(L.model)),
-            "main": _unique_bytes(main, wptrs), "moments": _unique_bytes(moments),
+            "main": _unique_bytes(main, wptrs), "moments": _unique_bytes(state),
             "reference": _unique_bytes(ref)}
 
 
