@@ -81,6 +81,10 @@ class OptimizerConfig:
     adam_eps: float = option(1e-8, "Adam epsilon", gt=0)
     clip_grad: float = option(1.0, "global gradient-norm clip (0 disables)", ge=0)
     distributed_optimizer: bool = option(False, "shard optimizer state over data-parallel ranks")
+    offload_outside_step: bool = option(
+        False, "keep the fp32 main weights and Adam moments in pinned CPU memory except during "
+        "each optimizer step (they cross PCIe twice per step); for layouts whose optimizer "
+        "state does not fit beside the activations (`megatron-gspo plan` shows both moments)")
 
 
 @dataclass

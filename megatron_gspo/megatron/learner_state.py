@@ -109,8 +109,8 @@ class LearnerState:
         o = self._offloader()
         return sum(o.onload(p) for p in (self.offloaded_parts() if parts is None else parts))
 
-    def _require_resident(self) -> None:
-        off = self.offloaded_parts()
+    def _require_resident(self, parts=None) -> None:
+        off = [p for p in self.offloaded_parts() if parts is None or p in parts]
         if off:
             raise RuntimeError(f"learner {', '.join(off)} offloaded: call onload() first")
 

@@ -37,6 +37,7 @@ class PlanInputs:
     cp: int = 1
     sp: bool = False
     distributed_optimizer: bool = False
+    offload_outside_step: bool = False
     param_bytes: int = 2
     reference: bool = False
     reference_offload: bool = False
@@ -73,6 +74,7 @@ def inputs_from_config(cfg, hf_config: dict, *, gpu_bytes: int, gpus_per_node: i
         pp=p.pipeline, vpp=p.virtual_pipeline or 1, ep=p.expert, etp=p.expert_tensor,
         cp=p.context, sp=p.sequence_parallel,
         distributed_optimizer=cfg.optimizer.distributed_optimizer,
+        offload_outside_step=cfg.optimizer.offload_outside_step,
         param_bytes=DTYPE_BYTES[cfg.model.dtype], reference=cfg.algorithm.kl_coef > 0,
         reference_offload=cfg.model.reference_offload,
         micro_batch_tokens=cfg.algorithm.micro_batch_tokens,
@@ -111,15 +113,18 @@ def build_plan(x: PlanInputs) -> Plan:
     vocab_local = mp.padded_vocab(d.vocab, x.tp, x.vocab_multiple) // x.tp
     logits = mp.logits_bytes(x.micro_batch_tokens, vocab_local, x.cp)
     grad_dtype = "fp32"
+    etp = x.tp if x.etp is None else x.etp
+    edp = x.tp * x.cp * x.dp // (x.ep * etp)
+    shard = f"sharded over DP {x.dp * x.cp}" + (f", experts over {edp}" if x.ep > 1 else "")
     rows = [
         ("learner weights", lb.weights, f"{x.param_bytes} B/param, TP{x.tp} PP{x.pp} EP{x.ep}"
          + (", padded buffer" if x.distributed_optimizer else "")),
         ("gradient buffer", lb.grads, f"{grad_dtype} (grad_reduce_in_fp32)"),
-        ("main weights", lb.main, "fp32" + (f", sharded over DP {x.dp * x.cp}"
-                                            if x.distributed_optimizer else ", not sharded")
-         if lb.main else "none (fp32 parameters)"),
+        ("main weights", lb.main, "fp32, " + (shard if x.distributed_optimizer else
+                                              "not sharded") if lb.main else
+         "none (fp32 parameters)"),
         ("optimizer moments", lb.moments, "Adam fp32 x2, " + (
-            f"sharded over DP {x.dp * x.cp}" if x.distributed_optimizer else "not sharded")),
+            shard if x.distributed_optimizer else "not sharded")),
         ("KL reference", ref_dev, "off" if not x.reference else
          ("in CPU memory" if x.reference_offload else f"{x.param_bytes} B/param")),
         ("activations", act, f"{x.micro_batch_tokens} tokens/micro-batch, "
@@ -131,7 +136,13 @@ def build_plan(x: PlanInputs) -> Plan:
     plan = Plan(gpu_bytes=x.gpu_bytes, rows=rows, kv_tokens_needed=x.kv_tokens_needed)
     train_parts = ["learner weights", "gradient buffer", "main weights", "optimizer moments",
                    "KL reference", "activations", "logits / log-probs", "CUDA contexts, NCCL"]
-    plan.moments.append(("training", sum(plan.term(n) for n in train_parts), train_parts))
+    if x.offload_outside_step:  # main weights + moments only in the optimizer step
+        fwd = [n for n in train_parts if n not in ("main weights", "optimizer moments")]
+        opt = [n for n in train_parts if n not in ("activations", "logits / log-probs")]
+        plan.moments.append(("forward/backward", sum(plan.term(n) for n in fwd), fwd))
+        plan.moments.append(("optimizer step", sum(plan.term(n) for n in opt), opt))
+    else:
+        plan.moments.append(("training", sum(plan.term(n) for n in train_parts), train_parts))
     if x.colocated_sglang:
         total_params = _total_params(x)
         sg_w = total_params * 2 // x.server_tp
@@ -182,6 +193,8 @@ def suggest(x: PlanInputs) -> str | None:
         cands.append(("rollout.offload_learner=true", dict(offload_learner=True)))
     if not x.recompute:
         cands.append(("model.recompute_activations=true", dict(recompute=True)))
+    if not x.offload_outside_step:
+        cands.append(("optimizer.offload_outside_step=true", dict(offload_outside_step=True)))
     if x.micro_batch_tokens // 2 >= x.kv_tokens_needed:
         cands.append((f"algorithm.micro_batch_tokens={x.micro_batch_tokens // 2}",
                       dict(micro_batch_tokens=x.micro_batch_tokens // 2)))

@@ -6,7 +6,8 @@ distributed optimizer also its parameter buffer (`param.data` are views of
 `buffer.param_data`). Moving `param.data` to another device would break those views, so this
 module works on storages, as megatron-core's own `_ParamAndGradBuffer.offload_to_cpu` does:
 each distinct storage is copied into a host buffer (pinned when CUDA is present) and then
-resized to 0 bytes, which frees its memory and keeps every view; `onload` resizes it back and
+resized to 0 bytes, which frees its memory and keeps every view (a storage torch marks as not
+resizable, e.g. a CPU tensor once viewed by numpy, stays in place, counted in `kept`); `onload` resizes it back and
 copies the bytes in. Views see the restored memory because they share the storage object, so
 the round trip is bit-exact. Gradient storages are released without a copy and come back
 zeroed: the learner zeroes its gradient buffer at the start of every step anyway.
@@ -35,6 +36,7 @@ class StorageOffload:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.parts: dict[str, list[tuple[torch.UntypedStorage, int, torch.Tensor | None]]] = {}
         self._hosts: dict[tuple[str, int], torch.Tensor] = {}  # reused host buffers
+        self.kept: dict[str, int] = {}  # bytes left in place (storages that cannot resize)
 
     def offloaded(self, part: str | None = None) -> bool:
         return bool(self.parts.get(part)) if part else any(self.parts.values())
@@ -53,6 +55,9 @@ class StorageOffload:
             if n == 0 or ptr in seen:
                 continue
             seen.add(ptr)
+            if not s.resizable():  # e.g. a CPU tensor once viewed by numpy: it stays
+                self.kept[part] = self.kept.get(part, 0) + n
+                continue
             host = None
             if keep:
                 key = (part, len(recs))
@@ -73,6 +78,9 @@ class StorageOffload:
         """Give `part`'s storages their memory back (host bytes copied in, or zeros)."""
         recs = self.parts.pop(part, [])
         for s, n, host in recs:
+            if not s.resizable():
+                raise RuntimeError(f"onload {part}: a storage of {n} bytes was shared while "
+                                   "offloaded and cannot be restored")
             s.resize_(n)
             view = _bytes_view(s)
             if host is not None:

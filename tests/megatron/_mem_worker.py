@@ -162,7 +162,26 @@ def case_off(outdir: Path, failures: list, info: dict):
             L.load_reference()
             return L
 
+        def outside_step(L):  # pp2: main weights + moments away during forward/backward too
+            from megatron_gspo.megatron.offload import optimizer_tensors
+
+            L.offload_outside_step = True
+            orig = L.forward_backward
+
+            def fb(*a, **k):
+                out = orig(*a, **k)
+                kept = [t for t in sum(optimizer_tensors(L.optimizer), [])
+                        if t.untyped_storage().nbytes() > 0]
+                if kept and L.steps:
+                    failures.append(f"{name}: {len(kept)} main/moment storages kept in fwd/bwd")
+                return out
+
+            L.forward_backward = fb
+            return L
+
         def steps(L, n, offload, ckpt=None, at=None):
+            if offload and name == "pp2":
+                outside_step(L)
             rows = []
             for k in range(n):
                 L.onload()
