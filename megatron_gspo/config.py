@@ -82,9 +82,8 @@ class OptimizerConfig:
     clip_grad: float = option(1.0, "global gradient-norm clip (0 disables)", ge=0)
     distributed_optimizer: bool = option(False, "shard optimizer state over data-parallel ranks")
     offload_outside_step: bool = option(
-        False, "keep the fp32 main weights and Adam moments in pinned CPU memory except during "
-        "each optimizer step (they cross PCIe twice per step); for layouts whose optimizer "
-        "state does not fit beside the activations (`megatron-gspo plan` shows both moments)")
+        False, "fp32 main weights and Adam moments in pinned CPU memory except during each "
+        "optimizer step (2 PCIe copies per step), for state that does not fit beside activations")
 
 
 @dataclass
@@ -108,15 +107,12 @@ class RolloutConfig:
                               ge=1)
     tp_size: int = option(1, "tensor-parallel size of each SGLang server", ge=1)
     mem_fraction: float = option(
-        0.7, "SGLang --mem-fraction-static: the share of the memory FREE when a server starts "
-        "(the learner's resident memory already taken) that holds its weights and KV cache; KV "
-        "tokens = (free x mem_fraction - weights) / bytes per token, the rest of the free memory "
-        "holds CUDA graphs and activations (`megatron-gspo plan` prints the tokens)", gt=0, lt=1)
+        0.7, "SGLang --mem-fraction-static: share of the memory FREE when a server starts for its "
+        "weights + KV cache (KV tokens = (free x f - weights) / bytes per token; see "
+        "`megatron-gspo plan`)", gt=0, lt=1)
     offload_learner: bool | None = option(
-        None, "colocated SGLang: move the learner's weights, gradient buffer, fp32 main weights, "
-        "Adam moments and KL reference off the GPU while the servers hold their memory (grads "
-        "are dropped, the rest goes to pinned CPU memory), back before training; null = on "
-        "with colocated SGLang servers, off otherwise")
+        None, "colocated SGLang: the learner's weights, grads, fp32 main weights, Adam moments "
+        "and KL reference leave the GPU while the servers hold it; null = on when colocated")
     host: str = option("127.0.0.1", "host SGLang servers bind to (colocated on several hosts: "
                        "each node's address that rank 0 reaches)")
     base_port: int = option(30000, "first port for launched servers (SGLang refuses ports above "

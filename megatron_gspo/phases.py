@@ -6,7 +6,6 @@ Each phase takes the objects it works on plus the config, and returns metrics as
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import time
@@ -89,61 +88,11 @@ def _colocated_sglang(cfg: Config) -> bool:
     return cfg.rollout.engine == "sglang" and cfg.rollout.colocate
 
 
-STATE_PARTS = ("grads", "main", "moments", "reference")
-
-
-def _offloading(cfg: Config) -> bool:
+def offloading(cfg: Config) -> bool:
+    """`rollout.offload_learner` in effect (`rollout.colocated_sync` does the moves)."""
     from megatron_gspo.megatron.memory_report import offload_learner_enabled
 
     return offload_learner_enabled(cfg)
-
-
-def offload_before_launch(cfg: Config, learner) -> None:
-    """`rollout.offload_learner`: the learner's memory off the GPU before the colocated servers
-    start, so SGLang sizes its KV cache with it gone."""
-    if _offloading(cfg):
-        learner.offload()
-
-
-def learner_back(cfg: Config, learner) -> None:
-    """After the rollout released every server (all ranks): the learner's state back."""
-    if _offloading(cfg):
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()  # node leaders have released their servers
-        learner.onload()
-
-
-@contextlib.contextmanager
-def checkpoint_room(cfg: Config, learner, engine, cuda: bool | None = None):
-    """Around a checkpoint save (which reads every learner tensor): an offloaded learner is
-    brought back and offloaded again after; on GPUs the servers first release their KV cache
-    and CUDA graphs (their weights stay) so that it fits, and take them back after."""
-    away = learner.offloaded_parts()
-    if not away:
-        yield
-        return
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    tags = ("kv_cache", "cuda_graph")
-    dist = torch.distributed.is_initialized()
-    if cuda and engine is not None:
-        engine.release_memory(tags)
-    if cuda and dist:
-        torch.distributed.barrier()
-    learner.onload(away)
-    try:
-        yield
-    finally:
-        learner.offload(away)
-        if cuda and dist:
-            torch.distributed.barrier()  # every rank offloaded again
-        if cuda and engine is not None:
-            engine.resume_memory(tags)
-
-
-def _then(buckets, fn):
-    """`buckets`, then `fn()` once the last one was taken (every rank iterates the stream)."""
-    yield from buckets
-    fn()
 
 
 def broadcast(samples):
@@ -385,14 +334,15 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
 
     r = cfg.rollout
     dtype = DTYPES[r.dtype] if r.engine == "embedded" else DTYPES[cfg.model.dtype]
-    offload = _offloading(cfg)
+    offload = offloading(cfg)
     if offload:  # optimizer state away before the servers resume; weights after the stream
+        from megatron_gspo.rollout.colocated_sync import offload_around_stream
+
         learner.onload(["weights"] if "weights" in learner.offloaded_parts() else [])
-        learner.offload(STATE_PARTS)
     buckets = export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
                                 dtype=dtype)
     if offload:
-        buckets = _then(buckets, lambda: learner.offload(("weights",)))
+        buckets = offload_around_stream(learner, buckets)
     if _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
         from megatron_gspo.rollout.multinode_sync import multinode_sync
 

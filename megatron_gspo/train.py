@@ -22,6 +22,7 @@ from megatron_gspo.checkpoint import Checkpointer
 from megatron_gspo.config import Config, save_config, to_dict
 from megatron_gspo.megatron.fallbacks import fallback_summary
 from megatron_gspo.metrics import MetricsLogger
+from megatron_gspo.rollout import colocated_sync
 from megatron_gspo.rundir import RunDirLock, RunError, check_fresh_start
 
 
@@ -80,7 +81,9 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     # node's servers (built collectively). Started once the learner holds its weights, so that
     # an offloaded learner (rollout.offload_learner) leaves SGLang the whole GPU.
     every_node = build.colocated_on_every_node(cfg)
-    phases.offload_before_launch(cfg, learner)
+    offload = phases.offloading(cfg)  # rollout.offload_learner: SGLang gets the whole GPU
+    if offload:
+        learner.offload()
     engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 or every_node else None
     if engine is not None:
         cleanup.callback(engine.shutdown)  # launched servers stop, also on errors
@@ -130,7 +133,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         samples = phases.broadcast(samples)
         if every_node and engine is not None and not rank0:  # this node's servers, as rank 0's
             engine.release_memory()
-        phases.learner_back(cfg, learner)  # offloaded learner: back once the servers released
+        if offload:  # the learner back once every server released its memory
+            colocated_sync.learner_back(learner)
         m["time/rollout"] = time.perf_counter() - t_step
 
         # 3. Reference log-probs (KL; off when kl_coef is 0), then group-relative advantages.
@@ -188,7 +192,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
             state = {"step": step + 1, "precision": controller.state_dict(),
                      "data": prompts.state_dict() if rank0 else None,
                      "async": producer.state_dict() if producer else None}
-            with phases.checkpoint_room(cfg, learner, engine):
+            with colocated_sync.checkpoint_room(learner, engine):
                 path = ckpt.save(step + 1, learner, state)
             log.event(f"checkpoint {path}")
 

@@ -141,7 +141,7 @@ def buffer_ranges(numels: list[int], shared: list[bool], dp: int,
         bucket_start, n_in_bucket = end, 0
         return end
 
-    for n, sh in zip(reversed(numels), reversed(shared)):
+    for n, sh in zip(reversed(numels), reversed(shared), strict=True):
         pos = -(-pos // 64) * 64
         if sh and n_in_bucket:
             pos = close(pos)
@@ -299,7 +299,7 @@ class Plan:
         return f"{name} {self.term(name) / GiB:.1f} GiB"
 
     def check(self) -> None:
-        for name, total, parts in self.moments:
+        for name, total, _parts in self.moments:
             if total > self.gpu_bytes:
                 self.problems.append(
                     f"{name}: {total / GiB:.1f} GiB > {self.gpu_bytes / GiB:.1f} GiB per GPU "

@@ -2,15 +2,20 @@
 
 Megatron-Core 0.16.1 lays the learner out in a few large storages that many tensors view: DDP's
 gradient buffer (`param.main_grad` and every bucket are views of `buffer.grad_data`), with the
-distributed optimizer also its parameter buffer (`param.data` are views of
-`buffer.param_data`). Moving `param.data` to another device would break those views, so this
-module works on storages, as megatron-core's own `_ParamAndGradBuffer.offload_to_cpu` does:
-each distinct storage is copied into a host buffer (pinned when CUDA is present) and then
-resized to 0 bytes, which frees its memory and keeps every view (a storage torch marks as not
-resizable, e.g. a CPU tensor once viewed by numpy, stays in place, counted in `kept`); `onload` resizes it back and
-copies the bytes in. Views see the restored memory because they share the storage object, so
-the round trip is bit-exact. Gradient storages are released without a copy and come back
-zeroed: the learner zeroes its gradient buffer at the start of every step anyway.
+distributed optimizer also its parameter buffer (`param.data` are views of `buffer.param_data`).
+Moving `param.data` to another device would break those views, so this module works on storages,
+as megatron-core's own `_ParamAndGradBuffer.offload_to_cpu` does: each distinct storage is
+copied into a host buffer (pinned when CUDA is present) and then resized to 0 bytes, which frees
+its memory and keeps every view (a storage torch marks as not resizable, e.g. a CPU tensor once
+viewed by numpy, stays in place, counted in `kept`); `onload` resizes it back and copies the
+bytes in. Views see the restored memory because they share the storage object, so the round trip
+is bit-exact. Gradient storages are released without a copy and come back zeroed: the learner
+zeroes its gradient buffer at the start of every step anyway.
+
+Why not torch_memory_saver (what SGLang itself uses): it needs its allocator hooked in before
+the learner allocates and a CUDA build; storage resizing needs neither, works on CPU, and is the
+mechanism megatron-core 0.16.1 ships for these buffers. Reading an offloaded tensor is undefined
+(an empty storage: garbage or a crash), so the learner refuses to run while offloaded.
 
 On a CPU-only machine the "device" is the CPU too: the host copy is a separate tensor and the
 original storages still shrink to 0 bytes, so tests can check that nothing kept its memory.

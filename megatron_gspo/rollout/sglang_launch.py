@@ -131,6 +131,27 @@ def server_env(spec: LaunchSpec) -> dict[str, str]:
     return {HEALTH_GENERATION_ENV: "0", **spec.env}
 
 
+# What torchrun (torch/distributed/elastic/agent/server/local_elastic_agent.py) and the image
+# set for the learner's workers, which no launched server may inherit: with
+# TORCHELASTIC_USE_AGENT_STORE=True torch's tcp:// rendezvous makes every rank a store client
+# (torch/distributed/rendezvous.py `_create_c10d_store`), so a server's own TP group never
+# forms; RANK / WORLD_SIZE / MASTER_* describe the learner's job, not the server's;
+# CUDA_DEVICE_MAX_CONNECTIONS=1 is Megatron's setting and serialises a server's kernels.
+LEARNER_ONLY_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                    "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
+                    "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                    "CUDA_DEVICE_MAX_CONNECTIONS")
+LEARNER_ONLY_ENV_PREFIXES = ("TORCHELASTIC_",)
+
+
+def launch_environ(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a launched process (server, router) starts from: `base` (default
+    os.environ) without the learner-only variables (`LEARNER_ONLY_ENV`, TORCHELASTIC_*)."""
+    base = os.environ if base is None else base
+    return {k: v for k, v in base.items()
+            if k not in LEARNER_ONLY_ENV and not k.startswith(LEARNER_ONLY_ENV_PREFIXES)}
+
+
 def redact_argv(argv: Sequence[str]) -> list[str]:
     """`argv` with the value after --api-key replaced, for logs."""
     out = list(argv)
@@ -204,7 +225,7 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115
         self.proc = subprocess.Popen(  # ends with this process, also on SIGKILL
-            exec_with_parent.wrap(argv), env={**os.environ, **(env or {})}, stdout=self._log,
+            exec_with_parent.wrap(argv), env={**launch_environ(), **(env or {})}, stdout=self._log,
             stderr=self._log, start_new_session=True,
         )
 

@@ -25,7 +25,8 @@ reduction. Pickling CUDA tensors without sglang importable is refused with one c
 `update_weights_from_distributed` (disaggregated): the learner joins a process group of
 world size 1 + sum(server tp sizes) as rank 0 and broadcasts each tensor; servers receive them
 after `init_weights_update_group`. `init_learner_update_group` builds the learner's side with the
-same rendezvous the server uses (TCP store, key prefix = group name).
+same rendezvous the server uses (TCP store, key prefix = group name), the learner hosting the
+store explicitly (under torchrun the `tcp://` rendezvous would make it a client too).
 """
 
 from __future__ import annotations
@@ -289,7 +290,10 @@ def init_learner_update_group(
     """Join a weight-update process group outside the default group (learner = rank 0).
 
     The rendezvous matches SGLang's `init_weights_update_group`: a TCP store at
-    master_address:master_port, keys prefixed with the group name.
+    master_address:master_port, keys prefixed with the group name. Rank 0 hosts the store
+    itself (a TCPStore server): torch's `tcp://` rendezvous would not under torchrun, whose
+    workers carry TORCHELASTIC_USE_AGENT_STORE=True and so make every rank a store client
+    (torch/distributed/rendezvous.py `_create_c10d_store`), leaving no one to host it.
 
     Args:
         master_address, master_port: TCP store address (rank 0 hosts it).
@@ -301,12 +305,16 @@ def init_learner_update_group(
     Returns:
         the torch.distributed ProcessGroup.
     """
+    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
+    if rank == 0:  # host the store here, whatever torchrun's variables say
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=True,
+                              timeout=timeout, wait_for_workers=False)
+    else:
+        store, rank, world_size = next(c10d.rendezvous(
+            f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(

@@ -120,7 +120,7 @@ def case_act(outdir: Path, failures: list, info: dict):
         wptrs = {p.untyped_storage().data_ptr() for m in L.chunks for p in m.parameters()}
         saved: dict[int, int] = {}
 
-        def pack(t):
+        def pack(t, wptrs=wptrs, saved=saved):
             s = t.untyped_storage()
             if s.data_ptr() not in wptrs and s.device.type == "cpu":
                 saved[s.data_ptr()] = max(saved.get(s.data_ptr(), 0), s.nbytes())
@@ -146,78 +146,84 @@ def _storages_empty(L) -> list[str]:
 
 
 def case_off(outdir: Path, failures: list, info: dict):
+    from megatron_gspo.megatron.parallel import ParallelLayout as PL
+
+    for name, lay, distopt in (("tp2", PL(tensor=2), True), ("pp2", PL(pipeline=2), False)):
+        _off_layout(outdir, failures, info, name, lay, distopt)
+
+
+def _off_layout(outdir: Path, failures: list, info: dict, name: str, lay, distopt: bool):
     import torch.distributed as dist
 
     from megatron_gspo.megatron.learner import BatchSettings, Learner
     from megatron_gspo.megatron.optimizer import OptimSettings
-    from megatron_gspo.megatron.parallel import ParallelLayout as PL
 
     samples = make_samples()
-    for name, lay, distopt in (("tp2", PL(tensor=2), True), ("pp2", PL(pipeline=2), False)):
-        def learner():
-            L = Learner(DENSE, layout=lay, params_dtype=torch.bfloat16, seed=11,
-                        reference=True, optim=OptimSettings(lr=1e-3,
-                                                            use_distributed_optimizer=distopt),
-                        batching=BatchSettings(num_microbatches=2))
-            L.load_reference()
-            return L
 
-        def outside_step(L):  # pp2: main weights + moments away during forward/backward too
-            from megatron_gspo.megatron.offload import optimizer_tensors
+    def learner():
+        L = Learner(DENSE, layout=lay, params_dtype=torch.bfloat16, seed=11,
+                    reference=True, optim=OptimSettings(lr=1e-3,
+                                                        use_distributed_optimizer=distopt),
+                    batching=BatchSettings(num_microbatches=2))
+        L.load_reference()
+        return L
 
-            L.offload_outside_step = True
-            orig = L.forward_backward
+    def outside_step(L):  # pp2: main weights + moments away during forward/backward too
+        from megatron_gspo.megatron.offload import optimizer_tensors
 
-            def fb(*a, **k):
-                out = orig(*a, **k)
-                kept = [t for t in sum(optimizer_tensors(L.optimizer), [])
-                        if t.untyped_storage().nbytes() > 0]
-                if kept and L.steps:
-                    failures.append(f"{name}: {len(kept)} main/moment storages kept in fwd/bwd")
-                return out
+        L.offload_outside_step = True
+        orig = L.forward_backward
 
-            L.forward_backward = fb
-            return L
+        def fb(*a, **k):
+            out = orig(*a, **k)
+            kept = [t for t in sum(optimizer_tensors(L.optimizer), [])
+                    if t.untyped_storage().nbytes() > 0]
+            if kept and L.steps:
+                failures.append(f"{name}: {len(kept)} main/moment storages kept in fwd/bwd")
+            return out
 
-        def steps(L, n, offload, ckpt=None, at=None):
-            if offload and name == "pp2":
-                outside_step(L)
-            rows = []
-            for k in range(n):
-                L.onload()
-                m = L.train_step(samples, old_logprobs(L.forward_logprobs(samples)))
-                rows.append([m["loss"], m["grad_norm"]])
-                if offload:
-                    moved = L.offload()
-                    empty = _storages_empty(L)
-                    if empty:
-                        failures.append(f"{name} step {k}: after offload {empty}")
-                    info[f"{name}.offloaded_bytes"] = moved
-                if ckpt is not None and k + 1 == at:
-                    L.save_checkpoint(str(ckpt))
-                    if offload and not L.offloaded_parts():
-                        failures.append(f"{name}: saving a checkpoint left the learner onloaded")
+        L.forward_backward = fb
+        return L
+
+    def steps(L, n, offload, ckpt=None, at=None):
+        if offload and name == "pp2":
+            outside_step(L)
+        rows = []
+        for k in range(n):
             L.onload()
-            return rows, L.full_state_dict()
+            m = L.train_step(samples, old_logprobs(L.forward_logprobs(samples)))
+            rows.append([m["loss"], m["grad_norm"]])
+            if offload:
+                moved = L.offload()
+                empty = _storages_empty(L)
+                if empty:
+                    failures.append(f"{name} step {k}: after offload {empty}")
+                info[f"{name}.offloaded_bytes"] = moved
+            if ckpt is not None and k + 1 == at:
+                L.save_checkpoint(str(ckpt))
+                if offload and not L.offloaded_parts():
+                    failures.append(f"{name}: saving a checkpoint left the learner onloaded")
+        L.onload()
+        return rows, L.full_state_dict()
 
-        ckpt = outdir / f"ckpt-{name}"
-        base_rows, base_w = steps(learner(), 5, False)
-        off_rows, off_w = steps(learner(), 5, True, ckpt, at=3)
-        if off_rows != base_rows:
-            failures.append(f"{name}: offloaded loss/grad norm {off_rows} != {base_rows}")
-        bad = [k for k in base_w if not torch.equal(base_w[k], off_w[k])]
-        if bad:
-            failures.append(f"{name}: weights differ after 5 offloaded steps: {bad[:4]}")
-        L = learner()
-        L.load_checkpoint(str(ckpt))
-        res_rows, res_w = steps(L, 2, True)
-        if res_rows != base_rows[3:]:
-            failures.append(f"{name}: resumed steps {res_rows} != {base_rows[3:]}")
-        bad = [k for k in base_w if not torch.equal(base_w[k], res_w[k])]
-        if bad:
-            failures.append(f"{name}: weights differ after resume: {bad[:4]}")
-        info[name] = base_rows
-        dist.barrier()
+    ckpt = outdir / f"ckpt-{name}"
+    base_rows, base_w = steps(learner(), 5, False)
+    off_rows, off_w = steps(learner(), 5, True, ckpt, at=3)
+    if off_rows != base_rows:
+        failures.append(f"{name}: offloaded loss/grad norm {off_rows} != {base_rows}")
+    bad = [k for k in base_w if not torch.equal(base_w[k], off_w[k])]
+    if bad:
+        failures.append(f"{name}: weights differ after 5 offloaded steps: {bad[:4]}")
+    L = learner()
+    L.load_checkpoint(str(ckpt))
+    res_rows, res_w = steps(L, 2, True)
+    if res_rows != base_rows[3:]:
+        failures.append(f"{name}: resumed steps {res_rows} != {base_rows[3:]}")
+    bad = [k for k in base_w if not torch.equal(base_w[k], res_w[k])]
+    if bad:
+        failures.append(f"{name}: weights differ after resume: {bad[:4]}")
+    info[name] = base_rows
+    dist.barrier()
 
 
 def main():
