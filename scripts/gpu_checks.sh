@@ -188,6 +188,7 @@ for s in "${selected[@]}"; do
             run_stage bench_logprobs "$py" bench/token_logprobs.py "${bench_logprobs_args[@]}" \
                 --json "$work/bench_logprobs.json" ;;
     esac
+    [[ "$mode" == gpu && "$s" == bench_learner ]] && LIMIT[memory]=45 && run_stage memory "$py" scripts/gpu_memory_check.py --json "$work/memory.json"
 done
 
 commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || true)

@@ -3,6 +3,8 @@
     megatron-gspo train CONFIG.yaml [--run-dir DIR] [section.key=value ...]
     megatron-gspo config CONFIG.yaml [section.key=value ...]   # print the resolved config
     megatron-gspo fields                                       # every config field with its doc
+    megatron-gspo plan CONFIG.yaml [a.b=c ...] [--gpu-memory 80GiB] [--gpus-per-node 8]
+                                                               # per-GPU memory plan, fits or not
     megatron-gspo study STUDY.yaml [--out DIR] [a.b=c ...]     # A/B arms of one config, summary
     megatron-gspo convert hf-to-mcore|mcore-to-hf ...          # same as tools/convert_checkpoint.py
 
@@ -30,6 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the resolved config")
     c.add_argument("config")
     c.add_argument("overrides", nargs="*")
+    m = sub.add_parser("plan", help="per-GPU memory plan of a config (see megatron/memory_plan.py)")
+    m.add_argument("config")
+    m.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
+    m.add_argument("--gpus-per-node", type=int, default=8)
+    m.add_argument("--nodes", type=int, default=1)
+    m.add_argument("--model-config", default=None,
+                   help="directory or config.json with the model's shape (default: model.path)")
+    m.add_argument("overrides", nargs="*")
     sub.add_parser("fields", help="list every config field with its type, default and doc")
     s = sub.add_parser("study", help="run the arms of an A/B study (megatron_gspo/study/)")
     s.add_argument("study", help="study YAML file")
@@ -65,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)  # overrides may follow --run-dir
     bad = [a for a in extra if "=" not in a or a.startswith("-")]
-    if bad or (extra and args.command not in ("train", "config", "study")):
+    if bad or (extra and args.command not in ("train", "config", "study", "plan")):
         parser.error(f"unrecognized arguments: {' '.join(bad or extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
@@ -85,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0
+        if args.command == "plan":
+            return _plan(cfg, args)
         from megatron_gspo.loop.train import run
 
         run(cfg, run_dir=args.run_dir, config_path=args.config)
@@ -99,3 +111,27 @@ def main(argv: list[str] | None = None) -> int:
         print("megatron-gspo: interrupted", file=sys.stderr)
         return 130
 
+
+def _plan(cfg, args) -> int:
+    """`megatron-gspo plan`: print the table; exit 1 when the layout does not fit."""
+    import json
+    from pathlib import Path
+
+    from megatron_gspo.config import ConfigError
+    from megatron_gspo.megatron import memory_report as mr
+
+    src = Path(args.model_config or cfg.model.path or "")
+    src = src / "config.json" if src.is_dir() else src
+    try:
+        hf = json.loads(src.read_text())
+        x = mr.inputs_from_config(cfg, hf, gpu_bytes=mr.parse_bytes(args.gpu_memory),
+                                  gpus_per_node=args.gpus_per_node, nodes=args.nodes)
+        plan = mr.build_plan(x)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"plan: {type(e).__name__}: {e}") from None
+    print(mr.format_plan(plan, x, None if plan.fits else mr.suggest(x)))
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -81,6 +81,9 @@ class OptimizerConfig:
     adam_eps: float = option(1e-8, "Adam epsilon", gt=0)
     clip_grad: float = option(1.0, "global gradient-norm clip (0 disables)", ge=0)
     distributed_optimizer: bool = option(False, "shard optimizer state over data-parallel ranks")
+    offload_outside_step: bool = option(
+        False, "fp32 main weights and Adam moments in pinned CPU memory except during each "
+        "optimizer step (2 PCIe copies per step), for state that does not fit beside activations")
 
 
 @dataclass
@@ -103,7 +106,13 @@ class RolloutConfig:
                               "(colocated with tensor weight sync: every node of the job)",
                               ge=1)
     tp_size: int = option(1, "tensor-parallel size of each SGLang server", ge=1)
-    mem_fraction: float = option(0.7, "SGLang --mem-fraction-static", gt=0, le=1)
+    mem_fraction: float = option(
+        0.7, "SGLang --mem-fraction-static: share of the memory FREE when a server starts for its "
+        "weights + KV cache (KV tokens = (free x f - weights) / bytes per token; see "
+        "`megatron-gspo plan`)", gt=0, lt=1)
+    offload_learner: bool | None = option(
+        None, "colocated SGLang: the learner's weights, grads, fp32 main weights, Adam moments "
+        "and KL reference leave the GPU while the servers hold it; null = on when colocated")
     host: str = option("127.0.0.1", "host SGLang servers bind to (colocated on several hosts: "
                        "each node's address that rank 0 reaches)")
     base_port: int = option(30000, "first port for launched servers (SGLang refuses ports above "

@@ -72,14 +72,16 @@ def learner(cfg: Config, hf_config: dict):
                         kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0,
                         kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
     use_te = {"auto": None, "local": False, "transformer_engine": True}[cfg.model.transformer_impl]
-    return Learner(hf_config, layout=layout, optim=optim, loss=loss,
-                   model_kwargs=deterministic_switches(cfg.train.deterministic),
-                   batching=BatchSettings(max_tokens_per_microbatch=a.micro_batch_tokens,
-                                          pad_id=int(hf_config.get("pad_token_id") or 0)),
-                   params_dtype=DTYPES[cfg.model.dtype], seed=cfg.train.seed, use_te=use_te,
-                   recompute=cfg.model.recompute_activations, reference=a.kl_coef > 0,
-                   reference_offload=cfg.model.reference_offload,
-                   routing_replay=cfg.moe.routing_replay)
+    out = Learner(hf_config, layout=layout, optim=optim, loss=loss,
+                  model_kwargs=deterministic_switches(cfg.train.deterministic),
+                  batching=BatchSettings(max_tokens_per_microbatch=a.micro_batch_tokens,
+                                         pad_id=int(hf_config.get("pad_token_id") or 0)),
+                  params_dtype=DTYPES[cfg.model.dtype], seed=cfg.train.seed, use_te=use_te,
+                  recompute=cfg.model.recompute_activations, reference=a.kl_coef > 0,
+                  reference_offload=cfg.model.reference_offload,
+                  routing_replay=cfg.moe.routing_replay)
+    out.offload_outside_step = o.offload_outside_step
+    return out
 
 
 def deterministic_switches(on: bool) -> dict:

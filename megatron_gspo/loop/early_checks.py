@@ -48,6 +48,7 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
         check_layout(layout, world, hf_config)
     except ParallelLayoutError as e:
         raise ConfigError(f"parallel: {e}") from None
+    check_memory(cfg, hf_config, world)
     if cfg.agent.enabled:
         _check_agent(cfg)
         _check_agent_chat(cfg, tok)
@@ -69,6 +70,21 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
     if cfg.moe.routing_replay == "r3" and cfg.agent.enabled:
         raise ConfigError("moe.routing_replay: 'r3' is not supported with agent.enabled (the "
                           "episodes' environment tokens have no engine routing); use 'r2'")
+
+
+def check_memory(cfg: Config, hf_config: dict, world: int, gpu_bytes: int | None = None) -> None:
+    """The memory plan (`megatron-gspo plan`) of this layout on this GPU: a ConfigError naming
+    the biggest term when it cannot fit. Skipped without CUDA unless `gpu_bytes` is given."""
+    from megatron_gspo.megatron.memory_report import check_before_launch
+
+    if gpu_bytes is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    check_before_launch(cfg, hf_config, gpu_bytes=gpu_bytes, world=world,
+                        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 def is_moe(hf_config: dict) -> bool:

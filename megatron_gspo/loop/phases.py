@@ -89,6 +89,13 @@ def _colocated_sglang(cfg: Config) -> bool:
     return cfg.rollout.engine == "sglang" and cfg.rollout.colocate
 
 
+def offloading(cfg: Config) -> bool:
+    """`rollout.offload_learner` in effect (`rollout.colocated_sync` does the moves)."""
+    from megatron_gspo.megatron.memory_report import offload_learner_enabled
+
+    return offload_learner_enabled(cfg)
+
+
 def broadcast(samples):
     """Rank 0's samples on every rank."""
     from megatron_gspo.megatron.learner import broadcast_samples
@@ -336,8 +343,15 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
 
     r = cfg.rollout
     dtype = DTYPES[r.dtype] if r.engine == "embedded" else DTYPES[cfg.model.dtype]
+    offload = offloading(cfg)
+    if offload:  # optimizer state away before the servers resume; weights after the stream
+        from megatron_gspo.rollout.multinode.colocated import offload_around_stream
+
+        learner.onload(["weights"] if "weights" in learner.offloaded_parts() else [])
     buckets = export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
                                 dtype=dtype)
+    if offload:
+        buckets = offload_around_stream(learner, buckets)
     if _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
         from megatron_gspo.rollout.multinode.sync import multinode_sync
 
@@ -375,7 +389,10 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
         peak = (f"; peak live bucket bytes {int(st['peak_live_bucket_bytes'])} (largest bucket "
                 f"{int(st['max_bucket_bytes'])}, bound {r.bucket_bytes})") if st else ""
         event(f"weight sync v{version}: " + " -> ".join(order) + peak)
-    return {f"weight_sync/{k}": float(v) for k, v in st.items()}
+    out = {f"weight_sync/{k}": float(v) for k, v in st.items()}
+    if offload:  # what this rank's learner gave back to the servers
+        out["memory/learner_offloaded_bytes"] = float(learner.offloaded_bytes())
+    return out
 
 
 def _tensor_sync(cfg: Config) -> bool:

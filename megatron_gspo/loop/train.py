@@ -22,6 +22,7 @@ from megatron_gspo.run.checkpoint import Checkpointer
 from megatron_gspo.config import Config, save_config, to_dict
 from megatron_gspo.megatron.fallbacks import fallback_summary
 from megatron_gspo.run.metrics import MetricsLogger
+from megatron_gspo.rollout.multinode import colocated as colocated_sync
 from megatron_gspo.run.rundir import RunDirLock, RunError, check_fresh_start
 
 
@@ -60,13 +61,6 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     evals = build.eval_prompts(cfg, tokenizer) if rank0 else None
     learner = build.learner(cfg, hf_config)  # starts torch.distributed + Megatron parallel state
     cleanup.callback(learner.shutdown)
-    # Rank 0's engine; with colocated servers on several nodes every node leader also holds its
-    # node's servers (built collectively).
-    every_node = build.colocated_on_every_node(cfg)
-    engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 or every_node else None
-    if engine is not None:
-        cleanup.callback(engine.shutdown)  # launched servers stop, also on errors
-    phases.wait_for_rank0()  # rank 0's servers may take long to start
     controller = ToleranceController(cfg.precision.old_logprobs, cfg.precision.audit_fraction,
                                      cfg.precision.tolerance, cfg.precision.recheck_interval)
     ckpt = Checkpointer(ckpt_root, cfg.checkpoint.keep_last, cfg.checkpoint.checksums)
@@ -83,6 +77,17 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     else:
         build.load_initial_weights(cfg, learner, hf_config)
     ref_bytes = build.load_reference(cfg, learner, hf_config)  # initial weights, also on resume
+    # Rank 0's engine; with colocated servers on several nodes every node leader also holds its
+    # node's servers (built collectively). Started once the learner holds its weights, so that
+    # an offloaded learner (rollout.offload_learner) leaves SGLang the whole GPU.
+    every_node = build.colocated_on_every_node(cfg)
+    offload = phases.offloading(cfg)  # rollout.offload_learner: SGLang gets the whole GPU
+    if offload:
+        learner.offload()
+    engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 or every_node else None
+    if engine is not None:
+        cleanup.callback(engine.shutdown)  # launched servers stop, also on errors
+    phases.wait_for_rank0()  # rank 0's servers may take long to start
     log = MetricsLogger(run_dir, enabled=rank0, total_steps=cfg.train.max_steps,
                         start_step=start, tensorboard=cfg.logging.tensorboard,
                         wandb_project=cfg.logging.wandb_project, wandb_name=cfg.logging.wandb_name,
@@ -129,6 +134,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         samples = phases.broadcast(samples)
         if every_node and engine is not None and not rank0:  # this node's servers, as rank 0's
             engine.release_memory()
+        if offload:  # the learner back once every server released its memory
+            colocated_sync.learner_back(learner)
         m["time/rollout"] = time.perf_counter() - t_step
 
         # 3. Reference log-probs (KL; off when kl_coef is 0), then group-relative advantages.
@@ -187,7 +194,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
             state = {"step": step + 1, "precision": controller.state_dict(),
                      "data": prompts.state_dict() if rank0 else None,
                      "async": producer.state_dict() if producer else None}
-            path = ckpt.save(step + 1, learner, state)
+            with colocated_sync.checkpoint_room(learner, engine):
+                path = ckpt.save(step + 1, learner, state)
             log.event(f"checkpoint {path}")
 
     return run_dir  # `cleanup` closes the log, the producer, the engine and the learner

@@ -121,6 +121,9 @@ class Learner(LearnerState):
             vocab_start=tp_rank * vocab_local, vocab_size=int(hf_config["vocab_size"]))
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.steps = 0
+        # fp32 main weights and Adam moments off the accelerator during forward / backward
+        # (`train_step` brings them in for the optimizer step only)
+        self.offload_outside_step = False
         self.reference_offload = reference_offload
         self.reference_chunks = None  # frozen KL reference; None = none built
         self.reference_model = None
@@ -136,6 +139,7 @@ class Learner(LearnerState):
     def _micro_batches(self, samples: list[Sample], old_logprobs) -> list[MicroBatch]:
         from megatron.core import parallel_state as ps
 
+        self._require_resident(("weights", "grads", "reference"))  # main / moments may wait
         min_mbs = self.batching.num_microbatches or 1
         if len(self.model) > 1:  # the interleaved schedule needs >= PP micro-batches
             min_mbs = max(min_mbs, self.layout.pipeline)
@@ -363,6 +367,8 @@ class Learner(LearnerState):
         (`update_skipped` 1, weights, optimizer state and schedule untouched) when the loss or
         any rank's gradients are non-finite."""
         lr = current_lr(self.optimizer)
+        self.onload(["main", "moments"] if self.offload_outside_step else [])
+        self._require_resident()
         if not all_ranks_agree(loss_finite and grads_finite(self.model), self.device):
             for m in self.model:
                 m.zero_grad_buffer()
@@ -385,6 +391,8 @@ class Learner(LearnerState):
             tokens_per_s (all ranks' packed tokens / step time).
         """
         t0 = time.perf_counter()
+        if self.offload_outside_step:  # main weights + moments in host memory until the step
+            self.offload(("main", "moments"))
         metrics = self.forward_backward(samples, old_logprobs, ref_logprobs)
         t1 = time.perf_counter()
         metrics.update(self.optimizer_step(math.isfinite(metrics["loss"])))

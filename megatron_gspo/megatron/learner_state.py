@@ -3,8 +3,11 @@
 Full (TP=PP=EP=1) state dicts in and out of the model chunks, the KL reference's weights, and
 Megatron-Core `dist_checkpointing` (torch_dist) save/load of model, optimizer and scheduler in
 any parallel layout, with the model-parallel RNG tracker's state. Attributes used (set by
-`Learner.__init__`): chunks, reference_chunks, tied, optimizer, optim_settings, scheduler,
-steps, hf_config, params_dtype.
+`Learner.__init__`): chunks, model, reference_chunks, reference_offload, tied, optimizer,
+optim_settings, scheduler, steps, hf_config, params_dtype.
+
+`offload` / `onload` move the weights, gradient buffer, main weights, Adam moments and KL
+reference off the accelerator and back (`megatron.offload`: storages released, views kept).
 """
 
 from __future__ import annotations
@@ -61,6 +64,56 @@ class LearnerState:
             if hasattr(o, "reload_model_params"):
                 o.reload_model_params()
 
+    # ----------------------------------------------------------------------------- offload
+    def _offloader(self):
+        from megatron_gspo.megatron.offload import StorageOffload
+
+        if getattr(self, "_offload", None) is None:
+            self._offload = StorageOffload()
+        return self._offload
+
+    def offloaded_parts(self) -> list[str]:
+        """Parts now off the accelerator (see `offload`)."""
+        from megatron_gspo.megatron.offload import PARTS
+
+        off = getattr(self, "_offload", None)
+        return [p for p in PARTS if off is not None and off.offloaded(p)]
+
+    def offload(self, parts=("weights", "grads", "main", "moments", "reference")) -> int:
+        """Release the accelerator memory of `parts` of this rank (weights, grads, main,
+        moments, reference); gradients are dropped (zeros when they come back), the others
+        copied to (pinned) host memory first. Returns the bytes released."""
+        from megatron_gspo.megatron import offload as off
+
+        o = self._offloader()
+        weights = [p for m in self.chunks for p in m.parameters()]
+        wptrs = {p.untyped_storage().data_ptr() for p in weights}
+        main, state = off.optimizer_tensors(self.optimizer)
+        ref = [p for m in (self.reference_chunks or []) for p in m.parameters()] \
+            if not getattr(self, "reference_offload", False) else []
+        groups = {"weights": (weights, True), "grads": (off.grad_buffers(self.model), False),
+                  "main": (main, True), "moments": (state, True), "reference": (ref, True)}
+        total = 0
+        for part in parts:
+            tensors, keep = groups[part]
+            total += o.offload(part, tensors, keep=keep, skip=wptrs if part != "weights" else None)
+        return total
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of this rank's accelerator memory now released by `offload`."""
+        off = getattr(self, "_offload", None)
+        return sum(n for recs in (off.parts.values() if off else []) for _, n, _ in recs)
+
+    def onload(self, parts=None) -> int:
+        """Bring offloaded `parts` (default: all) back; returns the bytes restored."""
+        o = self._offloader()
+        return sum(o.onload(p) for p in (self.offloaded_parts() if parts is None else parts))
+
+    def _require_resident(self, parts=None) -> None:
+        off = [p for p in self.offloaded_parts() if parts is None or p in parts]
+        if off:
+            raise RuntimeError(f"learner {', '.join(off)} offloaded: call onload() first")
+
     # ----------------------------------------------------------------------------- checkpoints
     def sharded_state_dict(self) -> dict:
         """Model + optimizer + scheduler state for `megatron.core.dist_checkpointing`."""
@@ -84,7 +137,19 @@ class LearnerState:
                                                             metadata=meta)
         sd["scheduler"] = self.scheduler.state_dict()
         sd["steps"] = self.steps
+        sd["adam_step"] = None if is_loading else self._adam_step()
         return sd
+
+    def _adam_steps(self) -> list[dict]:
+        return [st for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                for st in getattr(getattr(o, "optimizer", None), "state", {}).values()
+                if "step" in st]
+
+    def _adam_step(self) -> float | None:
+        """Adam's step count (bias correction); None before the first step."""
+        for st in self._adam_steps():
+            return float(st["step"])
+        return None
 
     def save_checkpoint(self, path: str) -> None:
         """Save model, optimizer and scheduler (torch_dist format) to directory `path`."""
@@ -97,6 +162,8 @@ class LearnerState:
 
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
+        away = self.offloaded_parts()  # saved from resident tensors, offloaded again after
+        self.onload(away)
         dist.barrier()
         install_checkpoint_results_queue()  # its server dies with this process
         tie_forked_children()  # and so do the writer processes Megatron forks
@@ -105,6 +172,7 @@ class LearnerState:
             from megatron_gspo.convert.sources import write_model_info
 
             write_model_info(path, self.hf_config, str(self.params_dtype).removeprefix("torch."))
+        self.offload(away)
 
     def load_checkpoint(self, path: str) -> None:
         """Load a checkpoint written by `save_checkpoint` (any parallel layout).
@@ -114,14 +182,22 @@ class LearnerState:
         """
         from megatron.core import dist_checkpointing
 
+        self._require_resident()
         sd = self._full_sharded_sd(True)
         with torch.no_grad():
             loaded = dist_checkpointing.load(sd, path)
         for i, m in enumerate(self.chunks):
             key = f"model{i}" if len(self.chunks) > 1 else "model"
             m.load_state_dict(loaded[key])
-        self._refresh_main_params()
+        # No main-weight refresh from the bf16 weights here: `dist_checkpointing.load` has
+        # already filled the optimizer's fp32 main weights in place from the checkpoint, and a
+        # refresh would round them to bf16 (a resumed run would then drift from the original).
         self.optimizer.load_state_dict(loaded["optimizer"])
+        if loaded.get("adam_step") is not None:
+            # the distributed optimizer's reshardable format restores its dummy step (1)
+            for st in self._adam_steps():
+                st["step"] = torch.full_like(st["step"], loaded["adam_step"]) \
+                    if isinstance(st["step"], torch.Tensor) else loaded["adam_step"]
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps = int(loaded["steps"])
 

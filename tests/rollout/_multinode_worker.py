@@ -44,9 +44,14 @@ def main(model: str, run_dir: str, out_dir: str, base_port: int, extra: list[str
 
     def sync_weights(learner, engine, hf_config, cfg, version, event=None):
         m = sync(learner, engine, hf_config, cfg, version, event)
+        away = learner.offloaded_parts()  # rollout.offload_learner: weights read, then away
+        learner.onload(away)
         named = [kv for b in export_hf_weights(learner.chunks, hf_config, bucket_bytes=1 << 30,
                                                dtype=build.DTYPES[cfg.model.dtype]) for kv in b]
-        learner_digest = weights_digest(named)  # every rank exported (collective)
+        # clones: numpy views would pin the learner's storages (torch stops resizing them)
+        learner_digest = weights_digest([(k, v.clone()) for k, v in named])  # collective export
+        del named
+        learner.offload(away)
         own = node_engine(engine)
         if own is not None:
             for u in own.urls:

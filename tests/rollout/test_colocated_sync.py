@@ -55,6 +55,19 @@ def test_memory_order_and_live_bucket_bytes(result):
         assert r["weight_sync/peak_live_bucket_bytes"] < total / 4  # never the whole model
 
 
+def test_learner_offloaded_while_servers_generate(result):
+    """rollout.offload_learner (on by default here): after every sync the learner's weights,
+    gradient buffer and Adam moments are off the device, the bytes the memory plan predicts."""
+    from megatron_gspo.megatron import memory_plan as mp
+
+    run = Path(result["run_dir"])
+    hf = json.loads((run.parent / "model" / "config.json").read_text())
+    plan = mp.learner_bytes(mp.dims_from_hf(hf), param_bytes=4)  # examples/tiny: float32
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["memory/learner_offloaded_bytes"] for r in rows] == [plan.total] * len(rows)
+    assert plan.moments > 0 and plan.grads == plan.weights
+
+
 IPC_WORKER = Path(__file__).with_name("_ipc_worker.py")
 
 

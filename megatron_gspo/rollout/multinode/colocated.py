@@ -20,6 +20,7 @@ are refused with one line.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -246,3 +247,51 @@ def colocated_sync(
         out["cuda_peak_extra_bytes"] = float(extra[0])
     out["order"] = [f"{int(out['buckets'])} buckets" if c == "stream" else c for c in order]
     return out
+
+
+# ----------------------------------------------------------------------------- learner offload
+# `rollout.offload_learner` (megatron.offload): the learner's optimizer state leaves the GPUs
+# before the servers resume their weights, its weights once the stream is sent (before the KV
+# cache comes back), and everything returns after the rollout released the servers.
+STATE_PARTS = ("grads", "main", "moments", "reference")
+
+
+def offload_around_stream(learner: Any, buckets: Iterable[list]) -> Iterable[list]:
+    """Offload the learner's state now; yield `buckets`, then offload its weights once the last
+    bucket was taken (every rank iterates the stream)."""
+    learner.offload(STATE_PARTS)
+    yield from buckets
+    learner.offload(("weights",))
+
+
+def learner_back(learner: Any) -> None:
+    """Barrier (every node leader has released its servers), then the learner back."""
+    if _dist():
+        dist.barrier()
+    learner.onload()
+
+
+@contextlib.contextmanager
+def checkpoint_room(learner: Any, engine: Any, cuda: bool | None = None):
+    """Around a checkpoint save (which reads every learner tensor): an offloaded learner comes
+    back and is offloaded again after; on GPUs the servers first release their KV cache and
+    CUDA graphs (their weights stay) so that it fits, and take them back after."""
+    away = learner.offloaded_parts()
+    if not away:
+        yield
+        return
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    tags = ("kv_cache", "cuda_graph")
+    if cuda and engine is not None:
+        engine.release_memory(tags)
+    if cuda and _dist():
+        dist.barrier()
+    learner.onload(away)
+    try:
+        yield
+    finally:
+        learner.offload(away)
+        if cuda and _dist():
+            dist.barrier()  # every rank offloaded again
+        if cuda and engine is not None:
+            engine.resume_memory(tags)

@@ -1,0 +1,268 @@
+"""The memory plan of a run config: `megatron-gspo plan CONFIG`, and the trainer's check at
+start on a GPU (arithmetic in `megatron.memory_plan`).
+
+    megatron-gspo plan CONFIG [a.b=c ...] [--gpu-memory 80GiB] [--gpus-per-node 8] [--nodes 1]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from megatron_gspo.megatron import memory_plan as mp
+from megatron_gspo.megatron.memory_plan import GiB, Plan
+
+# Fixed allowances (not measured here): CUDA contexts of the learner and the server process,
+# NCCL buffers and allocator slack on every GPU; SGLang's CUDA graphs and its forward
+# activations, which live in the share of free memory that --mem-fraction-static leaves out.
+CONTEXT_BYTES = 3 * GiB
+CUDA_GRAPH_BYTES = 2 * GiB
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Numbers the plan needs (`inputs_from_config` fills them from a config)."""
+
+    dims: mp.Dims
+    gpu_bytes: int
+    world: int
+    gpus_per_node: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    cp: int = 1
+    sp: bool = False
+    distributed_optimizer: bool = False
+    offload_outside_step: bool = False
+    param_bytes: int = 2
+    reference: bool = False
+    reference_offload: bool = False
+    micro_batch_tokens: int = 4096
+    recompute: bool = False
+    colocated_sglang: bool = False
+    offload_learner: bool = False
+    server_tp: int = 1
+    mem_fraction: float = 0.7
+    kv_tokens_needed: int = 0
+    bucket_bytes: int = 512 * 2**20
+    vocab_multiple: int = 128
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp * self.cp)
+
+
+def offload_learner_enabled(cfg) -> bool:
+    """`rollout.offload_learner` resolved: null means on with colocated SGLang servers."""
+    r = cfg.rollout
+    colocated = r.engine == "sglang" and r.colocate
+    return colocated if r.offload_learner is None else bool(r.offload_learner and colocated)
+
+
+def inputs_from_config(cfg, hf_config: dict, *, gpu_bytes: int, gpus_per_node: int,
+                       nodes: int = 1, world: int | None = None) -> PlanInputs:
+    """`PlanInputs` of a run config on `nodes` x `gpus_per_node` GPUs of `gpu_bytes` each."""
+    from megatron_gspo.megatron.model import VOCAB_PAD_MULTIPLE  # the model's vocabulary padding
+
+    p, r = cfg.parallel, cfg.rollout
+    colocated = r.engine == "sglang" and r.colocate
+    return PlanInputs(
+        dims=mp.dims_from_hf(hf_config), gpu_bytes=gpu_bytes,
+        world=world or nodes * gpus_per_node, gpus_per_node=gpus_per_node, tp=p.tensor,
+        pp=p.pipeline, vpp=p.virtual_pipeline or 1, ep=p.expert, etp=p.expert_tensor,
+        cp=p.context, sp=p.sequence_parallel,
+        distributed_optimizer=cfg.optimizer.distributed_optimizer,
+        offload_outside_step=cfg.optimizer.offload_outside_step,
+        param_bytes=DTYPE_BYTES[cfg.model.dtype], reference=cfg.algorithm.kl_coef > 0,
+        reference_offload=cfg.model.reference_offload,
+        micro_batch_tokens=cfg.algorithm.micro_batch_tokens,
+        recompute=cfg.model.recompute_activations, colocated_sglang=colocated,
+        offload_learner=offload_learner_enabled(cfg), server_tp=r.tp_size,
+        mem_fraction=r.mem_fraction,
+        kv_tokens_needed=cfg.data.max_prompt_length + r.max_new_tokens,
+        bucket_bytes=r.bucket_bytes, vocab_multiple=VOCAB_PAD_MULTIPLE)
+
+
+def _worst_learner(x: PlanInputs) -> mp.LearnerBytes:
+    """The pipeline stage (rank 0 of its DP group) holding the most learner bytes."""
+    best = None
+    for pp_rank in range(x.pp):
+        b = mp.learner_bytes(x.dims, tp=x.tp, pp=x.pp, ep=x.ep, etp=x.etp, vpp=x.vpp,
+                             dp=x.dp, cp=x.cp, distributed=x.distributed_optimizer,
+                             param_bytes=x.param_bytes, pp_rank=pp_rank,
+                             reference=x.reference, vocab_multiple=x.vocab_multiple)
+        if best is None or b.total > best.total:
+            best = b
+    return best
+
+
+def build_plan(x: PlanInputs) -> Plan:
+    """Rows and moments of one GPU for `x` (see `megatron.memory_plan`)."""
+    if x.world % (x.tp * x.pp * x.cp):
+        raise ValueError(f"{x.world} GPUs do not split into TP {x.tp} x PP {x.pp} x CP {x.cp}")
+    d = x.dims
+    lb = _worst_learner(x)
+    ref_dev = 0 if x.reference_offload else lb.reference
+    layers = d.layers // x.pp
+    in_flight = x.pp  # the first stage under 1F1B
+    act = mp.activation_bytes(d, tokens=x.micro_batch_tokens, layers=layers, tp=x.tp, sp=x.sp,
+                              cp=x.cp, etp=x.etp, recompute=x.recompute, in_flight=in_flight,
+                              act_bytes=x.param_bytes)
+    vocab_local = mp.padded_vocab(d.vocab, x.tp, x.vocab_multiple) // x.tp
+    logits = mp.logits_bytes(x.micro_batch_tokens, vocab_local, x.cp)
+    grad_dtype = "fp32"
+    etp = x.tp if x.etp is None else x.etp
+    edp = x.tp * x.cp * x.dp // (x.ep * etp)
+    shard = f"sharded over DP {x.dp * x.cp}" + (f", experts over {edp}" if x.ep > 1 else "")
+    rows = [
+        ("learner weights", lb.weights, f"{x.param_bytes} B/param, TP{x.tp} PP{x.pp} EP{x.ep}"
+         + (", padded buffer" if x.distributed_optimizer else "")),
+        ("gradient buffer", lb.grads, f"{grad_dtype} (grad_reduce_in_fp32)"),
+        ("main weights", lb.main, "fp32, " + (shard if x.distributed_optimizer else
+                                              "not sharded") if lb.main else
+         "none (fp32 parameters)"),
+        ("optimizer moments", lb.moments, "Adam fp32 x2, " + (
+            shard if x.distributed_optimizer else "not sharded")),
+        ("KL reference", ref_dev, "off" if not x.reference else
+         ("in CPU memory" if x.reference_offload else f"{x.param_bytes} B/param")),
+        ("activations", act, f"{x.micro_batch_tokens} tokens/micro-batch, "
+         + ("full recompute" if x.recompute else "no recompute")
+         + (f", {in_flight} in flight (PP)" if in_flight > 1 else "") + " (estimate)"),
+        ("logits / log-probs", logits, f"{vocab_local} vocab rows/rank (estimate)"),
+        ("CUDA contexts, NCCL", CONTEXT_BYTES, "allowance"),
+    ]
+    plan = Plan(gpu_bytes=x.gpu_bytes, rows=rows, kv_tokens_needed=x.kv_tokens_needed)
+    train_parts = ["learner weights", "gradient buffer", "main weights", "optimizer moments",
+                   "KL reference", "activations", "logits / log-probs", "CUDA contexts, NCCL"]
+    if x.offload_outside_step:  # main weights + moments only in the optimizer step
+        fwd = [n for n in train_parts if n not in ("main weights", "optimizer moments")]
+        opt = [n for n in train_parts if n not in ("activations", "logits / log-probs")]
+        plan.moments.append(("forward/backward", sum(plan.term(n) for n in fwd), fwd))
+        plan.moments.append(("optimizer step", sum(plan.term(n) for n in opt), opt))
+    else:
+        plan.moments.append(("training", sum(plan.term(n) for n in train_parts), train_parts))
+    if x.colocated_sglang:
+        total_params = _total_params(x)
+        sg_w = total_params * 2 // x.server_tp
+        state = ["gradient buffer", "main weights", "optimizer moments", "KL reference"]
+        # what is resident when the server starts and sizes its KV cache: optimizer moments
+        # are created by the first step, so they are not there yet (without offload)
+        at_launch = [] if x.offload_learner else ["learner weights", "gradient buffer",
+                                                   "main weights", "KL reference"]
+        free = x.gpu_bytes - CONTEXT_BYTES - sum(plan.term(n) for n in at_launch)
+        cell = mp.kv_cell_bytes(d, x.server_tp)
+        plan.kv_tokens = mp.sglang_kv_tokens(free, sg_w, x.mem_fraction, cell)
+        kv = plan.kv_tokens * cell
+        rows += [("SGLang weights", sg_w, f"bf16, server TP{x.server_tp}"),
+                 ("SGLang KV cache", kv, f"{plan.kv_tokens} tokens ({cell} B/token), "
+                  f"mem_fraction {x.mem_fraction} of {free / GiB:.1f} GiB free at launch"),
+                 ("SGLang CUDA graphs", CUDA_GRAPH_BYTES, "allowance"),
+                 ("weight-sync bucket", 2 * x.bucket_bytes, "exported + flattened copy")]
+        sglang = ["SGLang weights", "SGLang KV cache", "SGLang CUDA graphs"]
+        learner_gen = [] if x.offload_learner else ["learner weights", *state]
+        gen = ["CUDA contexts, NCCL", *learner_gen, *sglang]
+        plan.moments.append(("generation", sum(plan.term(n) for n in gen), gen))
+        sync = ["CUDA contexts, NCCL", "learner weights",
+                *([] if x.offload_learner else state), "SGLang weights", "weight-sync bucket"]
+        plan.moments.append(("weight sync", sum(plan.term(n) for n in sync), sync))
+        if free * (1 - x.mem_fraction) < CUDA_GRAPH_BYTES:
+            plan.problems.append(
+                f"rollout.mem_fraction {x.mem_fraction}: leaves "
+                f"{free * (1 - x.mem_fraction) / GiB:.1f} GiB of the {free / GiB:.1f} GiB free "
+                f"at launch for CUDA graphs and activations (< {CUDA_GRAPH_BYTES / GiB:.0f} GiB)")
+    plan.check()
+    return plan
+
+
+def _total_params(x: PlanInputs) -> int:
+    """Parameters of the whole model (no padding, tied embedding once)."""
+    one = dataclasses.replace(x, tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1, world=1,
+                              distributed_optimizer=False, param_bytes=4, reference=False)
+    return mp.learner_bytes(x.dims, tp=1, pp=1, ep=1, etp=1, vpp=1, dp=1, param_bytes=4,
+                            vocab_multiple=one.vocab_multiple).weights // 4
+
+
+def suggest(x: PlanInputs) -> str | None:
+    """The cheapest single change (or pair) that makes `x` fit, as config overrides."""
+    cands: list[tuple[str, dict]] = []
+    if not x.distributed_optimizer:
+        cands.append(("optimizer.distributed_optimizer=true", dict(distributed_optimizer=True)))
+    if x.colocated_sglang and not x.offload_learner:
+        cands.append(("rollout.offload_learner=true", dict(offload_learner=True)))
+    if not x.recompute:
+        cands.append(("model.recompute_activations=true", dict(recompute=True)))
+    if not x.offload_outside_step:
+        cands.append(("optimizer.offload_outside_step=true", dict(offload_outside_step=True)))
+    if x.micro_batch_tokens // 2 >= x.kv_tokens_needed:
+        cands.append((f"algorithm.micro_batch_tokens={x.micro_batch_tokens // 2}",
+                      dict(micro_batch_tokens=x.micro_batch_tokens // 2)))
+    if x.mem_fraction > 0.5 and x.colocated_sglang:
+        cands.append(("rollout.mem_fraction=0.5", dict(mem_fraction=0.5)))
+    tp2 = x.tp * 2
+    if (tp2 <= x.gpus_per_node and x.world % (tp2 * x.pp * x.cp) == 0
+            and x.dims.heads % tp2 == 0 and x.dims.kv_heads % tp2 in (0, x.dims.kv_heads)):
+        cands.append((f"parallel.tensor={tp2} parallel.sequence_parallel=true",
+                      dict(tp=tp2, sp=True)))
+    for label, change in cands:
+        if build_plan(dataclasses.replace(x, **change)).fits:
+            return label
+    for i, (la, ca) in enumerate(cands):
+        for lb_, cb in cands[i + 1:]:
+            if build_plan(dataclasses.replace(x, **ca, **cb)).fits:
+                return f"{la} {lb_}"
+    return None
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80GB', '141G', '1.5TiB' -> bytes (GB = 10^9, GiB and G = 2^30)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a memory size: {text!r} (e.g. 80GiB, 80GB)")
+    exp = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
+    base = 1000 if m.group(3).upper() == "B" else 1024
+    return int(float(m.group(1)) * base**exp)
+
+
+def format_plan(plan: Plan, x: PlanInputs, suggestion: str | None = None) -> str:
+    lines = [f"memory plan per GPU: {x.world} GPUs ({x.gpus_per_node} per node) of "
+             f"{x.gpu_bytes / GiB:.1f} GiB; TP{x.tp} PP{x.pp} CP{x.cp} EP{x.ep} DP{x.dp}"
+             + (", distributed optimizer" if x.distributed_optimizer else "")
+             + (", colocated SGLang" + (", learner offloaded while generating"
+                                        if x.offload_learner else "")
+                if x.colocated_sglang else ""), ""]
+    lines += [f"  {n:<22} {b / GiB:8.2f} GiB  {note}" for n, b, note in plan.rows]
+    lines.append("")
+    for name, total, _ in plan.moments:
+        lines.append(f"  {name:<22} {total / GiB:8.2f} GiB  "
+                     f"({100 * total / plan.gpu_bytes:.0f}% of the GPU)")
+    lines.append("")
+    if plan.fits:
+        lines.append("fits")
+    else:
+        lines += [f"does not fit: {p}" for p in plan.problems]
+        lines.append(f"cheapest change that fits: {suggestion}" if suggestion else
+                     "no single change (or pair) tried fits: more GPUs or a smaller model")
+    return "\n".join(lines)
+
+
+def check_before_launch(cfg, hf_config: dict, *, gpu_bytes: int | None, world: int,
+                        gpus_per_node: int) -> Plan | None:
+    """The trainer's start-up check: None without a GPU size (CPU runs); ConfigError with one
+    line naming the first problem and its biggest term when the layout cannot fit."""
+    from megatron_gspo.config import ConfigError
+
+    if gpu_bytes is None:
+        return None
+    x = inputs_from_config(cfg, hf_config, gpu_bytes=gpu_bytes, gpus_per_node=gpus_per_node,
+                           world=world)
+    plan = build_plan(x)
+    if not plan.fits:
+        hint = suggest(x)
+        raise ConfigError(f"memory plan: {plan.problems[0]}"
+                          + (f"; cheapest change that fits: {hint}" if hint else "")
+                          + " (megatron-gspo plan CONFIG prints the table)")
+    return plan
