@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REL_TOL = 1e-5
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(3600),
     pytest.mark.skipif(
         importlib.util.find_spec("gguf") is None
         or not any(
@@ -63,6 +64,7 @@ def test_hf_to_megatron_to_hf_is_bit_exact(smollm2_dir, tmp_path):
 
     cli = [sys.executable, "-W", "ignore", str(ROOT / "tools" / "convert_checkpoint.py")]
     _run([*cli, "hf-to-mcore", "--hf", str(smollm2_dir), "--out", str(tmp_path / "ck"),
+          "--dtype", "bf16",
           "--no-progress"])
     _run([*cli, "mcore-to-hf", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"),
           "--no-progress"])
