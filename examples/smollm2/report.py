@@ -20,13 +20,19 @@ def _eval_line(ev: dict | None) -> str:
 
 def _run_block(name: str, s: dict) -> list[str]:
     load = s["load_1min"]
+    load_txt = (f"1-minute load average on the {{cpus}}-core machine during it: min "
+                f"{load['min']:.1f}, median {load['median']:.1f}, max {load['max']:.1f}"
+                if load else "load not sampled (page written with --report-only)")
+    what = ("sum of the recorded step times" if s.get("wall_is_sum_of_steps")
+            else "wall time of the training command (start-up, eval and checkpoint included)")
     lines = [
         f"### {name}",
         "",
-        f"- steps: {s['steps']} x {int(s['samples_per_step'] or 0)} sampled responses",
-        f"- wall time of the training command: **{s['wall_s']:.0f} s** (start-up, eval and "
-        f"checkpoint included); 1-minute load average on the {{cpus}}-core machine during it: "
-        f"min {load['min']:.1f}, median {load['median']:.1f}, max {load['max']:.1f}",
+        f"- steps: {s['steps']} of {s['max_steps']} configured"
+        + (" (**partial run**: the page was written before it finished)"
+           if s["steps"] < s["max_steps"] else "")
+        + f", {int(s['samples_per_step'] or 0)} sampled responses each",
+        f"- {what}: **{s['wall_s']:.0f} s**; {load_txt}",
         f"- sampled reward, mean of the first {s['window']} steps -> last {s['window']}: "
         f"**{s['reward_first_steps']:.3f} -> {s['reward_last_steps']:.3f}**",
         f"- reward per step: {s['reward_per_step']}",

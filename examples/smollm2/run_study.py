@@ -65,24 +65,39 @@ def evaluate_base(config: Path, overrides: list[str]) -> dict:
         engine.shutdown()
 
 
+def read_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
 def train(config: Path, run_dir: Path, overrides: list[str]) -> tuple[list[dict], float]:
-    """Run `megatron-gspo train`; return (metrics rows, wall seconds)."""
+    """Run `megatron-gspo train` (resuming a killed run in the same directory); return
+    (metrics rows, wall seconds of this invocation)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", str(config), "--run-dir",
-           str(run_dir), "train.resume=never", *overrides]
+           str(run_dir), "train.resume=auto", *overrides]
     t0 = time.time()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
-    wall = time.time() - t0
-    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return rows, wall
+    return read_rows(run_dir), time.time() - t0
 
 
-def summarise(rows: list[dict], wall: float, before: dict | None, load: dict) -> dict:
+def max_steps_of(run_dir: Path) -> int:
+    """`train.max_steps` of the resolved config the trainer saved in the run directory."""
+    import yaml
+
+    return int(yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"])
+
+
+def summarise(rows: list[dict], wall: float, before: dict | None, load: dict | None,
+              max_steps: int) -> dict:
     """Reward/eval before and after, per-phase time per step (mean over steps after the first)."""
     steady = rows[1:] or rows
     k = max(1, min(3, len(rows) // 3))
     out = {
         "steps": len(rows),
+        "max_steps": max_steps,
         "samples_per_step": rows[0].get("rollout/samples"),
         "wall_s": round(wall, 1),
         "load_1min": load,
@@ -105,6 +120,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "smollm2-study")
     ap.add_argument("--page", type=Path, default=ROOT / "docs" / "results" / "smollm2.md")
     ap.add_argument("--agent-steps", type=int, default=4)
+    ap.add_argument("--eval-before-only", action="store_true",
+                    help="only evaluate the base model (RUN/eval_before.json)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="write the page from the run directories as they are (no training; "
+                    "wall time = sum of the recorded step times, a partial run says so)")
+    ap.add_argument("--agent-dir", type=Path, default=None, help="default: OUT/agent")
     ap.add_argument("-o", "--override", action="append", default=[], help="a.b=c for the GSPO run")
     args = ap.parse_args(argv)
     if not (HERE / "base" / ".prepared.json").is_file():
@@ -121,19 +142,37 @@ def main(argv=None) -> int:
     gspo = HERE / "config.yaml"
     load = LoadSampler()
     load.start()
-    t0 = time.time()
-    before = evaluate_base(gspo, args.override)
-    before_s = time.time() - t0
-    rows, wall = train(gspo, args.out / "gspo", args.override)
-    summary["gspo"] = summarise(rows, wall, before, load.stop())
-    summary["gspo"]["eval_before_s"] = round(before_s, 1)
-    if args.agent_steps:
-        load = LoadSampler()
-        load.start()
-        rows, wall = train(HERE / "agent.yaml", args.out / "agent",
-                           [f"train.max_steps={args.agent_steps}",
-                            f"train.eval_interval={args.agent_steps}"])
-        summary["agent"] = summarise(rows, wall, None, load.stop())
+    before_file = args.out / "eval_before.json"
+    if before_file.is_file():  # a rerun into the same directory keeps the base model's eval
+        before, before_s = json.loads(before_file.read_text()), None
+    else:
+        t0 = time.time()
+        before = evaluate_base(gspo, args.override)
+        before_s = time.time() - t0
+        before_file.write_text(json.dumps(before) + "\n")
+    if args.eval_before_only:
+        print(json.dumps(before))
+        return 0
+    agent_dir = args.agent_dir or args.out / "agent"
+    if args.report_only:
+        for key, run_dir, bef in (("gspo", args.out / "gspo", before), ("agent", agent_dir, None)):
+            rows = read_rows(run_dir)
+            if rows:
+                summary[key] = summarise(rows, sum(r.get("time/step", 0.0) for r in rows), bef,
+                                         None, max_steps_of(run_dir))
+                summary[key]["wall_is_sum_of_steps"] = True
+    else:
+        rows, wall = train(gspo, args.out / "gspo", args.override)
+        summary["gspo"] = summarise(rows, wall, before, load.stop(),
+                                    max_steps_of(args.out / "gspo"))
+        summary["gspo"]["eval_before_s"] = None if before_s is None else round(before_s, 1)
+        if args.agent_steps:
+            load = LoadSampler()
+            load.start()
+            rows, wall = train(HERE / "agent.yaml", agent_dir,
+                               [f"train.max_steps={args.agent_steps}",
+                                f"train.eval_interval={args.agent_steps}"])
+            summary["agent"] = summarise(rows, wall, None, load.stop(), max_steps_of(agent_dir))
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     from report import write_page  # examples/smollm2/report.py
 
