@@ -57,7 +57,7 @@ def write_page(summary: dict, page: Path, run_root: Path) -> None:
         "SmolLM2-135M-Instruct as a Q4_1 GGUF; `examples/smollm2/prepare.py` dequantises it into",
         "a plain bf16 Hugging Face directory (Llama architecture, 30 layers, hidden 576, 9 query /",
         "3 KV heads, tied embeddings, ChatML template). Task: `examples/smollm2/task.py`, adding",
-        "a 2-digit and a 3-digit number, `\\boxed{}` answer asked for, `math` reward; 128",
+        "a 1-digit and a 2-digit number, `\\boxed{}` answer asked for, `math` reward; 128",
         "held-out eval problems disjoint from the 2,000 train problems.",
         "",
         "## How it was produced",

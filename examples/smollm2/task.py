@@ -1,8 +1,8 @@
-"""The SmolLM2 example's task: adding a 2-digit and a 3-digit number, answered in \\boxed{}.
+"""The SmolLM2 example's task: adding a 1-digit and a 2-digit number, answered in \\boxed{}.
 
     python examples/smollm2/task.py          # rewrites data/train.jsonl and data/eval.jsonl
 
-Rows are {"prompt": "What is 47 + 385? Put the final answer in \\boxed{}.", "answer": "432"};
+Rows are {"prompt": "What is 7 + 38? Put the final answer in \\boxed{}.", "answer": "45"};
 the prompt is rendered with the model's own chat template (`data.apply_chat_template`). Row i
 of a split is drawn from its own seed "<split>-<i>", so both files are deterministic, and the
 eval problems are checked to be disjoint from the train problems.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PROMPT = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
-A_RANGE = (10, 99)
-B_RANGE = (100, 999)
+A_RANGE = (1, 9)
+B_RANGE = (10, 99)
 N_TRAIN, N_EVAL = 2000, 128
 
 
