@@ -116,8 +116,8 @@ def test_megatron_logits_equal_transformers_under_tp1_pp2_tp3(smollm2_dir, tmp_p
 def _train(smollm2_dir, run_dir, *extra, env=None):
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "train",
            str(ROOT / "examples" / "smollm2" / "config.yaml"), "--run-dir", str(run_dir),
-           f"model.path={smollm2_dir}", "train.max_steps=3", "train.prompts_per_step=2",
-           "rollout.group_size=4", "rollout.max_new_tokens=16", "train.eval_interval=0",
+           f"model.path={smollm2_dir}", "train.max_steps=3", "train.prompts_per_step=1",
+           "rollout.group_size=4", "rollout.max_new_tokens=8", "train.eval_interval=0",
            "logging.log_samples=0", "precision.old_logprobs=recompute", *extra]
     _run(cmd, env=env)
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
