@@ -154,10 +154,14 @@ def main(argv=None) -> int:
         print(json.dumps(before))
         return 0
     agent_dir = args.agent_dir or args.out / "agent"
-    if args.report_only:
+    if args.report_only:  # runs already summarised by a full invocation keep their numbers
+        done = args.out / "summary.json"
+        if done.is_file():
+            summary.update({k: v for k, v in json.loads(done.read_text()).items()
+                            if k in ("gspo", "agent")})
         for key, run_dir, bef in (("gspo", args.out / "gspo", before), ("agent", agent_dir, None)):
             rows = read_rows(run_dir)
-            if rows:
+            if rows and key not in summary:
                 summary[key] = summarise(rows, sum(r.get("time/step", 0.0) for r in rows), bef,
                                          None, max_steps_of(run_dir))
                 summary[key]["wall_is_sum_of_steps"] = True
