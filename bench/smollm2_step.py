@@ -111,7 +111,7 @@ class Plain:
         ids = torch.zeros(len(seqs), t, dtype=torch.long)
         att = torch.zeros(len(seqs), t, dtype=torch.long)
         resp = torch.zeros(len(seqs), t)
-        for i, (s, q) in enumerate(zip(samples, seqs)):
+        for i, (s, q) in enumerate(zip(samples, seqs, strict=True)):
             ids[i, : len(q)] = torch.tensor(q)
             att[i, : len(q)] = 1
             resp[i, len(s.prompt_ids): len(q)] = 1

@@ -99,7 +99,8 @@ def load_gguf(gguf: Path):
     try:
         import gguf as _  # noqa: F401
     except ImportError:
-        raise PrepareError("the `gguf` package is needed to read the file: pip install gguf") from None
+        raise PrepareError("the `gguf` package is needed to read the file: "
+                           "pip install gguf") from None
     kw = {"gguf_file": gguf.name}
     tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
     model = transformers.AutoModelForCausalLM.from_pretrained(
