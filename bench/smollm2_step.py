@@ -1,0 +1,203 @@
+"""Benchmark: where one GSPO step's time goes on SmolLM2-135M-Instruct (CPU), against plain
+transformers doing the same work.
+
+    python examples/smollm2/prepare.py                     # once
+    python bench/smollm2_step.py [--prompts 4] [--group 8] [--new-tokens 40] [--reps 2]
+
+Phases, this project (the code paths of `megatron-gspo train`, built from
+examples/smollm2/config.yaml):
+  generation  EmbeddedEngine.generate: prompts x group samples, exactly --new-tokens each
+              (ignore_eos), temperature 1
+  pi_old      Learner.forward_logprobs over those samples (Megatron-Core, fp32)
+  training    Learner.train_step: forward + backward + optimizer, GSPO loss
+  sync        phases.sync_weights: Megatron -> HF export into the engine
+Plain transformers, the same batch and token ids:
+  generation  model.generate(do_sample, min_new_tokens = max_new_tokens = --new-tokens, no
+              top-k/top-p), same left-padded prompts repeated group times
+  pi_old      no-grad forward of the padded [B, T] batch + log-softmax gather
+  training    forward + backward of that batch (sequence-mean log-prob x advantage) + AdamW
+  sync        load_state_dict of the trained model into the generating one
+Both sides run in the same process, interleaved rep by rep (project, transformers, project,
+...), and each phase reports its best of --reps: on a shared, busy machine the best rep is the
+one least disturbed by other jobs. The last line is `ratio=<project step / transformers step>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("generation", "pi_old", "training", "sync")
+
+
+def _prompts(tok, n: int) -> list[list[int]]:
+    rows = [json.loads(ln) for ln in
+            (ROOT / "examples" / "smollm2" / "data" / "train.jsonl").read_text().splitlines()[:n]]
+    return [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
+                                    add_generation_prompt=True, tokenize=False) for r in rows]
+
+
+class Project:
+    """The trainer's own objects for one step's phases."""
+
+    def __init__(self, model_dir: str, args):
+        from megatron_gspo import build
+        from megatron_gspo.config import load_config
+        from megatron_gspo.rollout.embedded import EmbeddedEngine
+
+        self.cfg = load_config(ROOT / "examples" / "smollm2" / "config.yaml", [
+            f"model.path={model_dir}", f"rollout.group_size={args.group}",
+            f"rollout.max_new_tokens={args.new_tokens}", "precision.old_logprobs=recompute"])
+        self.hf = build.read_hf_config(model_dir)
+        self.tok = build.tokenizer(self.cfg)
+        self.learner = build.learner(self.cfg, self.hf)
+        build.load_initial_weights(self.cfg, self.learner, self.hf)
+        self.engine = EmbeddedEngine(model_dir, dtype="float32", seed=1)
+        self.version = 0
+
+    def step(self, prompt_texts: list[str], args) -> tuple[dict, list]:
+        from megatron_gspo import phases
+        from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+
+        sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, n=args.group,
+                            ignore_eos=True)
+        reqs = [GenerateRequest(self.tok(t, add_special_tokens=False)["input_ids"], sp)
+                for t in prompt_texts]
+        t = {}
+        t0 = time.perf_counter()
+        samples = self.engine.generate(reqs)
+        t["generation"] = time.perf_counter() - t0
+        rng = random.Random(0)
+        for s in samples:
+            s.advantage = rng.uniform(-1, 1)
+        t0 = time.perf_counter()
+        old = self.learner.forward_logprobs(samples)
+        t["pi_old"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.learner.train_step(samples, old)
+        t["training"] = time.perf_counter() - t0
+        self.version += 1
+        t0 = time.perf_counter()
+        phases.sync_weights(self.learner, self.engine, self.hf, self.cfg, version=self.version)
+        t["sync"] = time.perf_counter() - t0
+        return t, samples
+
+
+class Plain:
+    """Plain transformers doing the same work."""
+
+    def __init__(self, model_dir: str, lr: float):
+        import transformers
+
+        self.tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+        self.tok.padding_side = "left"
+        load = dict(dtype=torch.float32, attn_implementation="sdpa")
+        self.gen = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **load).eval()
+        self.train = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **load)
+        self.opt = torch.optim.AdamW(self.train.parameters(), lr=lr)
+
+    def _batch(self, samples):
+        """Right-padded [B, T] ids, attention mask and response mask of the samples."""
+        seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
+        t = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), t, dtype=torch.long)
+        att = torch.zeros(len(seqs), t, dtype=torch.long)
+        resp = torch.zeros(len(seqs), t)
+        for i, (s, q) in enumerate(zip(samples, seqs, strict=True)):
+            ids[i, : len(q)] = torch.tensor(q)
+            att[i, : len(q)] = 1
+            resp[i, len(s.prompt_ids): len(q)] = 1
+        return ids, att, resp
+
+    @staticmethod
+    def _logprobs(model, ids, att):
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()  # [B, T-1, V]
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1]
+
+    def step(self, prompt_texts: list[str], samples, args) -> dict:
+        t = {}
+        enc = self.tok(prompt_texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = {k: v.repeat_interleave(args.group, 0) for k, v in enc.items()}
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.gen.generate(**enc, do_sample=True, temperature=1.0, top_k=None, top_p=None,
+                              max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                              pad_token_id=self.tok.pad_token_id)
+        t["generation"] = time.perf_counter() - t0
+        ids, att, resp = self._batch(samples)
+        adv = torch.tensor([s.advantage for s in samples])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self._logprobs(self.train, ids, att)
+        t["pi_old"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lp = self._logprobs(self.train, ids, att)
+        m = resp[:, 1:]
+        loss = -(adv * (lp * m).sum(1) / m.sum(1)).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.train.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t["training"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.gen.load_state_dict(self.train.state_dict())
+        t["sync"] = time.perf_counter() - t0
+        return t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "examples" / "smollm2" / "base"))
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the timings to this file")
+    args = ap.parse_args()
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"smollm2_step.py: no model at {args.model}; run examples/smollm2/prepare.py",
+              file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    proj = Project(args.model, args)
+    plain = Plain(args.model, proj.cfg.optimizer.lr)
+    texts = _prompts(proj.tok, args.prompts)
+    runs = {"project": [], "transformers": []}
+    loads = []
+    for _ in range(args.reps):
+        loads.append(os.getloadavg()[0])
+        t, samples = proj.step(texts, args)
+        runs["project"].append(t)
+        runs["transformers"].append(plain.step(texts, samples, args))
+    best = {side: {p: min(r[p] for r in rs) for p in PHASES} for side, rs in runs.items()}
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    print(f"SmolLM2-135M GSPO step phases, CPU ({os.cpu_count()} cores, torch "
+          f"{torch.get_num_threads()} threads), {args.prompts} prompts x {args.group} samples x "
+          f"{args.new_tokens} new tokens ({tokens} tokens trained); best of {args.reps} "
+          f"interleaved reps; 1-min load at each rep: {[round(x, 1) for x in loads]}")
+    print(f"{'phase':<12}{'project s':>11}{'transformers s':>16}{'ratio':>8}")
+    for p in PHASES:
+        a, b = best["project"][p], best["transformers"][p]
+        print(f"{p:<12}{a:>11.2f}{b:>16.2f}{a / b if b else float('nan'):>8.2f}")
+    tot = {side: sum(best[side].values()) for side in best}
+    print(f"{'step':<12}{tot['project']:>11.2f}{tot['transformers']:>16.2f}"
+          f"{tot['project'] / tot['transformers']:>8.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": runs, "best": best, "loads": loads,
+                                               "args": vars(args)}, indent=1))
+    print(f"ratio={tot['project'] / tot['transformers']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
