@@ -49,7 +49,7 @@ class Project:
     """The trainer's own objects for one step's phases."""
 
     def __init__(self, model_dir: str, args):
-        from megatron_gspo import build
+        from megatron_gspo.loop import build
         from megatron_gspo.config import load_config
         from megatron_gspo.rollout.embedded import EmbeddedEngine
 
@@ -64,7 +64,7 @@ class Project:
         self.version = 0
 
     def step(self, prompt_texts: list[str], args) -> tuple[dict, list]:
-        from megatron_gspo import phases
+        from megatron_gspo.loop import phases
         from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
 
         sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, n=args.group,

@@ -50,7 +50,7 @@ def evaluate_base(config: Path, overrides: list[str]) -> dict:
     """The run's eval metrics (same code, sampling and prompts as the in-run eval) on the
     base weights, with the embedded engine."""
     sys.path.insert(0, str(ROOT))
-    from megatron_gspo import build, phases
+    from megatron_gspo.loop import build, phases
     from megatron_gspo.config import load_config
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 

@@ -134,7 +134,7 @@ def test_three_gspo_steps_with_the_embedded_engine(smollm2_dir, tmp_path):
 
 def test_three_gspo_steps_with_the_standin_server(smollm2_dir, tmp_path):
     env = dict(_env(), OMP_NUM_THREADS="2",
-               SGLANG_SERVER_MODULE="megatron_gspo.rollout.standin_server")
+               SGLANG_SERVER_MODULE="megatron_gspo.rollout.standin.server")
     rows = _train(smollm2_dir, tmp_path / "run", "rollout.engine=sglang", "rollout.colocate=true",
                   "rollout.weight_sync=tensor", "rollout.startup_timeout=600", env=env)
     assert [r["rollout/weight_version"] for r in rows] == [0.0, 1.0, 2.0]  # synced each step
