@@ -3,9 +3,10 @@
 Supervised training on the labelled-sum task of `task.py` (loss on the response tokens only:
 the shown work, the "Answer:" line and <|im_end|>), with the shared seeded loop of
 examples/demo_pretrain.py. Every batch holds problems of one size n (drawn per batch), so
-its rows differ in length only by the digits of their running sums (little padding). The models are small enough for CPU RL; their samples at temperature
-1 are right part of the time (the error of a single line is enough to miss the total), so RL
-has a signal to learn from.
+its rows differ in length only by the digits of their running sums (little padding). The
+models are small enough for RL on CPU; the aim is samples at temperature 1 that are right part
+of the time (one wrong line misses the total), so that RL has a signal. The script prints the
+accuracy it reached; check it before training on the result.
 
     python examples/long/pretrain.py --arch dense    # -> examples/long/base
     python examples/long/pretrain.py --arch moe      # -> examples/long/base_moe
