@@ -23,6 +23,8 @@ configured one and dp_size be 1 (a mismatch is refused with one line), and the c
 (its `context_length`, else the model config at its `model_path` when that is a local
 directory, else `context_length` given here) bounds requests before they are sent: a prompt
 that does not fit is a per-sample failure, a too-large max_new_tokens is capped ("capped").
+A prompt with a token id outside the vocabulary (negative, or not below `vocab_size`) would end
+the server: it is a per-sample failure, never sent.
 With `api_key` every request (generation, control and weight endpoints) carries
 `Authorization: Bearer <key>`; the key is never logged.
 
@@ -55,7 +57,7 @@ from megatron_gspo.rollout.base import (
 )
 from megatron_gspo.rollout.sglang_launch import LaunchSpec, ServerProcess
 from megatron_gspo.rollout.sglang_protocol import (decode_json, decode_routed_experts, http_error,
-                                                    parse_generate_output)
+                                                    parse_generate_output, prompt_ids_error)
 from megatron_gspo.rollout.sglang_servers import RETRYABLE, SGLangServers
 from megatron_gspo.rollout.sglang_weights import SGLangWeightSync
 
@@ -222,7 +224,9 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
                     "return_logprob": True}
             if self.return_routing:
                 body["return_routed_experts"] = True
-            error, routing = self._fit_context(len(req.prompt_ids), sp), None
+            error = prompt_ids_error(req.prompt_ids, self.vocab_size) or self._fit_context(
+                len(req.prompt_ids), sp)
+            routing = None
             if error is None:
                 async with sem:
                     ids, lps, reason, url, ver, error, routing = await self._generate_one(

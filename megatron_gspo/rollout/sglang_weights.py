@@ -5,9 +5,11 @@
 
 Tensor updates stream: one bucket is flattened, serialized, posted and dropped before the next
 one is taken from the iterable, so the payload memory alive at once stays within one bucket;
-`sync_stats` reports the peak. Before the first tensor update the servers are checked: SGLang's
-unpickler needs SGLang's own CUDA reduction (sglang importable in this process) unless every
-server is the CPU stand-in (its `/get_server_info` says `"version": "standin"`).
+`sync_stats` reports the peak. Whether a payload can be built is decided by where its tensors
+are, not by the servers' version: CPU tensors travel as shared memory by file name, which
+SGLang's unpickler opens without sglang in the learner's environment; CUDA tensors need SGLang's
+own CUDA reduction (sglang importable here), else the sync fails before its first request with
+one error.
 
 A mixin of `SGLangEngine`: it uses the engine's `_all` (one call to every server), `_post`,
 `urls`, `tp_size` and weight-version state.
@@ -25,8 +27,8 @@ from megatron_gspo.rollout.weight_sync import (
     bucket_payloads,
     dtype_name,
     init_learner_update_group,
+    WeightSyncError,
     serialize,
-    sglang_importable,
 )
 
 STANDIN_VERSION = "standin"  # `version` in the stand-in server's /get_server_info
@@ -67,7 +69,6 @@ class SGLangWeightSync:
     _version: int
     _update_group: Any
     _group_name: str
-    _tensor_sync_checked: bool = False
     sync_stats: dict[str, float]
     # and the engine's coroutines astart(), _post(url, path, body) and _all(path, body).
 
@@ -92,29 +93,12 @@ class SGLangWeightSync:
         else:
             await self.aupdate_weights_from_tensor(buckets, version)
 
-    async def acheck_tensor_sync(self) -> None:
-        """Refuse tensor sync that SGLang's unpickler would refuse: without sglang importable
-        here, only stand-in servers can decode the payloads (one-line RolloutError)."""
-        if self._tensor_sync_checked or sglang_importable():
-            self._tensor_sync_checked = True
-            return
-        infos = await self._all("/get_server_info", get=True, timeout=30.0)
-        real = [u for u, i in zip(self.urls, infos, strict=True)
-                if not (isinstance(i, dict) and i.get("version") == STANDIN_VERSION)]
-        if real:
-            raise RolloutError(
-                f"rollout.weight_sync=tensor: sglang is not importable in the learner's "
-                f"environment, so its CUDA IPC payloads cannot be built for {real[0]}; install "
-                "sglang next to the learner or use rollout.weight_sync=distributed")
-        self._tensor_sync_checked = True
-
     def _reset_sync_stats(self) -> None:
         self.sync_stats = {"buckets": 0.0, "requests": 0.0, "bytes": 0.0,
                            "peak_live_bucket_bytes": 0.0, "max_bucket_bytes": 0.0}
 
     async def abegin_tensor_update(self) -> None:
-        """Check the servers (first time), reset `sync_stats`, pause generation."""
-        await self.acheck_tensor_sync()
+        """Reset `sync_stats`, pause generation."""
         self._reset_sync_stats()
         await self.pause_generation()
 
@@ -160,13 +144,21 @@ class SGLangWeightSync:
                 peak = 0
                 for payload, fmt in bucket_payloads(_drain(named)):
                     peak = max(peak, live.add(payload))
-                    entries = [serialize(payload) for _ in range(self.tp_size)]
+                    entries = self.serialize_entries(payload, version)
                     await self.apost_tensor_update([entries] * len(self.urls), fmt, version)
                     del payload, entries  # the servers have copied the shared memory
                 self.note_bucket(total, peak)
             await self.afinish_tensor_update(version)
         finally:
             await self.continue_generation()
+
+    def serialize_entries(self, payload: Any, version: int) -> list[str]:
+        """One serialized entry per TP rank of `payload`; a payload that cannot be built (CUDA
+        tensors without sglang importable) is one RolloutError naming the sync."""
+        try:
+            return [serialize(payload) for _ in range(self.tp_size)]
+        except WeightSyncError as e:
+            raise RolloutError(f"weight sync to version {version}: {e}") from None
 
     async def aupdate_weights_from_disk(self, model_path: str, version: int) -> None:
         """Reload weights from a HF directory on every server."""

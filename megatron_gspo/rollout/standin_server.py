@@ -186,7 +186,12 @@ class StandinServer(GenerationEndpoints):
         if version is not None:
             self.weight_version = str(version)
 
-    async def update_from_tensor(self, request: web.Request) -> web.Response:
+    async def update_from_tensor(self, request: web.Request) -> web.StreamResponse:
+        """As SGLang 0.5.12: an entry that does not decode (bad base64, a class outside the
+        unpickler's allow-list: utils/common.py SafeUnpickler) or a tensor of the wrong shape
+        (model_loader/weight_utils.py default_weight_loader asserts the shape) raises in the
+        scheduler, which ends the server; an unknown parameter name is skipped (the model's
+        load_weights ignores it) and the update answers success."""
         body = await request.json()
         try:  # every TP rank deserializes its own entry (SGLang tp_worker.py)
             ranks = [decode_tensor_update(body, tp_rank=k) for k in range(self.tp_size)]
@@ -194,10 +199,19 @@ class StandinServer(GenerationEndpoints):
                 if [n for n, _ in other] != [n for n, _ in ranks[0]] or not all(
                         a.equal(b) for (_, a), (_, b) in zip(ranks[0], other, strict=True)):
                     raise ValueError(f"TP rank {k}'s entry holds other tensors than rank 0's")
-            await self._load(ranks[0], body.get("weight_version"))
+        except Exception as e:
+            return await self.die(request, f"/update_weights_from_tensor: {e}")
+        shapes = {n: self.engine.param_shape(n) for n, _ in ranks[0]}
+        named = [(n, t) for n, t in ranks[0] if shapes[n] is not None]
+        wrong = next(((n, t) for n, t in named if tuple(t.shape) != shapes[n]), None)
+        if wrong is not None:
+            return await self.die(request, f"AssertionError: {wrong[0]} has shape "
+                                  f"{tuple(wrong[1].shape)}, the model {shapes[wrong[0]]}")
+        try:
+            await self._load(named, body.get("weight_version"))
         except Exception as e:
             return _fail(f"Failed to update weights from tensor: {e}")
-        return _ok("Succeeded to update model weights.")
+        return _ok(TENSOR_UPDATE_OK)
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -220,13 +234,16 @@ class StandinServer(GenerationEndpoints):
              "num_paused_requests": 0})
 
     async def init_group(self, request: web.Request) -> web.Response:
+        """The rendezvous blocks the whole server until it completes, as upstream (the
+        scheduler's event loop waits in model_runner.py init_weights_update_group): with an
+        unreachable master address even /health gets no answer."""
         b = await request.json()
         try:
             name = b.get("group_name", "weight_update_group")
-            pg = await asyncio.to_thread(
-                init_learner_update_group, b["master_address"], int(b["master_port"]),
-                int(b["world_size"]), name, b.get("backend", "nccl"), int(b["rank_offset"]),
-            )
+            pg = init_learner_update_group(  # on the event loop: blocks every endpoint
+                b["master_address"], int(b["master_port"]), int(b["world_size"]), name,
+                b.get("backend", "nccl"), int(b["rank_offset"]),
+                timeout_s=float(os.environ.get("STANDIN_GROUP_TIMEOUT_S", "600")))
             self._groups[name] = pg
         except Exception as e:
             return _fail(f"Failed to init process group: {e}")
@@ -297,8 +314,9 @@ class StandinServer(GenerationEndpoints):
         if isinstance(tags, web.Response):
             return tags
         missing = [t for t in tags if t not in self.released_tags]
-        if missing:  # SGLang: offload_tags.remove(tag) raises in the scheduler
-            return _bad(f"memory region {missing[0]!r} is not released")
+        if missing:  # SGLang: the KeyError of the scheduler's resume ends the server
+            return await self.die(request, f"KeyError: {missing[0]!r} (memory region not "
+                                  "released; managers/scheduler_update_weights_mixin.py)")
         self.released_tags -= set(tags)
         self.released = bool(self.released_tags)
         self.memory_log.append("resume " + ",".join(tags))
@@ -331,6 +349,10 @@ def weights_digest(named: Any) -> str:
         h.update(f"{name}:{tuple(t.shape)};".encode())
         h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+#: model_executor/model_runner.py update_weights_from_tensor's answer (also for names it skips).
+TENSOR_UPDATE_OK = "Success"
 
 
 def _ok(msg: str) -> web.Response:
