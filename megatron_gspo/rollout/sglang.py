@@ -48,6 +48,7 @@ import aiohttp
 
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rollout.base import (
+    MEMORY_TAGS,
     GenerateRequest,
     RolloutEngine,
     RolloutError,
@@ -386,9 +387,21 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
             raise RolloutError(f"release_memory with {busy} generate requests in flight; "
                                "wait for them first")
         await self._all("/release_memory_occupation", {"tags": list(tags) if tags else None})
+        self.released_tags |= set(tags or MEMORY_TAGS)  # what aresume_memory may resume
 
     async def aresume_memory(self, tags: Sequence[str] | None = None) -> None:
-        await self._all("/resume_memory_occupation", {"tags": list(tags) if tags else None})
+        """Resume released regions (None: every released one). Resuming a region that is not
+        released ends an SGLang server (KeyError in its scheduler): refused, never sent."""
+        if tags:
+            missing = [t for t in tags if t not in self.released_tags]
+            if missing:
+                raise RolloutError(f"resume_memory of {missing[0]!r}, which is not released, "
+                                   "would end the SGLang servers; not sent")
+        todo = list(tags) if tags else sorted(self.released_tags)
+        if not todo:
+            return
+        await self._all("/resume_memory_occupation", {"tags": todo})
+        self.released_tags -= set(todo)
 
     async def ahealth(self) -> bool:
         if self._dead_server() is not None:

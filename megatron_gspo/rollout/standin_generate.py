@@ -68,9 +68,19 @@ ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type
 EXTRA_META = {"cached_tokens_details": None, "dp_rank": None, "e2e_latency": 0.0,
               "num_retractions": 0, "reasoning_tokens": 0, "response_sent_to_client_ts": 0.0}
 #: The 400 body of a control endpoint called without its JSON body (FastAPI's validation
-#: error, entrypoints/http_server.py's RequestValidationError handler).
-MISSING_BODY = {"object": "error", "message": "Field required: body", "type": "BadRequest",
+#: error as entrypoints/http_server.py's RequestValidationError handler words it).
+MISSING_BODY = {"object": "error", "message": "1 validation error:\n  {'type': 'missing', "
+                "'loc': ('body',), 'msg': 'Field required', 'input': None}", "type": "Bad Request",
                 "param": None, "code": 400}
+
+
+@web.middleware
+async def json_not_found(request: web.Request, handler: Any) -> web.StreamResponse:
+    """404 with FastAPI's JSON body `{"detail": "Not Found"}`, as SGLang answers."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
 
 
 def _params(d: dict[str, Any]) -> SamplingParams:
@@ -250,12 +260,14 @@ class GenerationEndpoints:
                 "completion_tokens": len(tok),
                 "cached_tokens": 0,
                 "weight_version": self.weight_version,
-                **{k: v for k, v in EXTRA_META.items()},
+                **EXTRA_META,
             }
             if body.get("return_logprob"):  # text is null unless return_text_in_logprobs
                 meta["output_token_logprobs"] = [
                     [lp, t, None] for lp, t in zip(lps, tok, strict=True)
                 ]
+                meta["input_token_logprobs"] = []
+                meta["output_token_logprobs_length"] = len(tok)
             if body.get("return_routed_experts") and routed and not aborted:
                 # SGLang 0.5.12 (scheduler_output_processor_mixin.maybe_collect_routed_experts,
                 # detokenizer_manager._b64_encode_per_request): int32 [prompt + completion - 1,
@@ -291,12 +303,12 @@ class GenerationEndpoints:
         """The decoded text of `ids` (SGLang's `text`), "" when the model has no tokenizer."""
         if not hasattr(self, "_tokenizer"):
             self._tokenizer = None
-            try:
+            if any(os.path.isfile(os.path.join(self.model_path, f))
+                   for f in ("tokenizer.json", "tokenizer_config.json")):
                 from transformers import AutoTokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            except Exception:  # no tokenizer files next to the model
-                pass
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_path,
+                                                                local_files_only=True)
         if self._tokenizer is None:
             return ""
         return self._tokenizer.decode([t for t in ids if t >= 0])

@@ -33,8 +33,13 @@ from aiohttp import web
 
 from megatron_gspo.rollout.base import MEMORY_TAGS, SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine
-from megatron_gspo.rollout.sglang_protocol import grpc_port_error
-from megatron_gspo.rollout.standin_generate import Faults, GenerationEndpoints, api_key_middleware
+from megatron_gspo.rollout.sglang_protocol import grpc_port_error, served_dtype
+from megatron_gspo.rollout.standin_generate import (
+    Faults,
+    GenerationEndpoints,
+    api_key_middleware,
+    json_not_found,
+)
 from megatron_gspo.rollout.weight_sync import decode_tensor_update, init_learner_update_group
 
 
@@ -95,7 +100,7 @@ class StandinServer(GenerationEndpoints):
 
     # ------------------------------------------------------------ app setup
     def app(self) -> web.Application:
-        mw = [api_key_middleware(self._api_key)] if self._api_key else []
+        mw = [json_not_found] + ([api_key_middleware(self._api_key)] if self._api_key else [])
         app = web.Application(client_max_size=1 << 30, middlewares=mw)
         r = app.router
         for path in ("/health", "/health_generate"):
@@ -175,7 +180,7 @@ class StandinServer(GenerationEndpoints):
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         self.stats["flushes"] += 1
-        return web.Response(text="Cache flushed.\n")
+        return web.Response(text=FLUSHED)
 
     async def _load(self, named: list, version: Any) -> None:
         if "weights" in self.released_tags:  # SGLang would write into unmapped GPU memory
@@ -211,7 +216,7 @@ class StandinServer(GenerationEndpoints):
             await self._load(named, body.get("weight_version"))
         except Exception as e:
             return _fail(f"Failed to update weights from tensor: {e}")
-        return _ok(TENSOR_UPDATE_OK)
+        return _ok(_versioned(TENSOR_UPDATE_OK, body))
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -230,7 +235,7 @@ class StandinServer(GenerationEndpoints):
                  "num_paused_requests": 0}, status=400)
         self.model_path = path
         return web.json_response(
-            {"success": True, "message": "Succeeded to update model weights.",
+            {"success": True, "message": _versioned("Succeeded to update model weights.", body),
              "num_paused_requests": 0})
 
     async def init_group(self, request: web.Request) -> web.Response:
@@ -271,7 +276,7 @@ class StandinServer(GenerationEndpoints):
             await self._load(named, b.get("weight_version"))
         except Exception as e:
             return _fail(f"Failed to update parameter online: {e}")
-        return _ok("Succeeded to update parameter online from distributed.")
+        return _ok(_versioned("Succeeded to update parameter online.", b))
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         import torch.distributed as dist
@@ -353,6 +358,16 @@ def weights_digest(named: Any) -> str:
 
 #: model_executor/model_runner.py update_weights_from_tensor's answer (also for names it skips).
 TENSOR_UPDATE_OK = "Success"
+#: entrypoints/http_server.py /flush_cache's answer.
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+           "or waiting requests, the operation will not be performed.)\n")
+
+
+def _versioned(msg: str, body: dict) -> str:
+    """A weight update's success text: managers/tokenizer_control_mixin.py appends the new
+    version when the request names one."""
+    v = body.get("weight_version")
+    return msg if v is None else f"{msg} Weight version updated to {v}."
 
 
 def _ok(msg: str) -> web.Response:
@@ -400,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     port_error = grpc_port_error(args.port, os.environ)
     if port_error:  # SGLang refuses the port before loading anything
         raise ValueError(port_error)
-    dtype = "float32" if args.dtype in ("auto", "float") else args.dtype
+    with open(os.path.join(args.model_path, "config.json"), encoding="utf-8") as f:
+        dtype = served_dtype(args.dtype, json.load(f))  # "auto": fp32 checkpoints as fp16
     engine = EmbeddedEngine(args.model_path, dtype=dtype, seed=args.random_seed)
     server = StandinServer(engine, args.host, args.port, args.tp_size, args.model_path, True,
                            weights_cpu_backup=args.enable_weights_cpu_backup,
