@@ -150,6 +150,10 @@ class SGLangWeightSync:
         `serialized_named_tensors` (one per TP rank)."""
         if len(entries) != len(self.urls):
             raise RolloutError(f"{len(entries)} entry lists for {len(self.urls)} servers")
+        for e in {x for server in entries for x in server}:  # what would end a server: not sent
+            bad = payload_error(e)
+            if bad:
+                raise RolloutError(f"weight sync to version {version}: {bad}; not sent")
         body = {"load_format": load_format, "flush_cache": False, "weight_version": str(version)}
         await asyncio.gather(*(
             self._post(u, "/update_weights_from_tensor", {**body, "serialized_named_tensors":
@@ -198,13 +202,9 @@ class SGLangWeightSync:
         """One serialized entry per TP rank of `payload`; a payload that cannot be built (CUDA
         tensors without sglang importable) is one RolloutError naming the sync."""
         try:
-            entries = [serialize(payload) for _ in range(self.tp_size)]
+            return [serialize(payload) for _ in range(self.tp_size)]
         except WeightSyncError as e:
             raise RolloutError(f"weight sync to version {version}: {e}") from None
-        bad = payload_error(entries[0])  # what would end the server is never sent
-        if bad:
-            raise RolloutError(f"weight sync to version {version}: {bad}; not sent")
-        return entries
 
     def check_shapes(self, named: Sequence[tuple[str, Any]], version: int) -> None:
         """Refuse (one RolloutError naming the sync) a tensor whose shape differs from the
