@@ -47,8 +47,8 @@ want_stamp() {
 }
 
 # Pins of the sglang wheel's metadata (every unconditional Requires-Dist name==version; torch and
-# sglang-kernel must be among them), and the torchvision release of that torch (torch 2.N pairs
-# with torchvision 0.(N+15); sglang leaves torchvision unpinned). One "name==version" a line.
+# sglang-kernel must be among them), and the torchvision release of that torch (torch 2.N.P pairs
+# with torchvision 0.(N+15).P; sglang leaves torchvision unpinned). One "name==version" a line.
 wheel_pins() {
     local tmp rc=0
     tmp=$(mktemp -d)
@@ -69,8 +69,8 @@ for name in ("torch", "sglang-kernel"):
         sys.exit(f"{whl}: no == pin for {name} in its metadata")
 for name, v in pins.items():
     print(f"{name}=={v}")
-major, minor = (int(x) for x in pins["torch"].split(".")[:2])
-print(f"torchvision==0.{minor + 15}.0" if major == 2 else sys.exit("torch is not 2.x"))
+major, minor, patch = (int(x) for x in pins["torch"].split("+")[0].split(".")[:3])
+print(f"torchvision==0.{minor + 15}.{patch}" if major == 2 else sys.exit("torch is not 2.x"))
 PY
     rm -rf "$tmp"
     return "$rc"
@@ -87,6 +87,9 @@ resolve() {
     "$venv/bin/python" -m pip install "$torch_pin" "$(echo "$pins" | grep '^torchvision==')"
     "$venv/bin/python" -m pip install --no-deps "sglang==$version" "$kernel_pin"
     echo "$pins" > "$dir/constraints.txt"  # the wheel's own pins hold where they apply
+    if [ -f "$here/constraints-$version.txt" ]; then
+        grep -v '^#' "$here/constraints-$version.txt" >> "$dir/constraints.txt"
+    fi
     # shellcheck disable=SC2046
     "$venv/bin/python" -m pip install -c "$dir/constraints.txt" "$torch_pin" \
         $(grep -v '^#' "$here/server-packages.txt")

@@ -67,6 +67,13 @@ log = logging.getLogger(__name__)
 __all__ = ["SGLangEngine", "parse_generate_output"]
 
 
+#: Seconds an idle pooled connection is reused. SGLang's uvicorn closes idle keep-alive
+#: connections after 5 s (environ.py SGLANG_TIMEOUT_KEEP_ALIVE); a request written on one the
+#: server is closing fails ("Can not write request body"), e.g. after a weight payload was
+#: serialized on the event loop for longer than that. The pool drops them well before.
+KEEPALIVE_S = 2.0
+
+
 class _Retryable(Exception):
     """A transient failure of one attempt (5xx, connection error, timeout, broken answer)."""
 
@@ -179,7 +186,8 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
         if self._session is None or self._session.closed or self._session_loop is not loop:
             auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_concurrency + 16), headers=auth,
+                connector=aiohttp.TCPConnector(limit=self.max_concurrency + 16,
+                                               keepalive_timeout=KEEPALIVE_S), headers=auth,
             )
             self._session_loop = loop
         return self._session

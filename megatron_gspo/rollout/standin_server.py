@@ -138,7 +138,8 @@ class StandinServer(GenerationEndpoints):
 
     async def start(self) -> None:
         """Start listening on the current event loop."""
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        # SGLang's uvicorn closes idle keep-alive connections after 5 s (SGLANG_TIMEOUT_KEEP_ALIVE)
+        self._runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=5.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

@@ -22,9 +22,9 @@ import torch
 
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.sglang import SGLangEngine
-from megatron_gspo.rollout.sglang_launch import LaunchSpec, cpu_server_env, server_argv
+from megatron_gspo.rollout.sglang_launch import LaunchSpec, server_argv
 from megatron_gspo.rollout.standin_server import StandinServer
-from megatron_gspo.rollout.weight_sync import payload_error, tensor_update_payloads
+from megatron_gspo.rollout.weight_sync import tensor_update_payloads
 
 TINY_BASE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny", "base")
 
@@ -53,6 +53,7 @@ def test_server_dtype_always_explicit():
 
 def test_cpu_engine_launch(tmp_path):
     from megatron_gspo.build import sglang_engine
+    from megatron_gspo.rollout.sglang_launch import cpu_server_env
     from megatron_gspo.config import ConfigError, load_config
 
     py = tmp_path / "inst" / "venv" / "bin" / "python"
@@ -103,6 +104,9 @@ class Foreign:  # a class outside SGLang's unpickler allow-list
 
 
 def test_payloads_that_would_end_the_server_are_not_sent(engine, tiny_model_dir):
+    from megatron_gspo.rollout.weight_sync import payload_error
+
+
     good = tensor_update_payloads([("model.norm.weight", torch.ones(32))], 1)[0][0]
     assert payload_error(good["serialized_named_tensors"][0]) is None
     assert "not base64" in payload_error("not base64!")
@@ -237,3 +241,20 @@ def test_shm_manager_started_away_from_the_clients_stderr():
     assert out.returncode == 0, out.stderr[-2000:]
     manager, mine = out.stdout.split()
     assert mine.startswith("pipe:") and manager == "/dev/null", (manager, mine)
+
+
+def test_control_call_after_a_long_blocked_loop(standin):
+    """SGLang (uvicorn) closes idle keep-alive connections after 5 s, as the stand-in now does;
+    a call made after the client's event loop was busy longer (serializing a payload) must not
+    go out on the closed connection."""
+    eng = SGLangEngine(server_urls=[standin.url], backoff_s=0.01)
+
+    async def go():
+        await eng._post(standin.url, "/flush_cache")
+        time.sleep(6)  # the loop is blocked: the server's close is not seen
+        return await eng._post(standin.url, "/flush_cache")
+
+    try:
+        assert eng.sync(go()).startswith("Cache flushed.")
+    finally:
+        eng.shutdown()
