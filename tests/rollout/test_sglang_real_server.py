@@ -42,7 +42,7 @@ def model_dir(tmp_path_factory):
 
 
 def _launch(model_dir, dtype, tmp_path_factory):
-    logs = tmp_path_factory.mktemp(f"logs_{dtype}")
+    logs = tier.install_dir() / "logs" / dtype  # kept after the run (pytest rotates tmp dirs)
     eng = SGLangEngine(launch=tier.spec(model_dir, dtype, tier.API_KEY, str(logs)),
                        startup_timeout_s=600, request_timeout_s=120, vocab_size=128,
                        backoff_s=0.05)
