@@ -118,6 +118,18 @@ class RolloutConfig:
     base_port: int = option(30000, "first port for launched servers (SGLang refuses ports above "
                             "55535: it adds 10000 for its gRPC port)", ge=1, le=55535)
     extra_server_args: list[str] = option([], "extra command-line arguments for SGLang servers")
+    sglang_python: str | None = option(
+        None, "python interpreter that runs launched SGLang servers (e.g. the venv "
+        "scripts/sglang_cpu.sh installs: .sglang-cpu/venv/bin/python); default this one")
+    sglang_device: str = option(
+        "cuda", "device of launched SGLang servers; cpu: SGLang's CPU engine (--device cpu, "
+        "no overlap schedule, no CUDA graphs, torch_native attention, SGLANG_USE_CPU_ENGINE=1, "
+        "the no-GPU driver stub next to sglang_python's venv on LD_LIBRARY_PATH, no memory "
+        "saver: memory is not released)", choices=("cuda", "cpu"))
+    verify_sync_interval: int = option(
+        0, "every this many weight syncs the engine's log-probs of a fixed probe sequence are "
+        "compared with the learner's (a sync that changed nothing fails with one error naming "
+        "it; 0: never)", ge=0)
     max_concurrency: int = option(256, "in-flight HTTP requests per server", ge=1)
     request_timeout: float = option(600.0, "seconds before a generate request is retried", gt=0)
     max_retries: int = option(5, "retries per request on connection errors and 5xx", ge=0)

@@ -7,6 +7,7 @@ The RL loop (`train.py`) calls these once at start-up and the phases in `phases.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -247,16 +248,15 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
                               "not set or empty")
     sync = r.weight_sync if r.weight_sync != "auto" else ("tensor" if r.colocate else
                                                           "distributed")
-    # SGLANG_SERVER_MODULE replaces sglang.launch_server (as in docker/launch/*.sh); the CPU
-    # stand-in server decodes tensor payloads without sglang (checked on the first update).
+    # SGLANG_SERVER_MODULE replaces sglang.launch_server (as in docker/launch/*.sh).
     module = os.environ.get("SGLANG_SERVER_MODULE") or "sglang.launch_server"
-    if sync == "tensor" and not r.server_urls and module != STANDIN_MODULE:
+    if sync == "tensor" and torch.cuda.is_available():  # CUDA payloads: SGLang's reduction
         from megatron_gspo.rollout.weight_sync import sglang_importable
 
-        if not sglang_importable():  # attached servers are checked on the first update
-            raise ConfigError("rollout.weight_sync: tensor sync to launched SGLang servers "
+        if not sglang_importable():  # CPU tensors travel as shared memory without it
+            raise ConfigError("rollout.weight_sync: tensor sync of the learner's CUDA tensors "
                               "needs sglang importable in the learner's environment (its CUDA "
-                              "IPC payloads); install it or use weight_sync=distributed")
+                              "IPC reduction); install it or use weight_sync=distributed")
     master = None
     if sync == "distributed":
         if r.weight_sync_master:
@@ -286,7 +286,7 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
                             extra_args=tuple(r.extra_server_args) + (
                                 ("--enable-return-routed-experts",) if routing else ()),
                             log_dir=r.server_log_dir or log_dir, api_key=api_key,
-                            module=module)
+                            module=module, **_server_runtime(r))
         from megatron_gspo.rollout.sglang.launch import check_local_gpus
 
         try:
@@ -312,11 +312,27 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
                         max_retries=r.max_retries, backoff_s=r.backoff,
                         startup_timeout_s=r.startup_timeout, weight_sync=sync,
                         dist_master=master, default_sampling=default_sampling,
+                        dist_backend="gloo" if r.sglang_device == "cpu" else "nccl",
                         api_key=api_key, vocab_size=(hf_config or {}).get("vocab_size"),
                         context_length=context_length_of(hf_config) if hf_config else None,
                         return_routing=routing, routing_shape=(
                             int(hf_config["num_hidden_layers"]),
                             int(hf_config["num_experts_per_tok"])) if routing else None)
+
+
+def _server_runtime(r) -> dict:
+    """LaunchSpec fields of `rollout.sglang_python` / `rollout.sglang_device` (the CPU
+    engine's environment: `sglang_launch.cpu_server_env`)."""
+    from megatron_gspo.rollout.sglang.launch import cpu_server_env
+
+    python = r.sglang_python or sys.executable
+    out: dict = {"python": python, "device": r.sglang_device}
+    if r.sglang_device == "cpu":
+        try:
+            out["env"] = cpu_server_env(python)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return out
 
 
 def _dataset(cfg: Config, tok, path: str, split: str | None = None):

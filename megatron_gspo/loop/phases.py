@@ -381,6 +381,8 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
             if engine is not None:
                 engine.resume_memory()  # no-op unless released after the rollout
             send()
+    if r.engine == "sglang" and r.verify_sync_interval and version % r.verify_sync_interval == 0:
+        st["probe_max_diff"] = verify_sync(learner, engine, cfg, version)
     order = st.pop("order", None)
     for note in st.pop("notes", []):  # servers restarted by their node (multi-node colocated)
         if event is not None:
@@ -393,6 +395,29 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
     if offload:  # what this rank's learner gave back to the servers
         out["memory/learner_offloaded_bytes"] = float(learner.offloaded_bytes())
     return out
+
+
+def verify_sync(learner, engine, cfg: Config, version: int) -> float:
+    """Verify a weight sync (collective): rank 0's servers generate from a fixed probe prompt,
+    the learner recomputes the log-probs of what they generated, and a difference above
+    `PROBE_TOLERANCE` of the served dtype is one RolloutError naming the sync. Returns the
+    largest difference (rank 0; 0.0 elsewhere)."""
+    from megatron_gspo.rollout.sglang.weights import (PROBE_PROMPT, PROBE_TOLERANCE,
+                                                      check_sync_probe)
+
+    tdist = torch.distributed
+    lead = engine is not None and (not tdist.is_initialized() or tdist.get_rank() == 0)
+    probes = engine.sync(engine.aprobe_servers(cfg.rollout.temperature)) if lead else None
+    samples = None
+    if lead:
+        samples = [Sample(prompt_ids=list(PROBE_PROMPT), response_ids=list(ids),
+                          rollout_logprobs=list(lps), index=i)
+                   for i, (_, ids, lps) in enumerate(probes)]
+    samples = broadcast(samples)
+    mine = learner.forward_logprobs(samples, temperature=cfg.rollout.temperature)
+    if not lead:
+        return 0.0
+    return check_sync_probe(version, probes, mine, PROBE_TOLERANCE[cfg.model.dtype])
 
 
 def _tensor_sync(cfg: Config) -> bool:

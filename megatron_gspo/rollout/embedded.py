@@ -161,6 +161,13 @@ class EmbeddedEngine(RolloutEngine):
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     # --------------------------------------------------------------- weights
+    def param_shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape of the parameter a weight update names `name` (None: no such parameter)."""
+        param = self._params.get(name)
+        if param is None:
+            param = fused_expert_slice(self._params, name)
+        return None if param is None else tuple(param.shape)
+
     def load_buckets(self, buckets: Iterable[Bucket], version: int) -> int:
         """Copy HF-named tensors into the model; then set the version.
 

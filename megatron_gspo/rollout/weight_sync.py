@@ -35,6 +35,7 @@ import base64
 import importlib
 import io
 import pickle
+import pickletools
 import types
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -98,6 +99,33 @@ class _HostPickler(ForkingPickler):
                     self.dispatch_table[cls] = original
 
 
+_SHM_MANAGER = {"started": False}
+
+
+def start_shm_manager_detached() -> None:
+    """Start torch's `torch_shm_manager` (the daemon behind "file_system" shared memory) with
+    its stderr on /dev/null, once per process. It inherits the starting process's stderr and
+    lives while any process holds the shared memory, i.e. until the SGLang server that received
+    a CPU payload exits: started plainly, a pipe reading this process's output (`... 2>&1 |
+    tee log`) would never see its end. Call with the "file_system" strategy set; fd 2 points to
+    /dev/null only while the manager starts."""
+    if _SHM_MANAGER["started"]:
+        return
+    import os
+    import sys
+
+    sys.stderr.flush()
+    devnull, saved = os.open(os.devnull, os.O_WRONLY), os.dup(2)
+    try:
+        os.dup2(devnull, 2)
+        torch.empty(1).share_memory_()  # the first file_system allocation starts the manager
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+    _SHM_MANAGER["started"] = True
+
+
 def serialize(obj: Any) -> str:
     """ForkingPickler dump as base64 text (SGLang `MultiprocessingSerializer.serialize(obj,
     output_str=True)`); CUDA payloads go through SGLang's device-UUID reduction.
@@ -121,6 +149,7 @@ def serialize(obj: Any) -> str:
         before = tmp.get_sharing_strategy()
         tmp.set_sharing_strategy("file_system")
         try:
+            start_shm_manager_detached()
             _HostPickler(buf).dump(obj)
         finally:
             tmp.set_sharing_strategy(before)
@@ -159,6 +188,81 @@ def deserialize(data: str | bytes) -> Any:
     if isinstance(data, str):
         data = base64.b64decode(data, validate=True)
     return AllowListUnpickler(io.BytesIO(data)).load()
+
+
+def payload_error(entry: str) -> str | None:
+    """Why SGLang's server would die on this serialized entry, or None: text that is not
+    base64, or a pickled global outside its unpickler's allow-list (both raise in its
+    scheduler, which ends the server). The pickle is scanned, not loaded."""
+    try:
+        data = base64.b64decode(entry, validate=True)
+    except (ValueError, TypeError) as e:
+        return f"entry is not base64 text ({e})"
+    strings: list[Any] = []  # what each opcode pushed, as far as globals need it
+    memo: dict[int, Any] = {}
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"):
+                strings.append(arg)
+            elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+                strings.append(memo.get(int(arg)))
+            elif op.name == "MEMOIZE":
+                memo[len(memo)] = strings[-1] if strings else None
+            elif op.name in ("BINPUT", "LONG_BINPUT", "PUT"):
+                memo[int(arg)] = strings[-1] if strings else None
+            elif op.name in ("GLOBAL", "INST", "STACK_GLOBAL"):
+                module, name = (arg.split(" ", 1) if op.name != "STACK_GLOBAL"
+                                else (strings[-2], strings[-1]) if len(strings) > 1
+                                else (None, None))
+                if not (isinstance(module, str) and isinstance(name, str)) or (
+                        (module, name) in DENIED_GLOBALS
+                        or not (module + ".").startswith(ALLOWED_MODULE_PREFIXES)):
+                    return (f"Blocked unsafe class loading ({module}.{name}): not in "
+                            "SGLang's SafeUnpickler allow-list")
+                strings.append(None)
+            else:
+                strings.append(None)
+    except ValueError as e:
+        return f"entry is not a pickle ({e})"
+    return None
+
+
+def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]] | None:
+    """Tensor name -> shape of a local Hugging Face checkpoint (the safetensors headers only;
+    None when `model_dir` is not a readable local directory of safetensors files)."""
+    import json
+    import os
+    import struct
+
+    try:
+        files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    except (OSError, TypeError):
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    try:
+        for f in files:
+            with open(os.path.join(model_dir, f), "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            shapes.update({k: tuple(v["shape"]) for k, v in header.items()
+                           if k != "__metadata__"})
+    except (OSError, ValueError, KeyError, struct.error):
+        return None
+    return shapes or None
+
+
+def shape_error(named: Iterable[tuple[str, torch.Tensor]],
+                shapes: dict[str, tuple[int, ...]] | None) -> str | None:
+    """The first tensor whose shape differs from the served checkpoint's tensor of that name
+    (SGLang's weight loader asserts the shape and the server dies), or None."""
+    if not shapes:
+        return None
+    for name, t in named:
+        want = shapes.get(name)
+        if want is not None and tuple(t.shape) != want:
+            return (f"{name} has shape {tuple(t.shape)} but the served checkpoint's is {want} "
+                    "(SGLang's weight loader would assert and end the server); not sent")
+    return None
 
 
 def flatten_bucket(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:

@@ -5,11 +5,10 @@ that tensor sync needs sglang importable unless the servers are stand-ins."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.sglang.client import SGLangEngine
-from megatron_gspo.rollout.weight_sync import serialize, sglang_importable, tensor_update_payloads
+from megatron_gspo.rollout.weight_sync import sglang_importable, tensor_update_payloads
 
 GREEDY = [GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=8, temperature=0.0,
                                                     ignore_eos=True))]
@@ -61,8 +60,8 @@ def test_memory_tags_and_updates_while_released_are_refused(client, standin, eng
     client.release_memory(["weights"])
     with pytest.raises(RolloutError, match="weights region is released"):
         client.update_weights([named], version=1)
-    with pytest.raises(RolloutError, match="'kv_cache' is not released"):
-        client.sync(client.aresume_memory(["kv_cache"]))
+    with pytest.raises(RolloutError, match="'kv_cache', which is not released"):
+        client.sync(client.aresume_memory(["kv_cache"]))  # refused, never sent
     with pytest.raises(RolloutError, match="unknown memory tag 'gpu'"):
         client.sync(client.arelease_memory(["gpu"]))
     client.resume_memory(["weights"])
@@ -81,27 +80,35 @@ def test_every_tp_rank_decodes_its_own_entry(engine):
         assert srv.weight_version == "4"
         bodies, _ = tensor_update_payloads(named, tp_size=1)
         body = dict(bodies[0], weight_version="5")
-        with pytest.raises(RolloutError, match="one entry per TP rank"):
+        with pytest.raises(RolloutError, match="failed"):  # no answer: the server ended
             eng.sync(eng._post(srv.url, "/update_weights_from_tensor", body))
+        assert "one entry per TP rank" in srv.died and srv.weight_version == "4"
+    finally:
+        eng.shutdown()
+        srv.stop_thread()
+    srv = StandinServer(engine, tp_size=2).start_in_thread()
+    eng = SGLangEngine(server_urls=[srv.url], tp_size=2, backoff_s=0.01)
+    try:
         bodies, _ = tensor_update_payloads(named, tp_size=1)
         other, _ = tensor_update_payloads([(n, t + 1) for n, t in named], tp_size=1)
         body = dict(bodies[0], weight_version="5")
         body["serialized_named_tensors"] += other[0]["serialized_named_tensors"]
-        with pytest.raises(RolloutError, match="TP rank 1's entry holds other tensors"):
+        with pytest.raises(RolloutError, match="failed"):
             eng.sync(eng._post(srv.url, "/update_weights_from_tensor", body))
-        assert srv.weight_version == "4"
+        assert "TP rank 1's entry holds other tensors" in srv.died
     finally:
         eng.shutdown()
         srv.stop_thread()
 
 
 @pytest.mark.skipif(sglang_importable(), reason="sglang is importable here")
-def test_tensor_sync_without_sglang_refused_before_any_payload(engine, tiny_model_dir,
-                                                                 monkeypatch):
+def test_tensor_sync_decided_by_where_the_tensors_are(engine, tiny_model_dir, monkeypatch):
+    """CPU tensors reach a real (non-stand-in) server without sglang in this environment;
+    CUDA tensors without sglang fail the sync with one error before any payload is sent."""
     from aiohttp import web
 
     from megatron_gspo.loop.build import sglang_engine
-    from megatron_gspo.config import ConfigError, load_config
+    from megatron_gspo.config import load_config
     from megatron_gspo.rollout.standin.server import StandinServer
 
     srv = StandinServer(engine)
@@ -113,18 +120,19 @@ def test_tensor_sync_without_sglang_refused_before_any_payload(engine, tiny_mode
     srv.start_in_thread()
     eng = SGLangEngine(server_urls=[srv.url], backoff_s=0.01)
     try:
-        with pytest.raises(RolloutError, match="sglang is not importable in the learner's"):
-            eng.update_weights([_weights(engine)[:2]], version=1)
-        assert srv.stats["weight_updates"] == 0
+        eng.update_weights([_weights(engine)[:2]], version=1)
+        assert srv.stats["weight_updates"] == 1 and srv.weight_version == "1"
+        import megatron_gspo.rollout.weight_sync as ws  # CUDA payloads: checked without a GPU
+
+        monkeypatch.setattr(ws, "_has_cuda_tensor", lambda obj: True)
+        with pytest.raises(RolloutError, match="version 2: tensor weight sync of CUDA tensors "
+                           "needs sglang importable"):
+            eng.update_weights([_weights(engine)[:2]], version=2)
+        assert srv.stats["weight_updates"] == 1
     finally:
         eng.shutdown()
         srv.stop_thread()
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "rollout.engine=sglang",
-                             "rollout.colocate=true"])
-    with pytest.raises(ConfigError, match="rollout.weight_sync: tensor sync to launched"):
-        sglang_engine(cfg, SamplingParams())
-    import megatron_gspo.rollout.weight_sync as ws  # CUDA payloads: checked without a GPU
-
-    monkeypatch.setattr(ws, "_has_cuda_tensor", lambda obj: True)
-    with pytest.raises(ws.WeightSyncError, match="CUDA tensors needs sglang importable"):
-        serialize({"flattened_tensor": torch.zeros(1)})
+                             "rollout.colocate=true", "model.dtype=float32"])
+    launched = sglang_engine(cfg, SamplingParams())  # CPU learner: CUDA payloads impossible
+    assert launched.weight_sync == "tensor" and launched.spec.dtype == "float32"

@@ -23,6 +23,8 @@ configured one and dp_size be 1 (a mismatch is refused with one line), and the c
 (its `context_length`, else the model config at its `model_path` when that is a local
 directory, else `context_length` given here) bounds requests before they are sent: a prompt
 that does not fit is a per-sample failure, a too-large max_new_tokens is capped ("capped").
+A prompt with a token id outside the vocabulary (negative, or not below `vocab_size`) would end
+the server: it is a per-sample failure, never sent.
 With `api_key` every request (generation, control and weight endpoints) carries
 `Authorization: Bearer <key>`; the key is never logged.
 
@@ -46,6 +48,7 @@ import aiohttp
 
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rollout.base import (
+    MEMORY_TAGS,
     GenerateRequest,
     RolloutEngine,
     RolloutError,
@@ -55,13 +58,20 @@ from megatron_gspo.rollout.base import (
 )
 from megatron_gspo.rollout.sglang.launch import LaunchSpec, ServerProcess
 from megatron_gspo.rollout.sglang.protocol import (decode_json, decode_routed_experts, http_error,
-                                                    parse_generate_output)
+                                                    parse_generate_output, prompt_ids_error)
 from megatron_gspo.rollout.sglang.servers import RETRYABLE, SGLangServers
 from megatron_gspo.rollout.sglang.weights import SGLangWeightSync
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SGLangEngine", "parse_generate_output"]
+
+
+#: Seconds an idle pooled connection is reused. SGLang's uvicorn closes idle keep-alive
+#: connections after 5 s (environ.py SGLANG_TIMEOUT_KEEP_ALIVE); a request written on one the
+#: server is closing fails ("Can not write request body"), e.g. after a weight payload was
+#: serialized on the event loop for longer than that. The pool drops them well before.
+KEEPALIVE_S = 2.0
 
 
 class _Retryable(Exception):
@@ -176,7 +186,8 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
         if self._session is None or self._session.closed or self._session_loop is not loop:
             auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_concurrency + 16), headers=auth,
+                connector=aiohttp.TCPConnector(limit=self.max_concurrency + 16,
+                                               keepalive_timeout=KEEPALIVE_S), headers=auth,
             )
             self._session_loop = loop
         return self._session
@@ -222,7 +233,9 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
                     "return_logprob": True}
             if self.return_routing:
                 body["return_routed_experts"] = True
-            error, routing = self._fit_context(len(req.prompt_ids), sp), None
+            error = prompt_ids_error(req.prompt_ids, self.vocab_size) or self._fit_context(
+                len(req.prompt_ids), sp)
+            routing = None
             if error is None:
                 async with sem:
                     ids, lps, reason, url, ver, error, routing = await self._generate_one(
@@ -382,9 +395,21 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
             raise RolloutError(f"release_memory with {busy} generate requests in flight; "
                                "wait for them first")
         await self._all("/release_memory_occupation", {"tags": list(tags) if tags else None})
+        self.released_tags |= set(tags or MEMORY_TAGS)  # what aresume_memory may resume
 
     async def aresume_memory(self, tags: Sequence[str] | None = None) -> None:
-        await self._all("/resume_memory_occupation", {"tags": list(tags) if tags else None})
+        """Resume released regions (None: every released one). Resuming a region that is not
+        released ends an SGLang server (KeyError in its scheduler): refused, never sent."""
+        if tags:
+            missing = [t for t in tags if t not in self.released_tags]
+            if missing:
+                raise RolloutError(f"resume_memory of {missing[0]!r}, which is not released, "
+                                   "would end the SGLang servers; not sent")
+        todo = list(tags) if tags else sorted(self.released_tags)
+        if not todo:
+            return
+        await self._all("/resume_memory_occupation", {"tags": todo})
+        self.released_tags -= set(todo)
 
     async def ahealth(self) -> bool:
         if self._dead_server() is not None:

@@ -27,6 +27,11 @@ from dataclasses import dataclass, field
 from megatron_gspo.run import exec_with_parent
 from megatron_gspo.rollout.sglang.protocol import HEALTH_GENERATION_ENV, MAX_SERVER_PORT
 
+#: --dtype values a launched server gets (the learner's export dtypes; never "auto").
+SERVER_DTYPES = ("float32", "bfloat16", "float16")
+#: --max-total-tokens of a CPU-engine server unless its extra arguments give one.
+CPU_MAX_TOTAL_TOKENS = 8192
+
 
 @dataclass
 class LaunchSpec:
@@ -43,10 +48,12 @@ class LaunchSpec:
         colocated: the learner shares the GPUs: adds --enable-memory-saver.
         base_gpu_id: first GPU of server 0; server i starts at base_gpu_id + i * tp_size.
         seed: --random-seed.
-        dtype: --dtype ("auto", "bfloat16", ...).
+        dtype: --dtype: the dtype the learner exports ("float32", "bfloat16", "float16");
+            "auto" is refused (SGLang serves a float32 checkpoint as float16 under it).
         extra_args: appended verbatim to every server command line.
         module: python module to run (SGLang's by default; the stand-in server in tests).
         python: interpreter.
+        device: "cuda", or "cpu" for SGLang's CPU engine (`cpu_server_args`, `cpu_server_env`).
         env: extra environment variables.
         log_dir: where server logs go (None = inherit the parent's stdout/stderr).
         api_key: SGLang --api-key of every server (None = none); kept out of repr.
@@ -61,15 +68,23 @@ class LaunchSpec:
     colocated: bool = False
     base_gpu_id: int = 0
     seed: int = 0
-    dtype: str = "auto"
+    dtype: str = "bfloat16"
     extra_args: Sequence[str] = ()
     module: str = "sglang.launch_server"
     python: str = sys.executable
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    device: str = "cuda"
 
     def __post_init__(self) -> None:
+        if self.dtype not in SERVER_DTYPES:
+            raise ValueError(
+                f"rollout server dtype must be the learner's export dtype, one of "
+                f"{list(SERVER_DTYPES)}, got {self.dtype!r} (SGLang's --dtype auto serves a "
+                "float32 checkpoint as float16)")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"rollout.sglang_device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.num_servers < 1:
             raise ValueError(f"rollout.num_servers must be >= 1, got {self.num_servers}")
         if self.tp_size < 1:
@@ -118,12 +133,48 @@ def server_argv(spec: LaunchSpec, index: int, port: int) -> list[str]:
     ]
     if spec.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(spec.mem_fraction_static)]
-    if spec.colocated:
+    if spec.colocated and spec.device != "cpu":  # torch_memory_saver needs CUDA
         argv.append("--enable-memory-saver")
     if spec.api_key:
         argv += ["--api-key", spec.api_key]
+    if spec.device == "cpu":
+        argv += cpu_server_args(spec.extra_args)
     argv += list(spec.extra_args)
     return argv
+
+
+def cpu_server_args(extra_args: Sequence[str] = ()) -> list[str]:
+    """Flags of SGLang's CPU engine (measured with 0.5.12 on x86-64 without AMX): no overlap
+    schedule and no CUDA graphs, torch_native attention, and a KV pool of CPU_MAX_TOTAL_TOKENS
+    tokens unless `extra_args` sizes it (without a bound the pool takes a share of host memory).
+    """
+    argv = ["--device", "cpu", "--disable-overlap-schedule", "--disable-cuda-graph",
+            "--attention-backend", "torch_native"]
+    if "--max-total-tokens" not in extra_args:
+        argv += ["--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
+    return argv
+
+
+def cpu_server_env(python: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of a CPU-engine server: SGLANG_USE_CPU_ENGINE=1 and the no-GPU driver stub
+    of `python`'s install on LD_LIBRARY_PATH. scripts/sglang_cpu.sh lays an install out as
+    DIR/venv/bin/python and DIR/stub/libcuda.so.1 (sglang-kernel's CUDA libraries need a
+    libcuda.so.1 to load; the CPU engine calls none of their CUDA ops).
+
+    Raises:
+        ValueError: no stub next to `python`'s venv.
+    """
+    base = os.environ if base is None else base
+    venv = os.path.dirname(os.path.dirname(os.path.abspath(python)))
+    stub = os.path.join(os.path.dirname(venv), "stub")
+    if not os.path.isfile(os.path.join(stub, "libcuda.so.1")):
+        raise ValueError(
+            f"rollout.sglang_device=cpu: no {stub}/libcuda.so.1 next to the venv of {python} "
+            "(install the CPU server with scripts/sglang_cpu.sh and set rollout.sglang_python "
+            "to its DIR/venv/bin/python)")
+    old = base.get("LD_LIBRARY_PATH")
+    return {"SGLANG_USE_CPU_ENGINE": "1",
+            "LD_LIBRARY_PATH": stub + (os.pathsep + old if old else "")}
 
 
 def server_env(spec: LaunchSpec) -> dict[str, str]:

@@ -12,6 +12,11 @@ Each rule names the upstream file it reproduces (paths inside the sglang wheel, 
   `Authorization: Bearer <key>` everywhere else (401 otherwise);
 - health: entrypoints/http_server.py `/health` runs a one-token generation unless
   `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` is false; `/health_generate` always does;
+- prompt token ids: a negative id or one not below the model's vocabulary size ends the server
+  (layers/vocab_parallel_embedding.py looks it up with no bound check: IndexError in the
+  scheduler, managers/scheduler.py, whose death ends the server), so they are never sent;
+- dtype: configs/model_config.py `_get_and_verify_dtype` serves `--dtype auto` as the
+  config's dtype, except a float32 (or absent) one: float16 (bfloat16 for Gemma);
 - /generate answers: `meta_info.output_token_logprobs` holds `[logprob, token_id, text]` per
   generated token, where text is null unless `return_text_in_logprobs` was asked for.
 """
@@ -104,6 +109,29 @@ def length_error(input_tokens: int, max_new_tokens: int | None, context: int) ->
                 f"{input_tokens} tokens from the input messages and {max_new_tokens} tokens for "
                 "the completion. Please reduce the number of tokens in the input messages or "
                 "the completion to fit within the limit.")
+    return None
+
+
+def served_dtype(dtype: str, hf_config: Mapping[str, Any]) -> str:
+    """The dtype SGLang serves under `--dtype dtype` for a model config (see module doc)."""
+    if dtype != "auto":
+        return "float32" if dtype == "float" else dtype
+    conf = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
+    conf = conf.removeprefix("torch.")
+    if conf in ("float32", "float"):
+        return "bfloat16" if str(hf_config.get("model_type", "")).startswith("gemma") \
+            else "float16"
+    return conf
+
+
+def prompt_ids_error(ids: Any, vocab_size: int | None) -> str | None:
+    """Why SGLang must not get these prompt token ids (they end the server, see module doc),
+    or None. Without a vocabulary size only negative and non-integer ids are refused."""
+    for i, t in enumerate(ids):
+        if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            bound = f" [0, {vocab_size})" if vocab_size is not None else " >= 0"
+            return (f"prompt token id {t!r} at position {i} is outside the vocabulary{bound} "
+                    "(it would end the SGLang server); not sent")
     return None
 
 

@@ -5,9 +5,11 @@
 
 Tensor updates stream: one bucket is flattened, serialized, posted and dropped before the next
 one is taken from the iterable, so the payload memory alive at once stays within one bucket;
-`sync_stats` reports the peak. Before the first tensor update the servers are checked: SGLang's
-unpickler needs SGLang's own CUDA reduction (sglang importable in this process) unless every
-server is the CPU stand-in (its `/get_server_info` says `"version": "standin"`).
+`sync_stats` reports the peak. Whether a payload can be built is decided by where its tensors
+are, not by the servers' version: CPU tensors travel as shared memory by file name, which
+SGLang's unpickler opens without sglang in the learner's environment; CUDA tensors need SGLang's
+own CUDA reduction (sglang importable here), else the sync fails before its first request with
+one error.
 
 A mixin of `SGLangEngine`: it uses the engine's `_all` (one call to every server), `_post`,
 `urls`, `tp_size` and weight-version state.
@@ -25,11 +27,52 @@ from megatron_gspo.rollout.weight_sync import (
     bucket_payloads,
     dtype_name,
     init_learner_update_group,
+    WeightSyncError,
+    checkpoint_shapes,
+    payload_error,
     serialize,
-    sglang_importable,
+    shape_error,
 )
 
 STANDIN_VERSION = "standin"  # `version` in the stand-in server's /get_server_info
+
+#: Prompt of the sync probe: after a weight sync each server generates from it and the
+#: learner recomputes the log-probs of what was generated (`check_sync_probe`).
+PROBE_PROMPT = (3, 5, 7, 11, 13, 17, 19, 23)
+PROBE_TOKENS = 8
+#: Largest |served - learner| token log-prob of a verified sync, by the served dtype
+#: (fp32: SGLang's CPU engine matches a recompute within 3e-5; bf16 rounding dominates).
+PROBE_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.15, "float16": 0.05}
+
+
+def check_sync_probe(version: int, probes: Sequence[tuple[str, list[int], list[float]]],
+                     learner: Sequence[Sequence[float]], tol: float) -> float:
+    """Compare each server's log-probs of its probe answer with the learner's recompute.
+
+    Args:
+        version: the weight version the sync installed (named in the error).
+        probes: (server url, generated ids, served log-probs) per server.
+        learner: the learner's log-probs of each probe's generated ids, same order.
+        tol: largest allowed |difference| of one token's log-prob.
+    Returns:
+        the largest difference seen.
+    Raises:
+        RolloutError: a server's log-probs differ by more than `tol` (the sync did not reach
+            it, e.g. parameter names it skipped silently), one line naming the sync.
+    """
+    worst = 0.0
+    for (url, ids, served), mine in zip(probes, learner, strict=True):
+        if len(mine) != len(served) or not ids:
+            raise RolloutError(f"weight sync to version {version}: probe of {url} returned "
+                               f"{len(served)} log-probs for {len(ids)} tokens")
+        diff = max(abs(float(a) - float(b)) for a, b in zip(served, mine, strict=True))
+        if diff > tol:
+            raise RolloutError(
+                f"weight sync to version {version} not verified: {url} serves probe log-probs "
+                f"{diff:.3g} away from the learner's (tolerance {tol:g}); the server does not "
+                "hold the learner's weights (names it does not know are skipped silently)")
+        worst = max(worst, diff)
+    return worst
 
 
 class LiveBytes:
@@ -67,7 +110,6 @@ class SGLangWeightSync:
     _version: int
     _update_group: Any
     _group_name: str
-    _tensor_sync_checked: bool = False
     sync_stats: dict[str, float]
     # and the engine's coroutines astart(), _post(url, path, body) and _all(path, body).
 
@@ -92,29 +134,12 @@ class SGLangWeightSync:
         else:
             await self.aupdate_weights_from_tensor(buckets, version)
 
-    async def acheck_tensor_sync(self) -> None:
-        """Refuse tensor sync that SGLang's unpickler would refuse: without sglang importable
-        here, only stand-in servers can decode the payloads (one-line RolloutError)."""
-        if self._tensor_sync_checked or sglang_importable():
-            self._tensor_sync_checked = True
-            return
-        infos = await self._all("/get_server_info", get=True, timeout=30.0)
-        real = [u for u, i in zip(self.urls, infos, strict=True)
-                if not (isinstance(i, dict) and i.get("version") == STANDIN_VERSION)]
-        if real:
-            raise RolloutError(
-                f"rollout.weight_sync=tensor: sglang is not importable in the learner's "
-                f"environment, so its CUDA IPC payloads cannot be built for {real[0]}; install "
-                "sglang next to the learner or use rollout.weight_sync=distributed")
-        self._tensor_sync_checked = True
-
     def _reset_sync_stats(self) -> None:
         self.sync_stats = {"buckets": 0.0, "requests": 0.0, "bytes": 0.0,
                            "peak_live_bucket_bytes": 0.0, "max_bucket_bytes": 0.0}
 
     async def abegin_tensor_update(self) -> None:
-        """Check the servers (first time), reset `sync_stats`, pause generation."""
-        await self.acheck_tensor_sync()
+        """Reset `sync_stats`, pause generation."""
         self._reset_sync_stats()
         await self.pause_generation()
 
@@ -125,6 +150,10 @@ class SGLangWeightSync:
         `serialized_named_tensors` (one per TP rank)."""
         if len(entries) != len(self.urls):
             raise RolloutError(f"{len(entries)} entry lists for {len(self.urls)} servers")
+        for e in {x for server in entries for x in server}:  # what would end a server: not sent
+            bad = payload_error(e)
+            if bad:
+                raise RolloutError(f"weight sync to version {version}: {bad}; not sent")
         body = {"load_format": load_format, "flush_cache": False, "weight_version": str(version)}
         await asyncio.gather(*(
             self._post(u, "/update_weights_from_tensor", {**body, "serialized_named_tensors":
@@ -156,17 +185,56 @@ class SGLangWeightSync:
             for bucket in buckets:
                 named = list(bucket)
                 del bucket  # this loop holds the tensors through `named` only
+                self.check_shapes(named, version)
                 total = sum(t.numel() * t.element_size() for _, t in named)
                 peak = 0
                 for payload, fmt in bucket_payloads(_drain(named)):
                     peak = max(peak, live.add(payload))
-                    entries = [serialize(payload) for _ in range(self.tp_size)]
+                    entries = self.serialize_entries(payload, version)
                     await self.apost_tensor_update([entries] * len(self.urls), fmt, version)
                     del payload, entries  # the servers have copied the shared memory
                 self.note_bucket(total, peak)
             await self.afinish_tensor_update(version)
         finally:
             await self.continue_generation()
+
+    def serialize_entries(self, payload: Any, version: int) -> list[str]:
+        """One serialized entry per TP rank of `payload`; a payload that cannot be built (CUDA
+        tensors without sglang importable) is one RolloutError naming the sync."""
+        try:
+            return [serialize(payload) for _ in range(self.tp_size)]
+        except WeightSyncError as e:
+            raise RolloutError(f"weight sync to version {version}: {e}") from None
+
+    def check_shapes(self, named: Sequence[tuple[str, Any]], version: int) -> None:
+        """Refuse (one RolloutError naming the sync) a tensor whose shape differs from the
+        served checkpoint's: SGLang's weight loader asserts the shape and the server dies."""
+        if not hasattr(self, "_ckpt_shapes"):
+            spec = getattr(self, "spec", None)
+            infos = getattr(self, "server_info", {}).values()
+            path = spec.model_path if spec is not None else next(
+                (i.get("model_path") for i in infos if isinstance(i, dict)), None)
+            self._ckpt_shapes = checkpoint_shapes(path) if path else None
+        bad = shape_error(named, self._ckpt_shapes)
+        if bad:
+            raise RolloutError(f"weight sync to version {version}: {bad}")
+
+    async def aprobe_servers(self, temperature: float = 1.0, prompt: Sequence[int] = PROBE_PROMPT,
+                             max_new_tokens: int = PROBE_TOKENS,
+                             ) -> list[tuple[str, list[int], list[float]]]:
+        """(url, generated ids, served log-probs) of the probe prompt on every server."""
+        from megatron_gspo.rollout.sglang.protocol import parse_generate_output
+
+        body = {"input_ids": list(prompt), "return_logprob": True,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                                    "ignore_eos": True}}
+        outs = await self._all("/generate", body)
+        probes = []
+        for url, out in zip(self.urls, outs, strict=True):
+            ids, lps, _, _ = parse_generate_output(out, f"sync probe from {url}", max_new_tokens,
+                                                   getattr(self, "vocab_size", None))
+            probes.append((url, ids, lps))
+        return probes
 
     async def aupdate_weights_from_disk(self, model_path: str, version: int) -> None:
         """Reload weights from a HF directory on every server."""
@@ -178,7 +246,13 @@ class SGLangWeightSync:
         self, master_address: str, master_port: int, backend: str = "nccl",
         group_name: str = "weight_update_group",
     ) -> Any:
-        """Form the learner (rank 0) + server-ranks group for broadcast updates."""
+        """Form the learner (rank 0) + server-ranks group for broadcast updates. The learner
+        hosts the group's store at master_address:master_port; an address this machine cannot
+        listen on is refused before any server is asked (a server waiting on an unreachable
+        master blocks entirely, even /health)."""
+        bad = master_address_error(master_address, master_port)
+        if bad:
+            raise RolloutError(f"rollout.weight_sync_master: {bad}; no server was asked")
         await self.astart()
         world = 1 + self.tp_size * len(self.urls)
         calls = [
@@ -205,6 +279,7 @@ class SGLangWeightSync:
         try:
             for bucket in buckets:
                 named = list(bucket)
+                self.check_shapes(named, version)
                 body = {
                     "names": [n for n, _ in named],
                     "dtypes": [dtype_name(t.dtype) for _, t in named],
@@ -224,6 +299,26 @@ class SGLangWeightSync:
             self._version = int(version)
         finally:
             await self.continue_generation()
+
+
+def master_address_error(host: str, port: int) -> str | None:
+    """Why the learner cannot host the weight-update group's TCP store at host:port, or None."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"{host} does not resolve ({e})"
+    fam, _, _, _, addr = infos[0]
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return (f"the learner cannot listen on {host}:{port} ({e.strerror or e}): it hosts "
+                    "the weight-update group's store there, so it must be this machine's address "
+                    "that the servers reach")
+    return None
 
 
 def _drain(named: list) -> Iterable:

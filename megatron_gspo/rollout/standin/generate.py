@@ -38,6 +38,7 @@ from megatron_gspo.rollout.sglang.protocol import (
     context_length_of,
     env_bool,
     length_error,
+    prompt_ids_error,
 )
 
 # entrypoints/http_server.py HEALTH_CHECK_TIMEOUT: a health generation that gets no answer
@@ -59,6 +60,27 @@ class Faults:
     garbage: int = 0
     nested: int = 0
     bad_ids: int = 0
+
+
+#: managers/schedule_batch.py FINISH_ABORT.to_json() of an aborted request.
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+#: meta_info keys SGLang 0.5.12 adds to every /generate answer (values of a CPU server).
+EXTRA_META = {"cached_tokens_details": None, "dp_rank": None, "e2e_latency": 0.0,
+              "num_retractions": 0, "reasoning_tokens": 0, "response_sent_to_client_ts": 0.0}
+#: The 400 body of a control endpoint called without its JSON body (FastAPI's validation
+#: error as entrypoints/http_server.py's RequestValidationError handler words it).
+MISSING_BODY = {"object": "error", "message": "1 validation error:\n  {'type': 'missing', "
+                "'loc': ('body',), 'msg': 'Field required', 'input': None}", "type": "Bad Request",
+                "param": None, "code": 400}
+
+
+@web.middleware
+async def json_not_found(request: web.Request, handler: Any) -> web.StreamResponse:
+    """404 with FastAPI's JSON body `{"detail": "Not Found"}`, as SGLang answers."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
 
 
 def _params(d: dict[str, Any]) -> SamplingParams:
@@ -195,6 +217,10 @@ class GenerationEndpoints:
             msg = length_error(len(p), d.get("max_new_tokens"), self.context_length)
             if msg:
                 return _error(msg)
+        bad = next((e for e in (prompt_ids_error(p, self.engine.vocab_size) for p in prompts)
+                    if e), None)
+        if bad:  # upstream the embedding's IndexError ends the scheduler, and the server
+            return await self.die(request, f"IndexError in the embedding: {bad}")
         if self.released:
             return _bad("memory is released; call /resume_memory_occupation first")
         rows = [
@@ -217,9 +243,10 @@ class GenerationEndpoints:
         for i, ((prompt, _), (tok, lps, reason, *routed)) in enumerate(
                 zip(rows, outs, strict=True)):
             fr: dict[str, Any] = {"type": reason}
-            if aborted:  # as after /abort_request: part of the output, finish reason abort
-                tok, lps = tok[: len(tok) // 2], lps[: len(tok) // 2]
-                fr = {"type": "abort", "message": "Abort in waiting queue"}
+            if aborted or reason == "abort":  # as after /abort_request: part of the output
+                if aborted:
+                    tok, lps = tok[: len(tok) // 2], lps[: len(tok) // 2]
+                fr = dict(ABORTED)
             elif reason == "stop":
                 fr["matched"] = tok[-1]
             elif reason == "length":
@@ -227,17 +254,20 @@ class GenerationEndpoints:
             if bad_ids and tok:
                 tok = [-1, *tok[1:]]
             meta = {
-                "id": rid if len(rows) == 1 else f"{rid}-{i}",
+                "id": rid if len(rows) == 1 else f"{rid}_{i}",  # io_struct.py _normalize_rid
                 "finish_reason": fr,
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(tok),
                 "cached_tokens": 0,
                 "weight_version": self.weight_version,
+                **EXTRA_META,
             }
             if body.get("return_logprob"):  # text is null unless return_text_in_logprobs
                 meta["output_token_logprobs"] = [
                     [lp, t, None] for lp, t in zip(lps, tok, strict=True)
                 ]
+                meta["input_token_logprobs"] = []
+                meta["output_token_logprobs_length"] = len(tok)
             if body.get("return_routed_experts") and routed and not aborted:
                 # SGLang 0.5.12 (scheduler_output_processor_mixin.maybe_collect_routed_experts,
                 # detokenizer_manager._b64_encode_per_request): int32 [prompt + completion - 1,
@@ -245,7 +275,7 @@ class GenerationEndpoints:
                 # capturer is None and the field is silently absent (no refusal).
                 meta["routed_experts"] = base64.b64encode(
                     routed[0].to(torch.int32).numpy().tobytes()).decode("ascii")
-            results.append({"text": "", "output_ids": tok, "meta_info": meta})
+            results.append({"text": self.decode(tok), "output_ids": tok, "meta_info": meta})
         self.stats["samples"] += len(results)
         return web.json_response(results[0] if single and len(results) == 1 else results)
 
@@ -268,6 +298,30 @@ class GenerationEndpoints:
             request.transport.close()  # type: ignore[union-attr]
             return resp
         return None
+
+    def decode(self, ids: list[int]) -> str:
+        """The decoded text of `ids` (SGLang's `text`), "" when the model has no tokenizer."""
+        if not hasattr(self, "_tokenizer"):
+            self._tokenizer = None
+            if any(os.path.isfile(os.path.join(self.model_path, f))
+                   for f in ("tokenizer.json", "tokenizer_config.json")):
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_path,
+                                                                local_files_only=True)
+        if self._tokenizer is None:
+            return ""
+        return self._tokenizer.decode([t for t in ids if t >= 0])
+
+    async def die(self, request: web.Request, why: str) -> web.StreamResponse:
+        """End the server without an answer, as SGLang's scheduler does on an exception (the
+        process exits; a server in a thread stops serving); `why` goes to stderr."""
+        import sys
+
+        print(f"stand-in server: ending, as SGLang's scheduler would: {why}", file=sys.stderr,
+              flush=True)
+        self.died = why
+        return await self._crash(request)
 
     async def _crash(self, request: web.Request) -> web.StreamResponse:
         if self.exit_on_crash:
@@ -315,12 +369,13 @@ class GenerationEndpoints:
 
     # ------------------------------------------------------------ control
     async def release_if_idle(self, request: web.Request) -> web.StreamResponse:
-        """/release_memory_occupation, refused while requests are in flight. Upstream the
-        scheduler asserts it is idle (and the failed assertion ends the server); the stand-in
-        refuses with the assertion's message and goes on serving."""
+        """/release_memory_occupation; while requests are in flight the server ends, as
+        upstream, where the scheduler asserts it is idle
+        (managers/scheduler_update_weights_mixin.py) and the failed assertion ends it."""
         if self.in_flight or self._queue:
-            return _error("release_memory_occupation should be called only when server is "
-                          f"idle ({self.in_flight} requests in flight).", status=500)
+            return await self.die(request, "AssertionError: release_memory_occupation should "
+                                  f"be called only when server is idle ({self.in_flight} "
+                                  "requests in flight)")
         return await self.release(request)  # type: ignore[attr-defined]
 
     async def pause(self, request: web.Request) -> web.Response:
@@ -335,6 +390,8 @@ class GenerationEndpoints:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def cont(self, request: web.Request) -> web.Response:
+        if not (await request.text()).strip():  # FastAPI's body validation, as upstream
+            return web.json_response(MISSING_BODY, status=400)
         self._paused = False
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 

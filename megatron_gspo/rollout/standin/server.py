@@ -33,8 +33,13 @@ from aiohttp import web
 
 from megatron_gspo.rollout.base import MEMORY_TAGS, SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine
-from megatron_gspo.rollout.sglang.protocol import grpc_port_error
-from megatron_gspo.rollout.standin.generate import Faults, GenerationEndpoints, api_key_middleware
+from megatron_gspo.rollout.sglang.protocol import grpc_port_error, served_dtype
+from megatron_gspo.rollout.standin.generate import (
+    Faults,
+    GenerationEndpoints,
+    api_key_middleware,
+    json_not_found,
+)
 from megatron_gspo.rollout.weight_sync import decode_tensor_update, init_learner_update_group
 
 
@@ -95,7 +100,7 @@ class StandinServer(GenerationEndpoints):
 
     # ------------------------------------------------------------ app setup
     def app(self) -> web.Application:
-        mw = [api_key_middleware(self._api_key)] if self._api_key else []
+        mw = [json_not_found] + ([api_key_middleware(self._api_key)] if self._api_key else [])
         app = web.Application(client_max_size=1 << 30, middlewares=mw)
         r = app.router
         for path in ("/health", "/health_generate"):
@@ -133,7 +138,8 @@ class StandinServer(GenerationEndpoints):
 
     async def start(self) -> None:
         """Start listening on the current event loop."""
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        # SGLang's uvicorn closes idle keep-alive connections after 5 s (SGLANG_TIMEOUT_KEEP_ALIVE)
+        self._runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=5.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -175,7 +181,7 @@ class StandinServer(GenerationEndpoints):
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         self.stats["flushes"] += 1
-        return web.Response(text="Cache flushed.\n")
+        return web.Response(text=FLUSHED)
 
     async def _load(self, named: list, version: Any) -> None:
         if "weights" in self.released_tags:  # SGLang would write into unmapped GPU memory
@@ -186,7 +192,12 @@ class StandinServer(GenerationEndpoints):
         if version is not None:
             self.weight_version = str(version)
 
-    async def update_from_tensor(self, request: web.Request) -> web.Response:
+    async def update_from_tensor(self, request: web.Request) -> web.StreamResponse:
+        """As SGLang 0.5.12: an entry that does not decode (bad base64, a class outside the
+        unpickler's allow-list: utils/common.py SafeUnpickler) or a tensor of the wrong shape
+        (model_loader/weight_utils.py default_weight_loader asserts the shape) raises in the
+        scheduler, which ends the server; an unknown parameter name is skipped (the model's
+        load_weights ignores it) and the update answers success."""
         body = await request.json()
         try:  # every TP rank deserializes its own entry (SGLang tp_worker.py)
             ranks = [decode_tensor_update(body, tp_rank=k) for k in range(self.tp_size)]
@@ -194,10 +205,19 @@ class StandinServer(GenerationEndpoints):
                 if [n for n, _ in other] != [n for n, _ in ranks[0]] or not all(
                         a.equal(b) for (_, a), (_, b) in zip(ranks[0], other, strict=True)):
                     raise ValueError(f"TP rank {k}'s entry holds other tensors than rank 0's")
-            await self._load(ranks[0], body.get("weight_version"))
+        except Exception as e:
+            return await self.die(request, f"/update_weights_from_tensor: {e}")
+        shapes = {n: self.engine.param_shape(n) for n, _ in ranks[0]}
+        named = [(n, t) for n, t in ranks[0] if shapes[n] is not None]
+        wrong = next(((n, t) for n, t in named if tuple(t.shape) != shapes[n]), None)
+        if wrong is not None:
+            return await self.die(request, f"AssertionError: {wrong[0]} has shape "
+                                  f"{tuple(wrong[1].shape)}, the model {shapes[wrong[0]]}")
+        try:
+            await self._load(named, body.get("weight_version"))
         except Exception as e:
             return _fail(f"Failed to update weights from tensor: {e}")
-        return _ok("Succeeded to update model weights.")
+        return _ok(_versioned(TENSOR_UPDATE_OK, body))
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -216,17 +236,20 @@ class StandinServer(GenerationEndpoints):
                  "num_paused_requests": 0}, status=400)
         self.model_path = path
         return web.json_response(
-            {"success": True, "message": "Succeeded to update model weights.",
+            {"success": True, "message": _versioned("Succeeded to update model weights.", body),
              "num_paused_requests": 0})
 
     async def init_group(self, request: web.Request) -> web.Response:
+        """The rendezvous blocks the whole server until it completes, as upstream (the
+        scheduler's event loop waits in model_runner.py init_weights_update_group): with an
+        unreachable master address even /health gets no answer."""
         b = await request.json()
         try:
             name = b.get("group_name", "weight_update_group")
-            pg = await asyncio.to_thread(
-                init_learner_update_group, b["master_address"], int(b["master_port"]),
-                int(b["world_size"]), name, b.get("backend", "nccl"), int(b["rank_offset"]),
-            )
+            pg = init_learner_update_group(  # on the event loop: blocks every endpoint
+                b["master_address"], int(b["master_port"]), int(b["world_size"]), name,
+                b.get("backend", "nccl"), int(b["rank_offset"]),
+                timeout_s=float(os.environ.get("STANDIN_GROUP_TIMEOUT_S", "600")))
             self._groups[name] = pg
         except Exception as e:
             return _fail(f"Failed to init process group: {e}")
@@ -254,7 +277,7 @@ class StandinServer(GenerationEndpoints):
             await self._load(named, b.get("weight_version"))
         except Exception as e:
             return _fail(f"Failed to update parameter online: {e}")
-        return _ok("Succeeded to update parameter online from distributed.")
+        return _ok(_versioned("Succeeded to update parameter online.", b))
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         import torch.distributed as dist
@@ -297,8 +320,9 @@ class StandinServer(GenerationEndpoints):
         if isinstance(tags, web.Response):
             return tags
         missing = [t for t in tags if t not in self.released_tags]
-        if missing:  # SGLang: offload_tags.remove(tag) raises in the scheduler
-            return _bad(f"memory region {missing[0]!r} is not released")
+        if missing:  # SGLang: the KeyError of the scheduler's resume ends the server
+            return await self.die(request, f"KeyError: {missing[0]!r} (memory region not "
+                                  "released; managers/scheduler_update_weights_mixin.py)")
         self.released_tags -= set(tags)
         self.released = bool(self.released_tags)
         self.memory_log.append("resume " + ",".join(tags))
@@ -331,6 +355,20 @@ def weights_digest(named: Any) -> str:
         h.update(f"{name}:{tuple(t.shape)};".encode())
         h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+#: model_executor/model_runner.py update_weights_from_tensor's answer (also for names it skips).
+TENSOR_UPDATE_OK = "Success"
+#: entrypoints/http_server.py /flush_cache's answer.
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+           "or waiting requests, the operation will not be performed.)\n")
+
+
+def _versioned(msg: str, body: dict) -> str:
+    """A weight update's success text: managers/tokenizer_control_mixin.py appends the new
+    version when the request names one."""
+    v = body.get("weight_version")
+    return msg if v is None else f"{msg} Weight version updated to {v}."
 
 
 def _ok(msg: str) -> web.Response:
@@ -398,7 +436,8 @@ def main(argv: list[str] | None = None) -> None:
     if port_error:  # SGLang refuses the port before loading anything
         raise ValueError(port_error)
     tp_group_rendezvous()
-    dtype = "float32" if args.dtype in ("auto", "float") else args.dtype
+    with open(os.path.join(args.model_path, "config.json"), encoding="utf-8") as f:
+        dtype = served_dtype(args.dtype, json.load(f))  # "auto": fp32 checkpoints as fp16
     engine = EmbeddedEngine(args.model_path, dtype=dtype, seed=args.random_seed)
     server = StandinServer(engine, args.host, args.port, args.tp_size, args.model_path, True,
                            weights_cpu_backup=args.enable_weights_cpu_backup,
