@@ -69,7 +69,10 @@ def learner(cfg: Config, hf_config: dict):
     loss = LossSettings(kind=a.loss, eps_low=lo, eps_high=hi, grpo_aggregation=a.grpo_aggregation,
                         temperature=cfg.rollout.temperature, logratio_bound=a.logratio_bound,
                         kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0,
-                        kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
+                        kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
+                        tau_pos=a.sapo_tau_pos, tau_neg=a.sapo_tau_neg,
+                        offpolicy_mask_delta=cfg.precision.offpolicy_mask_delta,
+                        norm_length=float(cfg.rollout.max_new_tokens))
     use_te = {"auto": None, "local": False, "transformer_engine": True}[cfg.model.transformer_impl]
     return Learner(hf_config, layout=layout, optim=optim, loss=loss,
                    batching=BatchSettings(max_tokens_per_microbatch=a.micro_batch_tokens,

@@ -95,18 +95,32 @@ def broadcast(samples):
     return broadcast_samples(samples)
 
 
-def fill_advantages(cfg: Config, samples: list[Sample]) -> None:
-    """Group-normalised advantages; per-token for GSPO-token (turn-level in agent mode)."""
-    a = cfg.algorithm
+def fill_advantages(cfg: Config, samples: list[Sample]) -> dict:
+    """Group-normalised advantages; per-token for GSPO-token (turn-level in agent mode). DAPO's
+    soft overlong punishment changes the rewards first, its overlong filter masks truncated
+    responses (`rewards.overlong`).
+
+    Returns:
+        the `reward/overlong_*` metrics ({} when both are off).
+    """
+    a, rw = cfg.algorithm, cfg.reward
     if cfg.agent.enabled and cfg.agent.advantage == "turn":
         from megatron_gspo.agent.loop import fill_turn_advantages
 
         fill_turn_advantages(cfg, samples)
-        return
+        return {}
+    m = {}
+    if rw.overlong_filter or rw.overlong_buffer:
+        from megatron_gspo.rewards.overlong import apply_overlong
+
+        m = apply_overlong(samples, max_length=cfg.rollout.max_new_tokens,
+                           buffer=rw.overlong_buffer, factor=rw.overlong_penalty,
+                           filter_truncated=rw.overlong_filter)
     adv = group_advantages(torch.tensor([float(s.reward) for s in samples]),
                            cfg.rollout.group_size, scale=a.advantage_scale, eps=a.advantage_eps)
     for s, v in zip(samples, adv.tolist(), strict=True):
         s.advantage = [v] * len(s.response_ids) if a.loss == "gspo_token" else v
+    return m
 
 
 def _split_audit(cfg: Config, samples: list[Sample], step: int) -> bool:
@@ -202,33 +216,50 @@ def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: 
         for s in samples:
             check_engine_logprobs(s.index, s.rollout_logprobs, s.loss_mask, len(s.response_ids))
     if learner_lps is not None and has_engine:
-        lo, hi = a.clip_range()
+        lo, hi, level = a.audit_range()
         mask = _padded([list(map(float, s.loss_mask)) for s in samples])
         learner_t = _padded(learner_lps)
         engine_t = _padded([s.rollout_logprobs for s in samples])
         sums = audit_sums(learner_t, engine_t, mask, eps_low=lo, eps_high=hi,
-                          scale=p.mismatch_scale, level="token" if a.loss == "grpo" else "sequence")
+                          scale=p.mismatch_scale, level=level)
         audit = finalize_audit(sums)
         m.update({f"precision/{k}": v for k, v in audit.items()})
         if p.correction != "none":
-            d = sequence_mismatch(learner_t, engine_t, mask)
-            _correct(samples, d, mask, p)
-            m["precision/masked_sequences"] = sum(s.num_trainable == 0 for s in samples)
+            m.update(_correct(samples, learner_t, engine_t, mask, p))
     source = controller.decide(step, audit) if has_engine else "recompute"
     m["precision/audited"] = float(audit is not None)
     return (learner_lps if source == "recompute" else None), source, m
 
 
-def _correct(samples, d, mask, p) -> None:
+def _correct(samples, learner_t, engine_t, mask, p) -> dict:
+    """Apply `precision.correction` to the samples (loss masks, advantages) in place.
+
+    Returns:
+        `precision/masked_sequences` (samples left without a trainable token) and the masked
+        share by cause: `precision/masked_share/<correction>` (sequences; tokens for icepop).
+    """
     tok_adv = isinstance(samples[0].advantage, list)
     adv = _padded([s.advantage for s in samples]) if tok_adv else \
         torch.tensor([float(s.advantage) for s in samples])
-    new_mask, new_adv, _ = apply_correction(d, mask, adv, mode=p.correction,
-                                            mask_bound=p.mask_bound, tis_cap=p.tis_cap)
+    d = sequence_mismatch(learner_t, engine_t, mask)
+    new_mask, new_adv, st = apply_correction(
+        d, mask, adv, mode=p.correction, mask_bound=p.mask_bound, tis_cap=p.tis_cap,
+        token_log_ratio=torch.where(mask > 0, learner_t - engine_t, 0.0),
+        icepop_low=p.icepop_low, icepop_high=p.icepop_high)
     for i, s in enumerate(samples):
         r = len(s.response_ids)
         s.loss_mask = [int(v) for v in new_mask[i, :r].tolist()]
         s.advantage = new_adv[i, :r].tolist() if tok_adv else float(new_adv[i])
+    seqs = float((mask.sum(-1) > 0).sum())
+    m = {"precision/masked_sequences": float(sum(s.num_trainable == 0 for s in samples))}
+    if p.correction == "icepop":
+        m["precision/masked_share/icepop"] = st["masked_tokens"] / max(float(mask.sum()), 1.0)
+    elif p.correction in ("mask", "mis"):
+        m[f"precision/masked_share/{p.correction}"] = st["masked_sequences"] / max(seqs, 1.0)
+    else:
+        m["precision/tis_weight_mean"] = st["tis_weight_mean"]
+        m["precision/tis_truncated_share"] = st["tis_truncated"] / max(seqs, 1.0)
+    return m
 
 
 def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int,
