@@ -40,7 +40,7 @@ TOKEN_ADVANTAGE_KINDS = ("gspo_token", "grpo", "sapo", "cispo")
 SUM_KEYS = ("loss", "clipped_tokens", "clipped_tokens_low", "clipped_tokens_high",
             "trainable_tokens", "sequences", "ratio_sum", "ratio_count", "logratio_bound_hits",
             "entropy_sum", "kl_loss", "entropy_loss", "offpolicy_masked_sequences",
-            "offpolicy_masked_tokens")
+            "offpolicy_masked_tokens", "offpolicy_seen_sequences")
 
 
 @dataclass(frozen=True)
@@ -201,13 +201,14 @@ def _policy_loss(lp_full: torch.Tensor, data: dict, settings: LossSettings, *,
         raise ValueError(f"per-token advantages need a loss kind of {TOKEN_ADVANTAGE_KINDS}, "
                          f"not {k!r}")
     adv = data["seq_advantages"] if k in ("gspo", "gmpo") else _rows(data["advantages"], data)
-    off = {"offpolicy_masked_sequences": torch.zeros((), device=lp.device),
-           "offpolicy_masked_tokens": torch.zeros((), device=lp.device)}
+    zero = torch.zeros((), device=lp.device)
+    off = {"offpolicy_masked_sequences": zero, "offpolicy_masked_tokens": zero,
+           "offpolicy_seen_sequences": (mask.sum(-1) > 0).sum().float()}
     if settings.offpolicy_mask_delta is not None:  # DeepSeek-V3.2, with this forward's policy
         new_mask, rows, _ = offpolicy_sequence_mask(lp, old, adv, mask,
                                                     delta=settings.offpolicy_mask_delta)
-        off = {"offpolicy_masked_sequences": rows.sum().float(),
-               "offpolicy_masked_tokens": ((mask > 0).sum() - (new_mask > 0).sum()).float()}
+        off.update(offpolicy_masked_sequences=rows.sum().float(),
+                   offpolicy_masked_tokens=((mask > 0).sum() - (new_mask > 0).sum()).float())
         mask = new_mask
     bound = settings.logratio_bound
     clip = dict(eps_low=settings.eps_low, eps_high=settings.eps_high, logratio_bound=bound)
@@ -309,6 +310,7 @@ def reduce_metrics(per_mb: list[dict], dp_group, device) -> dict[str, float]:
     out["ratio_min"] = float(lo) if torch.isfinite(lo) else 1.0
     out["ratio_max"] = float(hi) if torch.isfinite(hi) else 1.0
     out["entropy"] = out.pop("entropy_sum") / max(out["trainable_tokens"], 1.0)
-    out["offpolicy_masked_share"] = out["offpolicy_masked_sequences"] / max(out["sequences"], 1.0)
+    out["offpolicy_masked_share"] = (out["offpolicy_masked_sequences"]
+                                     / max(out.pop("offpolicy_seen_sequences"), 1.0))
     out["entropy/mean"] = out["entropy"]
     return out
