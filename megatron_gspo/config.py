@@ -467,36 +467,32 @@ class Config:
 
     def _validate_family(self) -> None:
         """A setting the chosen loss, correction or reward option would ignore is an error."""
-        a, p, rw = self.algorithm, self.precision, self.reward
-        ignored = []
-        if a.loss == "sapo":
-            ignored += [n for n, on in (("algorithm.eps_low", a.eps_low is not None),
-                                        ("algorithm.eps_high", a.eps_high is not None)) if on]
-        else:
-            ignored += [n for n, on in (("algorithm.sapo_tau_pos", a.sapo_tau_pos != 1.0),
-                                        ("algorithm.sapo_tau_neg", a.sapo_tau_neg != 1.05)) if on]
-        if a.loss != "grpo" and a.grpo_aggregation != "seq-mean-token-mean":
-            ignored.append("algorithm.grpo_aggregation")
-        for name, used_by, on in (
-                ("precision.mask_bound", ("mask",), p.mask_bound != 1e-3),
-                ("precision.tis_cap", ("tis", "mis"), p.tis_cap != 2.0),
-                ("precision.icepop_low", ("icepop",), p.icepop_low != 0.5),
-                ("precision.icepop_high", ("icepop",), p.icepop_high != 5.0)):
-            if on and p.correction not in used_by:
-                raise ConfigError(f"{name}: set while precision.correction is "
-                                  f"{p.correction!r} (used only by {' / '.join(used_by)})")
-        if ignored:
-            raise ConfigError(f"{ignored[0]}: not used by algorithm.loss {a.loss!r}; drop it")
-        if rw.overlong_penalty != 1.0 and rw.overlong_buffer == 0:
-            raise ConfigError("reward.overlong_penalty: set while reward.overlong_buffer is 0 "
-                              "(soft overlong punishment off)")
+        a, p, rw, sapo = self.algorithm, self.precision, self.reward, self.algorithm.loss == "sapo"
+        rules = (  # (field, set to a non-default value, used by the current choice, which choice)
+            ("algorithm.eps_low", a.eps_low is not None, not sapo, "algorithm.loss 'sapo'"),
+            ("algorithm.eps_high", a.eps_high is not None, not sapo, "algorithm.loss 'sapo'"),
+            ("algorithm.sapo_tau_pos", a.sapo_tau_pos != 1.0, sapo, f"algorithm.loss {a.loss!r}"),
+            ("algorithm.sapo_tau_neg", a.sapo_tau_neg != 1.05, sapo, f"algorithm.loss {a.loss!r}"),
+            ("algorithm.grpo_aggregation", a.grpo_aggregation != "seq-mean-token-mean",
+             a.loss == "grpo", f"algorithm.loss {a.loss!r}"),
+            ("precision.mask_bound", p.mask_bound != 1e-3, p.correction == "mask", "correction"),
+            ("precision.tis_cap", p.tis_cap != 2.0, p.correction in ("tis", "mis"), "correction"),
+            ("precision.icepop_low", p.icepop_low != 0.5, p.correction == "icepop", "correction"),
+            ("precision.icepop_high", p.icepop_high != 5.0, p.correction == "icepop",
+             "correction"),
+            ("reward.overlong_penalty", rw.overlong_penalty != 1.0, rw.overlong_buffer > 0,
+             "reward.overlong_buffer 0 (soft overlong punishment off)"),
+            ("reward.overlong_filter", rw.overlong_filter, not self.agent.enabled,
+             "agent.enabled (episodes end on turns, not at rollout.max_new_tokens)"),
+            ("reward.overlong_buffer", rw.overlong_buffer > 0, not self.agent.enabled,
+             "agent.enabled (episodes end on turns, not at rollout.max_new_tokens)"))
+        for name, is_set, used, why in rules:
+            if is_set and not used:
+                why = f"precision.correction {p.correction!r}" if why == "correction" else why
+                raise ConfigError(f"{name}: not used with {why}; drop it")
         if rw.overlong_buffer > self.rollout.max_new_tokens:
             raise ConfigError(f"reward.overlong_buffer: {rw.overlong_buffer} exceeds "
                               f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
-        if self.agent.enabled and (rw.overlong_filter or rw.overlong_buffer):
-            raise ConfigError("reward.overlong_filter/overlong_buffer: not used with "
-                              "agent.enabled (episodes end on turns and tokens of the "
-                              "environment, not at rollout.max_new_tokens)")
 
 
 def config_from_dict(data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -17,6 +17,7 @@ from megatron_gspo.algo.kl import sequence_kl
 from megatron_gspo.algo.precision import (
     apply_correction,
     audit_sums,
+    correction_metrics,
     check_engine_logprobs,
     finalize_audit,
     sequence_mismatch,
@@ -25,6 +26,7 @@ from megatron_gspo import build, faults
 from megatron_gspo.build import DTYPES
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.data.sample import Sample
+from megatron_gspo.rewards.overlong import apply_overlong
 
 
 def _requests(prompts):
@@ -96,13 +98,8 @@ def broadcast(samples):
 
 
 def fill_advantages(cfg: Config, samples: list[Sample]) -> dict:
-    """Group-normalised advantages; per-token for GSPO-token (turn-level in agent mode). DAPO's
-    soft overlong punishment changes the rewards first, its overlong filter masks truncated
-    responses (`rewards.overlong`).
-
-    Returns:
-        the `reward/overlong_*` metrics ({} when both are off).
-    """
+    """Group-normalised advantages; per-token for GSPO-token (turn-level in agent mode), after
+    DAPO's overlong options (`rewards.overlong`). Returns their `reward/overlong_*` metrics."""
     a, rw = cfg.algorithm, cfg.reward
     if cfg.agent.enabled and cfg.agent.advantage == "turn":
         from megatron_gspo.agent.loop import fill_turn_advantages
@@ -111,8 +108,6 @@ def fill_advantages(cfg: Config, samples: list[Sample]) -> dict:
         return {}
     m = {}
     if rw.overlong_filter or rw.overlong_buffer:
-        from megatron_gspo.rewards.overlong import apply_overlong
-
         m = apply_overlong(samples, max_length=cfg.rollout.max_new_tokens,
                            buffer=rw.overlong_buffer, factor=rw.overlong_penalty,
                            filter_truncated=rw.overlong_filter)
@@ -232,12 +227,8 @@ def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: 
 
 
 def _correct(samples, learner_t, engine_t, mask, p) -> dict:
-    """Apply `precision.correction` to the samples (loss masks, advantages) in place.
-
-    Returns:
-        `precision/masked_sequences` (samples left without a trainable token) and the masked
-        share by cause: `precision/masked_share/<correction>` (sequences; tokens for icepop).
-    """
+    """Apply `precision.correction` to the samples' loss masks and advantages; returns
+    `precision/masked_sequences` and the share by cause (`algo.precision.correction_metrics`)."""
     tok_adv = isinstance(samples[0].advantage, list)
     adv = _padded([s.advantage for s in samples]) if tok_adv else \
         torch.tensor([float(s.advantage) for s in samples])
@@ -250,16 +241,9 @@ def _correct(samples, learner_t, engine_t, mask, p) -> dict:
         r = len(s.response_ids)
         s.loss_mask = [int(v) for v in new_mask[i, :r].tolist()]
         s.advantage = new_adv[i, :r].tolist() if tok_adv else float(new_adv[i])
-    seqs = float((mask.sum(-1) > 0).sum())
-    m = {"precision/masked_sequences": float(sum(s.num_trainable == 0 for s in samples))}
-    if p.correction == "icepop":
-        m["precision/masked_share/icepop"] = st["masked_tokens"] / max(float(mask.sum()), 1.0)
-    elif p.correction in ("mask", "mis"):
-        m[f"precision/masked_share/{p.correction}"] = st["masked_sequences"] / max(seqs, 1.0)
-    else:
-        m["precision/tis_weight_mean"] = st["tis_weight_mean"]
-        m["precision/tis_truncated_share"] = st["tis_truncated"] / max(seqs, 1.0)
-    return m
+    m = correction_metrics(p.correction, st, float((mask.sum(-1) > 0).sum()), float(mask.sum()))
+    m["masked_sequences"] = float(sum(s.num_trainable == 0 for s in samples))
+    return {f"precision/{k}": v for k, v in m.items()}
 
 
 def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int,

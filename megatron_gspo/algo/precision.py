@@ -31,6 +31,7 @@ __all__ = [
     "finalize_audit",
     "mismatch_band",
     "apply_correction",
+    "correction_metrics",
     "ToleranceController",
     "check_engine_logprobs",
 ]
@@ -197,6 +198,26 @@ def apply_correction(mismatch, loss_mask, advantages, *, mode, mask_bound=1e-3, 
         return new_mask, adv, stats
     raise ValueError(f"correction: expected 'none', 'mask', 'tis', 'mis' or 'icepop', got "
                      f"{mode!r}")
+
+
+def correction_metrics(mode: str, stats: dict, sequences: float, tokens: float) -> dict:
+    """The logged share a correction masked, named by its cause.
+
+    Args:
+        mode: the correction; stats: `apply_correction`'s; sequences / tokens: trainable ones
+            before the correction.
+    Returns:
+        `masked_share/<mode>` (sequences for mask / mis, tokens for icepop), or for tis
+        `tis_weight_mean` and `tis_truncated_share`; {} for none.
+    """
+    if mode == "icepop":
+        return {"masked_share/icepop": stats["masked_tokens"] / max(tokens, 1.0)}
+    if mode in ("mask", "mis"):
+        return {f"masked_share/{mode}": stats["masked_sequences"] / max(sequences, 1.0)}
+    if mode == "tis":
+        return {"tis_weight_mean": stats["tis_weight_mean"],
+                "tis_truncated_share": stats["tis_truncated"] / max(sequences, 1.0)}
+    return {}
 
 
 def check_engine_logprobs(index, engine_logprobs, loss_mask, num_response_tokens):
