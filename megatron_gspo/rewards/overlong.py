@@ -47,7 +47,8 @@ def apply_overlong(samples, *, max_length: int, buffer: int = 0, factor: float =
 
     Args:
         samples: `Sample`s with `reward`, `response_ids`, `finish_reason`, `loss_mask`
-            (changed in place: rewards before advantages, loss masks of truncated responses).
+            (changed in place: rewards before advantages; truncated responses get loss mask 0
+            and, like every untrained token, engine log-prob 0).
         max_length, buffer, factor: as in `soft_overlong_penalty` (buffer 0: no punishment).
         filter_truncated: mask the loss of responses with finish reason "length".
     Returns:
@@ -65,7 +66,9 @@ def apply_overlong(samples, *, max_length: int, buffer: int = 0, factor: float =
         m["reward/overlong_punished_share"] = sum(p < 0 for p in pens) / n
     if filter_truncated:
         cut = [s for s in samples if s.finish_reason == "length" and s.num_trainable > 0]
-        for s in cut:
+        for s in cut:  # untrained tokens carry engine log-prob 0 (`check_engine_logprobs`)
             s.loss_mask = [0] * len(s.loss_mask)
+            if s.rollout_logprobs is not None:
+                s.rollout_logprobs = [0.0] * len(s.rollout_logprobs)
         m["reward/overlong_filtered_share"] = len(cut) / n
     return m

@@ -35,7 +35,8 @@ def test_overlong_punishment_precedes_advantages_and_filter_masks_truncated():
     cfg = config_from_dict({}, ["rollout.group_size=2", "train.prompts_per_step=2",
                                 "rollout.max_new_tokens=8", "reward.overlong_buffer=4",
                                 "reward.overlong_filter=true"])
-    s = _samples([4, 8, 6, 8], ["stop", "length", "stop", "length"])
+    engine = [[-0.5] * n for n in (4, 8, 6, 8)]
+    s = _samples([4, 8, 6, 8], ["stop", "length", "stop", "length"], engine)
     m = phases.fill_advantages(cfg, s)
     # rewards 0, 1, 0, 1 + penalties 0, -1, -0.5, -1 -> 0, 0, -0.5, 0
     assert [x.reward for x in s] == pytest.approx([0.0, 0.0, -0.5, 0.0])
@@ -44,6 +45,12 @@ def test_overlong_punishment_precedes_advantages_and_filter_masks_truncated():
     assert [x.num_trainable for x in s] == [4, 0, 6, 0]
     assert m["reward/overlong_filtered_share"] == 0.5
     assert m["reward/overlong_penalty_mean"] == pytest.approx(-2.5 / 4)
+    # the filtered samples pass the engine log-prob checks and audit of the pi_old phase
+    p = cfg.precision
+    ctl = ToleranceController(p.old_logprobs, p.audit_fraction, p.tolerance, p.recheck_interval)
+    _, _, pm = phases.old_logprobs(cfg, ConstLearner([[-0.5] * n for n in (4, 8, 6, 8)]), ctl,
+                                   s, 0)
+    assert pm["precision/sequences"] == 2.0  # the audit covers the trained samples only
 
 
 @pytest.mark.parametrize("correction, key, share", [
