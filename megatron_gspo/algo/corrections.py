@@ -31,7 +31,7 @@ is masked,
 
 with pi_old the sampling (engine) log-probs the loss uses as pi_old and pi_theta the current
 policy (no gradient through the mask). The loss keeps its divisor (N sequences or tokens), as
-in the paper. With per-token advantages the token test A_it < 0 replaces A_i < 0 (identical
+in the paper, and the KL / entropy terms keep their mask (the paper masks the policy term). With per-token advantages the token test A_it < 0 replaces A_i < 0 (identical
 when A_it = A_i).
 """
 
