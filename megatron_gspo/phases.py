@@ -271,7 +271,8 @@ def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int,
     for key in per[0]:
         vals = [p[key] for p in per if key in p]
         if key in ("tokens", "trainable_tokens", "sequences", "micro_batches", "packed_tokens",
-                   "time_fwd_bwd", "time_optimizer", "update_skipped"):
+                   "time_fwd_bwd", "time_optimizer", "update_skipped",
+                   "offpolicy_masked_sequences", "offpolicy_masked_tokens"):
             out[key] = float(sum(vals))
         elif key == "lr":
             out[key] = float(vals[-1])
