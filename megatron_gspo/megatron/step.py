@@ -309,7 +309,9 @@ def reduce_metrics(per_mb: list[dict], dp_group, device) -> dict[str, float]:
     out = {k: float(v) for k, v in st.items()}
     out["ratio_min"] = float(lo) if torch.isfinite(lo) else 1.0
     out["ratio_max"] = float(hi) if torch.isfinite(hi) else 1.0
-    out["entropy"] = out.pop("entropy_sum") / max(out["trainable_tokens"], 1.0)
+    # entropy_sum covers the batch's trainable tokens, off-policy-masked ones included
+    ent_tokens = out["trainable_tokens"] + out["offpolicy_masked_tokens"]
+    out["entropy"] = out.pop("entropy_sum") / max(ent_tokens, 1.0)
     out["offpolicy_masked_share"] = (out["offpolicy_masked_sequences"]
                                      / max(out.pop("offpolicy_seen_sequences"), 1.0))
     out["entropy/mean"] = out["entropy"]

@@ -165,8 +165,10 @@ def test_offpolicy_mask_is_counted_and_keeps_the_divisor():
     _, st = _loss(step.LossSettings(**KINDS["gspo_offpolicy_mask"]), lp, data, 5.0, 40.0)
     assert float(st["offpolicy_masked_sequences"]) >= 1
     assert float(st["offpolicy_masked_tokens"]) >= mask[0].sum()
-    red = step.reduce_metrics([st | {"loss": torch.tensor(0.0), "entropy_sum": torch.tensor(0.0)}],
+    ent_sum = torch.tensor(2.0 * float(mask.sum()))  # entropy 2 on every trainable token
+    red = step.reduce_metrics([st | {"loss": torch.tensor(0.0), "entropy_sum": ent_sum}],
                               None, "cpu")
+    assert red["entropy"] == pytest.approx(2.0)  # masked tokens stay in the entropy mean
     assert red["offpolicy_masked_share"] == pytest.approx(
         float(st["offpolicy_masked_sequences"]) / 5.0)  # of the 5 rows with trainable tokens
     assert float(st["offpolicy_seen_sequences"]) == 5.0
