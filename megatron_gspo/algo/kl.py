@@ -14,7 +14,9 @@ Sequence KL of response i over its trainable tokens (loss mask = 1), |y_i| = the
 In the loss (`kl_in: loss`), the term is aggregated like the policy term it is added to:
 
     GSPO / GSPO-token / GRPO seq-mean-token-mean:  L_kl = beta * (1/N) * sum_i KL_i
-    GRPO token-mean (DAPO):                        L_kl = beta * (1/N_tok) * sum_i sum_t k(d_it)
+    GRPO token-mean (DAPO), CISPO:                 L_kl = beta * (1/N_tok) * sum_i sum_t k(d_it)
+    GRPO seq-mean-token-sum-norm (Dr. GRPO):       L_kl = beta * (1/(N L)) * sum_i sum_t k(d_it)
+    SAPO, GMPO: as GSPO (sequence mean of token means).
 
 with N (N_tok) the global number of sequences (trainable tokens) of the mini-batch, so micro-
 batches and ranks add up to the same global mean as the policy loss.
@@ -89,21 +91,27 @@ def sequence_kl(logprobs, ref_logprobs, loss_mask, estimator: str = "k3"):
     return k.sum(-1) / count.clamp(min=1.0), count
 
 
-def _aggregate(token_values, loss_mask, aggregation, num_sequences, num_tokens):
+def _aggregate(token_values, loss_mask, aggregation, num_sequences, num_tokens,
+               norm_length=None):
     vals, on = _masked(token_values, loss_mask)  # [B, T]
     count = on.to(torch.float32).sum(-1)  # [B]
     if aggregation == "token-mean":
         n = count.sum().clamp(min=1.0) if num_tokens is None else num_tokens
         return vals.sum() / n
-    if aggregation != "seq-mean-token-mean":
-        raise ValueError(f"aggregation: expected 'seq-mean-token-mean' or 'token-mean', got "
-                         f"{aggregation!r}")
     n = (count > 0).sum().clamp(min=1) if num_sequences is None else num_sequences
+    if aggregation == "seq-mean-token-sum-norm":  # Dr. GRPO: token sums over N * L_norm
+        if norm_length is None or norm_length <= 0:
+            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs norm_length > 0")
+        return vals.sum() / (n * norm_length)
+    if aggregation != "seq-mean-token-mean":
+        raise ValueError(f"aggregation: expected 'seq-mean-token-mean', 'token-mean' or "
+                         f"'seq-mean-token-sum-norm', got {aggregation!r}")
     return (vals.sum(-1) / count.clamp(min=1.0)).sum() / n
 
 
 def kl_loss(logprobs, ref_logprobs, loss_mask, *, coef: float, estimator: str = "k3",
-            aggregation: str = "seq-mean-token-mean", num_sequences=None, num_tokens=None):
+            aggregation: str = "seq-mean-token-mean", num_sequences=None, num_tokens=None,
+            norm_length=None):
     """beta * aggregated KL to the reference (see module docstring).
 
     Args:
@@ -112,8 +120,10 @@ def kl_loss(logprobs, ref_logprobs, loss_mask, *, coef: float, estimator: str = 
         loss_mask: `[B, T]` 1 for trainable tokens.
         coef: beta (kl_coef).
         estimator: "k1" | "k2" | "k3".
-        aggregation: "seq-mean-token-mean" (GSPO, GSPO-token, GRPO default) or "token-mean".
+        aggregation: "seq-mean-token-mean" (GSPO, GSPO-token, GRPO default, SAPO, GMPO),
+            "token-mean" (DAPO, CISPO) or "seq-mean-token-sum-norm" (Dr. GRPO).
         num_sequences, num_tokens: global divisors; default = local counts.
+        norm_length: L_norm of "seq-mean-token-sum-norm".
     Returns:
         float32 scalar.
     """
@@ -121,23 +131,25 @@ def kl_loss(logprobs, ref_logprobs, loss_mask, *, coef: float, estimator: str = 
     lp = torch.where(on, logprobs.float(), 0.0)  # [B, T]
     ref = torch.where(on, ref_logprobs.float(), 0.0)
     k = token_kl(lp, ref, estimator)  # [B, T]
-    return (coef * _aggregate(k, loss_mask, aggregation, num_sequences, num_tokens)).float()
+    return (coef * _aggregate(k, loss_mask, aggregation, num_sequences, num_tokens,
+                              norm_length)).float()
 
 
 def entropy_loss(entropy, loss_mask, *, coef: float, aggregation: str = "seq-mean-token-mean",
-                 num_sequences=None, num_tokens=None):
+                 num_sequences=None, num_tokens=None, norm_length=None):
     """-alpha * aggregated token entropy (a bonus: lowers the loss when entropy is high).
 
     Args:
         entropy: `[B, T]` token entropies (with grad).
         loss_mask: `[B, T]`.
         coef: alpha (entropy_coef).
-        aggregation, num_sequences, num_tokens: as in `kl_loss`.
+        aggregation, num_sequences, num_tokens, norm_length: as in `kl_loss`.
     Returns:
         float32 scalar.
     """
     ent = torch.where(loss_mask > 0, entropy.float(), 0.0)  # [B, T]
-    return (-coef * _aggregate(ent, loss_mask, aggregation, num_sequences, num_tokens)).float()
+    return (-coef * _aggregate(ent, loss_mask, aggregation, num_sequences, num_tokens,
+                               norm_length)).float()
 
 
 def kl_reward(rewards, old_logprobs, ref_logprobs, loss_mask, *, coef: float,

@@ -1,6 +1,8 @@
 """Policy-gradient losses: GSPO, GSPO-token (Group Sequence Policy Optimization, Zheng et al.,
 arXiv 2507.18071) and the GRPO baseline (DeepSeekMath, arXiv 2402.03300; DAPO token-mean
-aggregation, arXiv 2503.14476).
+aggregation, arXiv 2503.14476; Dr. GRPO's constant-length aggregation, arXiv 2503.20783:
+L = -(1/(N * L_norm)) sum_i sum_t min(r_it A_i, clip(r_it) A_i), no 1/|y_i|, with L_norm a
+fixed generation budget). SAPO, CISPO and GMPO live in `sapo.py`, `cispo.py`, `gmpo.py`.
 
 All losses take `[B, T]` tensors of per-token log-probabilities under the current policy
 (`logprobs`, carrying gradients) and the behaviour policy (`old_logprobs`), a `[B, T]` loss mask
@@ -26,9 +28,11 @@ from __future__ import annotations
 import torch
 
 LOGRATIO_BOUND = 20.0
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 
 __all__ = [
     "LOGRATIO_BOUND",
+    "AGGREGATIONS",
     "gspo_loss",
     "gspo_token_loss",
     "grpo_loss",
@@ -251,6 +255,7 @@ def grpo_loss(
     num_sequences=None,
     num_tokens=None,
     logratio_bound=LOGRATIO_BOUND,
+    norm_length=None,
 ):
     """GRPO baseline: per-token ratio r_it = exp(logp - old_logp), PPO clip.
 
@@ -259,9 +264,11 @@ def grpo_loss(
         advantages: `[B]` (broadcast over tokens) or `[B, T]`.
         eps_low, eps_high: clip range (defaults 0.2 / 0.28, clip-higher).
         aggregation: "seq-mean-token-mean" (mean over sequences of token means; divisor
-            `num_sequences`) or "token-mean" (DAPO; divisor `num_tokens`).
+            `num_sequences`), "token-mean" (DAPO; divisor `num_tokens`) or
+            "seq-mean-token-sum-norm" (Dr. GRPO; token sums over `num_sequences * norm_length`).
         num_sequences, num_tokens: global divisors; default = local counts.
         logratio_bound: bound on each token log-ratio before exp.
+        norm_length: the constant L_norm of "seq-mean-token-sum-norm".
     Returns:
         (loss scalar, stats dict).
     """
@@ -283,10 +290,13 @@ def grpo_loss(
     elif aggregation == "token-mean":
         n = mask.sum().clamp(min=1.0) if num_tokens is None else num_tokens
         loss = (per_tok.sum() / n).to(torch.float32)
+    elif aggregation == "seq-mean-token-sum-norm":
+        if norm_length is None or norm_length <= 0:
+            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs norm_length > 0")
+        n = valid.sum().clamp(min=1) if num_sequences is None else num_sequences
+        loss = (per_tok.sum() / (n * norm_length)).to(torch.float32)
     else:
-        raise ValueError(
-            f"aggregation: expected 'seq-mean-token-mean' or 'token-mean', got {aggregation!r}"
-        )
+        raise ValueError(f"aggregation: expected one of {AGGREGATIONS}, got {aggregation!r}")
     low, high = _clip_masks(ratio.detach(), adv, eps_low, eps_high)
     stats = _stats(
         low_tok=low & on,

@@ -31,6 +31,7 @@ __all__ = [
     "finalize_audit",
     "mismatch_band",
     "apply_correction",
+    "correction_metrics",
     "ToleranceController",
     "check_engine_logprobs",
 ]
@@ -129,47 +130,94 @@ def finalize_audit(sums: dict) -> dict:
     }
 
 
-def apply_correction(mismatch, loss_mask, advantages, *, mode, mask_bound=1e-3, tis_cap=2.0):
-    """Sequence-level correction of engine/learner mismatch.
+def apply_correction(mismatch, loss_mask, advantages, *, mode, mask_bound=1e-3, tis_cap=2.0,
+                     token_log_ratio=None, icepop_low=0.5, icepop_high=5.0):
+    """Correction of engine/learner mismatch (formulas of icepop / mis in `corrections`).
 
     "mask" drops sequences with |d_i| > mask_bound (their loss mask becomes 0). "tis" weights
     each sequence by w_i = min(exp(d_i), C), the truncated importance weight from the engine's
     sampling distribution to the learner's old policy (geometric per-token mean); for the
     clipped objective, min(s A, clip(s) A) * w = min(s (A w), clip(s) (A w)) since w > 0, so the
-    weight is applied to the advantages.
+    weight is applied to the advantages (every loss here is linear in A for a fixed sign of A).
+    "mis" weights by exp(d_i) too but drops the sequences whose weight exceeds C. "icepop"
+    drops the tokens whose ratio exp(log k_t) leaves [icepop_low, icepop_high].
 
     Args:
         mismatch: `[B]` d_i from `sequence_mismatch`.
         loss_mask: `[B, T]`.
         advantages: `[B]` or `[B, T]`.
-        mode: "none", "mask" or "tis".
-        mask_bound, tis_cap: bounds of the two corrections.
+        mode: "none", "mask", "tis", "mis" or "icepop".
+        mask_bound, tis_cap: bounds of the corrections (tis_cap is C of "tis" and "mis").
+        token_log_ratio: `[B, T]` log pi_learner - log pi_engine ("icepop" only).
+        icepop_low, icepop_high: the IcePop band.
     Returns:
-        (loss_mask, advantages, stats) — new tensors; stats has `masked_sequences`,
-        `tis_weight_mean`, `tis_weight_min`, `tis_truncated` (floats).
+        (loss_mask, advantages, stats) — new tensors; stats (floats) has `masked_sequences`
+        (rows that lost every trainable token), `masked_tokens`, `tis_weight_mean`,
+        `tis_weight_min`, `tis_truncated`.
     """
-    stats = {"masked_sequences": 0.0, "tis_weight_mean": 1.0, "tis_weight_min": 1.0,
-             "tis_truncated": 0.0}
+    from megatron_gspo.algo import corrections
+
+    stats = {"masked_sequences": 0.0, "masked_tokens": 0.0, "tis_weight_mean": 1.0,
+             "tis_weight_min": 1.0, "tis_truncated": 0.0}
     d = mismatch.detach().to(torch.float32)
+    valid = loss_mask.sum(-1) > 0
     if mode == "none":
         return loss_mask, advantages, stats
     if mode == "mask":
-        drop = (d.abs() > mask_bound) & (loss_mask.sum(-1) > 0)  # [B]
+        drop = (d.abs() > mask_bound) & valid  # [B]
         new_mask = loss_mask * (~drop).to(loss_mask.dtype)[:, None]
         stats["masked_sequences"] = float(drop.sum())
+        stats["masked_tokens"] = float((loss_mask > 0).sum() - (new_mask > 0).sum())
         return new_mask, advantages, stats
-    if mode == "tis":
-        raw = torch.exp(d.clamp(max=math.log(tis_cap) + 1.0))
-        w = raw.clamp(max=tis_cap)  # [B]
+    if mode == "icepop":
+        if token_log_ratio is None:
+            raise ValueError("correction 'icepop' needs the token log-ratios")
+        new_mask, dropped = corrections.icepop_token_mask(token_log_ratio, loss_mask,
+                                                          low=icepop_low, high=icepop_high)
+        stats["masked_tokens"] = float(dropped.sum())
+        stats["masked_sequences"] = float((valid & ~(new_mask.sum(-1) > 0)).sum())
+        return new_mask, advantages, stats
+    if mode in ("tis", "mis"):
+        if mode == "tis":
+            raw = torch.exp(d.clamp(max=math.log(tis_cap) + 1.0))
+            w = raw.clamp(max=tis_cap)  # [B]
+            truncated = raw > tis_cap
+            new_mask = loss_mask
+        else:
+            w, truncated = corrections.mis_weights(d, loss_mask, cap=tis_cap)
+            new_mask = loss_mask * (~truncated).to(loss_mask.dtype)[:, None]
+            stats["masked_sequences"] = float(truncated.sum())
+            stats["masked_tokens"] = float((loss_mask > 0).sum() - (new_mask > 0).sum())
         adv = advantages.to(torch.float32)
         adv = adv * (w if adv.dim() == 1 else w[:, None])
-        valid = loss_mask.sum(-1) > 0
-        if valid.any():
-            stats["tis_weight_mean"] = float(w[valid].mean())
-            stats["tis_weight_min"] = float(w[valid].min())
-            stats["tis_truncated"] = float(((raw > tis_cap) & valid).sum())
-        return loss_mask, adv, stats
-    raise ValueError(f"correction: expected 'none', 'mask' or 'tis', got {mode!r}")
+        kept = valid & ~(truncated & (mode == "mis"))
+        if kept.any():
+            stats["tis_weight_mean"] = float(w[kept].mean())
+            stats["tis_weight_min"] = float(w[kept].min())
+        stats["tis_truncated"] = float((truncated & valid).sum()) if mode == "tis" else 0.0
+        return new_mask, adv, stats
+    raise ValueError(f"correction: expected 'none', 'mask', 'tis', 'mis' or 'icepop', got "
+                     f"{mode!r}")
+
+
+def correction_metrics(mode: str, stats: dict, sequences: float, tokens: float) -> dict:
+    """The logged share a correction masked, named by its cause.
+
+    Args:
+        mode: the correction; stats: `apply_correction`'s; sequences / tokens: trainable ones
+            before the correction.
+    Returns:
+        `masked_share/<mode>` (sequences for mask / mis, tokens for icepop), or for tis
+        `tis_weight_mean` and `tis_truncated_share`; {} for none.
+    """
+    if mode == "icepop":
+        return {"masked_share/icepop": stats["masked_tokens"] / max(tokens, 1.0)}
+    if mode in ("mask", "mis"):
+        return {f"masked_share/{mode}": stats["masked_sequences"] / max(sequences, 1.0)}
+    if mode == "tis":
+        return {"tis_weight_mean": stats["tis_weight_mean"],
+                "tis_truncated_share": stats["tis_truncated"] / max(sequences, 1.0)}
+    return {}
 
 
 def check_engine_logprobs(index, engine_logprobs, loss_mask, num_response_tokens):

@@ -5,6 +5,7 @@ non-plain values are errors). Every unknown or ignored key is an error naming it
 
 from megatron_gspo.config.schema import ConfigError
 from megatron_gspo.config.sections import (
+    LOSSES,
     Config,
     config_from_dict,
     describe,
@@ -13,5 +14,5 @@ from megatron_gspo.config.sections import (
     to_dict,
 )
 
-__all__ = ["Config", "ConfigError", "load_config", "save_config", "config_from_dict", "describe",
-           "to_dict"]
+__all__ = ["LOSSES", "Config", "ConfigError", "load_config", "save_config", "config_from_dict",
+           "describe", "to_dict"]

@@ -9,6 +9,7 @@ cross-field rules live in `Config.validate()`. `save_config` writes the resolved
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,14 @@ from megatron_gspo.config.yaml_strict import StrictYAMLError, strict_load
 
 __all__ = ["Config", "ConfigError", "load_config", "save_config", "config_from_dict", "describe"]
 
-LOSSES = ("gspo", "gspo_token", "grpo")
-# Default clip ranges per loss: GSPO's sequence ratios live very close to 1.
-DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}
+LOSSES = ("gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo")
+# Default clip ranges per loss: GSPO's sequence ratios live very close to 1. CISPO: no lower
+# bound on its IS weight (1 - 1 = 0), upper 0.28; GMPO: log-space range (e^-0.4, e^0.4); SAPO
+# has no clip (its gate temperatures are algorithm.sapo_tau_pos / sapo_tau_neg).
+DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28),
+                "sapo": (None, None), "cispo": (1.0, 0.28), "gmpo": (0.4, 0.4)}
+# Losses that take per-token advantages (turn-level agent advantages): see megatron/step.py.
+TOKEN_ADVANTAGE_LOSSES = ("gspo_token", "grpo", "sapo", "cispo")
 
 
 @dataclass
@@ -169,16 +175,23 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    loss: str = option("gspo", "policy loss", choices=LOSSES)
-    eps_low: float | None = option(None, "lower clip range; default 3e-4 (GSPO) / 0.2 (GRPO)", gt=0)
-    eps_high: float | None = option(None, "upper clip range; default 4e-4 (GSPO) / 0.28 (GRPO)",
-                                    gt=0)
+    loss: str = option("gspo", "policy loss: gspo, gspo_token, grpo, sapo (soft gate, arXiv "
+                       "2511.20347), cispo (clipped IS weight, arXiv 2506.13585) or gmpo "
+                       "(geometric mean, arXiv 2507.20673)", choices=LOSSES)
+    eps_low: float | None = option(None, "lower clip range; default 3e-4 (GSPO) / 0.2 (GRPO) / 1.0 "
+                                   "= no lower bound (CISPO) / 0.4 in log space (GMPO); not "
+                                   "used by SAPO", gt=0)
+    eps_high: float | None = option(None, "upper clip range; default 4e-4 (GSPO) / 0.28 (GRPO, "
+                                    "CISPO) / 0.4 in log space (GMPO); not used by SAPO", gt=0)
     advantage_scale: str = option("std", "divide group-centred rewards by the group std, or not",
                                   choices=("std", "none"))
     advantage_eps: float = option(1e-6, "added to the group std (> 0: no 0/0 on equal rewards)",
                                   gt=0)
-    grpo_aggregation: str = option("seq-mean-token-mean", "GRPO loss aggregation",
-                                   choices=("seq-mean-token-mean", "token-mean"))
+    grpo_aggregation: str = option(
+        "seq-mean-token-mean", "GRPO loss aggregation: mean of token means, token-mean (DAPO) "
+        "or seq-mean-token-sum-norm (Dr. GRPO: token sums over N x rollout.max_new_tokens; "
+        "with advantage_scale none)",
+        choices=("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"))
     logratio_bound: float = option(20.0, "bound on log-ratios before exp", gt=0)
     mini_batches: int = option(4, "optimizer steps per rollout batch (global mini-batches)", ge=1)
     micro_batch_tokens: int = option(4096, "token budget of one packed micro-batch", ge=1)
@@ -191,12 +204,27 @@ class AlgorithmConfig:
                         choices=("loss", "reward"))
     entropy_coef: float = option(0.0, "weight of the entropy bonus subtracted from the loss; "
                                  "0 = off", ge=0)
+    sapo_tau_pos: float = option(1.0, "`sapo`: gate temperature of tokens with a positive "
+                                 "advantage", gt=0)
+    sapo_tau_neg: float = option(1.05, "`sapo`: gate temperature of tokens with a negative (or "
+                                 "zero) advantage", gt=0)
 
     def clip_range(self) -> tuple[float, float]:
         """(eps_low, eps_high) with per-loss defaults filled in."""
         lo, hi = DEFAULT_CLIP[self.loss]
         return (self.eps_low if self.eps_low is not None else lo,
                 self.eps_high if self.eps_high is not None else hi)
+
+    def audit_range(self) -> tuple[float, float, str]:
+        """(eps_low, eps_high, level) of the precision audit, in ratio space: the loss's clip
+        range (GMPO's log-space range converted; SAPO, unclipped: GRPO's token range), at the
+        level of its ratio ("sequence" for gspo / gspo_token / gmpo, else "token")."""
+        if self.loss == "sapo":
+            return 0.2, 0.28, "token"
+        lo, hi = self.clip_range()
+        if self.loss == "gmpo":
+            return -math.expm1(-lo), math.expm1(hi), "sequence"
+        return lo, hi, "token" if self.loss in ("grpo", "cispo") else "sequence"
 
 
 @dataclass
@@ -211,10 +239,22 @@ class PrecisionConfig:
                                    gt=0)
     recheck_interval: int = option(5, "in fallback, audit every N steps to decide on returning",
                                    ge=1)
-    correction: str = option("none", "sequence-level correction of engine mismatch",
-                             choices=("none", "mask", "tis"))
+    correction: str = option("none", "correction of engine mismatch on audited steps: mask "
+                             "(drop sequences), tis (truncated weight), mis (drop sequences "
+                             "whose weight exceeds the cap), icepop (drop tokens outside a "
+                             "ratio band)", choices=("none", "mask", "tis", "mis", "icepop"))
     mask_bound: float = option(1e-3, "`mask`: drop sequences with |d_i| above this", gt=0)
-    tis_cap: float = option(2.0, "`tis`: cap C of the weight min(exp(-d_i), C)", gt=0)
+    tis_cap: float = option(2.0, "`tis` / `mis`: cap C of the weight exp(d_i), d_i = mean "
+                            "log-ratio learner/engine (min(exp(d_i), C), or dropped above C)",
+                            gt=0)
+    icepop_low: float = option(0.5, "`icepop`: drop tokens with pi_learner/pi_engine below this",
+                               gt=0, lt=1)
+    icepop_high: float = option(5.0, "`icepop`: drop tokens with pi_learner/pi_engine above this",
+                                gt=1)
+    offpolicy_mask_delta: float | None = option(
+        None, "DeepSeek-V3.2 off-policy sequence masking in every training forward: drop "
+        "negative-advantage sequences whose mean log(pi_old/pi_theta) exceeds this; null = off",
+        gt=0)
 
 
 @dataclass
@@ -256,6 +296,14 @@ class RewardConfig:
                               "error or a timeout", ge=0)
     url_backoff: float = option(0.5, "reward service: seconds before the first retry, doubled "
                                 "for each further one", ge=0)
+    overlong_filter: bool = option(False, "DAPO overlong filtering: no loss on responses cut "
+                                   "off at rollout.max_new_tokens (they still count in their "
+                                   "group's reward statistics)")
+    overlong_buffer: int = option(0, "DAPO soft overlong punishment: the last this many tokens "
+                                  "before rollout.max_new_tokens cost up to "
+                                  "reward.overlong_penalty, linearly; 0 = off", ge=0)
+    overlong_penalty: float = option(1.0, "DAPO soft overlong punishment: penalty at the "
+                                     "generation limit", gt=0)
 
 
 @dataclass
@@ -370,11 +418,15 @@ class Config:
         if p.virtual_pipeline is not None and p.pipeline == 1:
             raise ConfigError("parallel.virtual_pipeline: needs parallel.pipeline > 1")
         lo, hi = a.clip_range()
-        if a.loss != "grpo" and (lo >= 0.1 or hi >= 0.1):
+        if a.loss in ("gspo", "gspo_token") and (lo >= 0.1 or hi >= 0.1):
             raise ConfigError(f"algorithm.eps_low/eps_high: {lo}/{hi} are GRPO-sized; GSPO "
                               "sequence ratios need clip ranges around 3e-4/4e-4")
-        if lo >= 1:
+        if a.loss in ("gspo", "gspo_token", "grpo") and lo >= 1:
             raise ConfigError(f"algorithm.eps_low: expected float < 1, got {lo}")
+        if a.loss == "cispo" and lo > 1:
+            raise ConfigError(f"algorithm.eps_low: expected float <= 1 for cispo (1 = no lower "
+                              f"bound on the IS weight), got {lo}")
+        self._validate_family()
         if self.train.prompts_per_step * self.rollout.group_size < a.mini_batches:
             raise ConfigError("algorithm.mini_batches: more mini-batches than sequences per step "
                               f"({self.train.prompts_per_step} x {self.rollout.group_size})")
@@ -385,8 +437,10 @@ class Config:
                               "moe.engine_routing is false")
         if self.rollout.engine == "sglang" and not self.rollout.server_urls and not self.model.path:
             raise ConfigError("model.path: required to launch SGLang servers")
-        if self.agent.advantage == "turn" and a.loss != "gspo_token":
-            raise ConfigError("agent.advantage: 'turn' needs algorithm.loss 'gspo_token'")
+        if self.agent.advantage == "turn" and a.loss not in TOKEN_ADVANTAGE_LOSSES:
+            raise ConfigError(f"agent.advantage: 'turn' needs per-token advantages, which "
+                              f"algorithm.loss {a.loss!r} does not take; use one of "
+                              f"{', '.join(TOKEN_ADVANTAGE_LOSSES)}")
         unused = [name for name, on in (
             ("algorithm.kl_estimator", a.kl_estimator != "k3"),
             ("algorithm.kl_in", a.kl_in != "loss"),
@@ -433,6 +487,35 @@ class Config:
             raise ConfigError("algorithm.kl_in: 'reward' is not used by turn-level advantages "
                               "(agent.advantage 'turn'); use kl_in 'loss'")
         return self
+
+    def _validate_family(self) -> None:
+        """A setting the chosen loss, correction or reward option would ignore is an error."""
+        a, p, rw, sapo = self.algorithm, self.precision, self.reward, self.algorithm.loss == "sapo"
+        rules = (  # (field, set to a non-default value, used by the current choice, which choice)
+            ("algorithm.eps_low", a.eps_low is not None, not sapo, "algorithm.loss 'sapo'"),
+            ("algorithm.eps_high", a.eps_high is not None, not sapo, "algorithm.loss 'sapo'"),
+            ("algorithm.sapo_tau_pos", a.sapo_tau_pos != 1.0, sapo, f"algorithm.loss {a.loss!r}"),
+            ("algorithm.sapo_tau_neg", a.sapo_tau_neg != 1.05, sapo, f"algorithm.loss {a.loss!r}"),
+            ("algorithm.grpo_aggregation", a.grpo_aggregation != "seq-mean-token-mean",
+             a.loss == "grpo", f"algorithm.loss {a.loss!r}"),
+            ("precision.mask_bound", p.mask_bound != 1e-3, p.correction == "mask", "correction"),
+            ("precision.tis_cap", p.tis_cap != 2.0, p.correction in ("tis", "mis"), "correction"),
+            ("precision.icepop_low", p.icepop_low != 0.5, p.correction == "icepop", "correction"),
+            ("precision.icepop_high", p.icepop_high != 5.0, p.correction == "icepop",
+             "correction"),
+            ("reward.overlong_penalty", rw.overlong_penalty != 1.0, rw.overlong_buffer > 0,
+             "reward.overlong_buffer 0 (soft overlong punishment off)"),
+            ("reward.overlong_filter", rw.overlong_filter, not self.agent.enabled,
+             "agent.enabled (episodes end on turns, not at rollout.max_new_tokens)"),
+            ("reward.overlong_buffer", rw.overlong_buffer > 0, not self.agent.enabled,
+             "agent.enabled (episodes end on turns, not at rollout.max_new_tokens)"))
+        for name, is_set, used, why in rules:
+            if is_set and not used:
+                why = f"precision.correction {p.correction!r}" if why == "correction" else why
+                raise ConfigError(f"{name}: not used with {why}; drop it")
+        if rw.overlong_buffer > self.rollout.max_new_tokens:
+            raise ConfigError(f"reward.overlong_buffer: {rw.overlong_buffer} exceeds "
+                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
 
 
 def config_from_dict(data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -71,18 +71,20 @@ def learner(cfg: Config, hf_config: dict):
     loss = LossSettings(kind=a.loss, eps_low=lo, eps_high=hi, grpo_aggregation=a.grpo_aggregation,
                         temperature=cfg.rollout.temperature, logratio_bound=a.logratio_bound,
                         kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0,
-                        kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
+                        kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
+                        tau_pos=a.sapo_tau_pos, tau_neg=a.sapo_tau_neg,
+                        offpolicy_mask_delta=cfg.precision.offpolicy_mask_delta,
+                        norm_length=float(cfg.rollout.max_new_tokens))
     use_te = {"auto": None, "local": False, "transformer_engine": True}[cfg.model.transformer_impl]
-    out = Learner(hf_config, layout=layout, optim=optim, loss=loss,
-                  model_kwargs=deterministic_switches(cfg.train.deterministic),
-                  batching=BatchSettings(max_tokens_per_microbatch=a.micro_batch_tokens,
-                                         pad_id=int(hf_config.get("pad_token_id") or 0)),
-                  params_dtype=DTYPES[cfg.model.dtype], seed=cfg.train.seed, use_te=use_te,
-                  recompute=cfg.model.recompute_activations, reference=a.kl_coef > 0,
-                  reference_offload=cfg.model.reference_offload,
-                  routing_replay=cfg.moe.routing_replay)
-    out.offload_outside_step = o.offload_outside_step
-    return out
+    return Learner(hf_config, layout=layout, optim=optim, loss=loss,
+                   model_kwargs=deterministic_switches(cfg.train.deterministic),
+                   batching=BatchSettings(max_tokens_per_microbatch=a.micro_batch_tokens,
+                                          pad_id=int(hf_config.get("pad_token_id") or 0)),
+                   params_dtype=DTYPES[cfg.model.dtype], seed=cfg.train.seed, use_te=use_te,
+                   recompute=cfg.model.recompute_activations, reference=a.kl_coef > 0,
+                   reference_offload=cfg.model.reference_offload,
+                   routing_replay=cfg.moe.routing_replay,
+                   offload_outside_step=o.offload_outside_step)
 
 
 def deterministic_switches(on: bool) -> dict:

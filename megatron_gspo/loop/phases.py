@@ -17,6 +17,7 @@ from megatron_gspo.algo.kl import sequence_kl
 from megatron_gspo.algo.precision import (
     apply_correction,
     audit_sums,
+    correction_metrics,
     check_engine_logprobs,
     finalize_audit,
     sequence_mismatch,
@@ -26,6 +27,7 @@ from megatron_gspo.run import faults
 from megatron_gspo.loop.build import DTYPES
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.data.sample import Sample
+from megatron_gspo.rewards.overlong import apply_overlong
 
 
 def _requests(prompts):
@@ -111,18 +113,25 @@ def wait_for_rank0() -> None:
     wait()
 
 
-def fill_advantages(cfg: Config, samples: list[Sample]) -> None:
-    """Group-normalised advantages; per-token for GSPO-token (turn-level in agent mode)."""
-    a = cfg.algorithm
+def fill_advantages(cfg: Config, samples: list[Sample]) -> dict:
+    """Group-normalised advantages; per-token for GSPO-token (turn-level in agent mode), after
+    DAPO's overlong options (`rewards.overlong`). Returns their `reward/overlong_*` metrics."""
+    a, rw = cfg.algorithm, cfg.reward
     if cfg.agent.enabled and cfg.agent.advantage == "turn":
         from megatron_gspo.agent.loop import fill_turn_advantages
 
         fill_turn_advantages(cfg, samples)
-        return
+        return {}
+    m = {}
+    if rw.overlong_filter or rw.overlong_buffer:
+        m = apply_overlong(samples, max_length=cfg.rollout.max_new_tokens,
+                           buffer=rw.overlong_buffer, factor=rw.overlong_penalty,
+                           filter_truncated=rw.overlong_filter)
     adv = group_advantages(torch.tensor([float(s.reward) for s in samples]),
                            cfg.rollout.group_size, scale=a.advantage_scale, eps=a.advantage_eps)
     for s, v in zip(samples, adv.tolist(), strict=True):
         s.advantage = [v] * len(s.response_ids) if a.loss == "gspo_token" else v
+    return m
 
 
 def _split_audit(cfg: Config, samples: list[Sample], step: int) -> bool:
@@ -218,33 +227,39 @@ def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: 
         for s in samples:
             check_engine_logprobs(s.index, s.rollout_logprobs, s.loss_mask, len(s.response_ids))
     if learner_lps is not None and has_engine:
-        lo, hi = a.clip_range()
+        lo, hi, level = a.audit_range()
         mask = _padded([list(map(float, s.loss_mask)) for s in samples])
         learner_t = _padded(learner_lps)
         engine_t = _padded([s.rollout_logprobs for s in samples])
         sums = audit_sums(learner_t, engine_t, mask, eps_low=lo, eps_high=hi,
-                          scale=p.mismatch_scale, level="token" if a.loss == "grpo" else "sequence")
+                          scale=p.mismatch_scale, level=level)
         audit = finalize_audit(sums)
         m.update({f"precision/{k}": v for k, v in audit.items()})
         if p.correction != "none":
-            d = sequence_mismatch(learner_t, engine_t, mask)
-            _correct(samples, d, mask, p)
-            m["precision/masked_sequences"] = sum(s.num_trainable == 0 for s in samples)
+            m.update(_correct(samples, learner_t, engine_t, mask, p))
     source = controller.decide(step, audit) if has_engine else "recompute"
     m["precision/audited"] = float(audit is not None)
     return (learner_lps if source == "recompute" else None), source, m
 
 
-def _correct(samples, d, mask, p) -> None:
+def _correct(samples, learner_t, engine_t, mask, p) -> dict:
+    """Apply `precision.correction` to the samples' loss masks and advantages; returns
+    `precision/masked_sequences` and the share by cause (`algo.precision.correction_metrics`)."""
     tok_adv = isinstance(samples[0].advantage, list)
     adv = _padded([s.advantage for s in samples]) if tok_adv else \
         torch.tensor([float(s.advantage) for s in samples])
-    new_mask, new_adv, _ = apply_correction(d, mask, adv, mode=p.correction,
-                                            mask_bound=p.mask_bound, tis_cap=p.tis_cap)
+    d = sequence_mismatch(learner_t, engine_t, mask)
+    new_mask, new_adv, st = apply_correction(
+        d, mask, adv, mode=p.correction, mask_bound=p.mask_bound, tis_cap=p.tis_cap,
+        token_log_ratio=torch.where(mask > 0, learner_t - engine_t, 0.0),
+        icepop_low=p.icepop_low, icepop_high=p.icepop_high)
     for i, s in enumerate(samples):
         r = len(s.response_ids)
         s.loss_mask = [int(v) for v in new_mask[i, :r].tolist()]
         s.advantage = new_adv[i, :r].tolist() if tok_adv else float(new_adv[i])
+    m = correction_metrics(p.correction, st, float((mask.sum(-1) > 0).sum()), float(mask.sum()))
+    m["masked_sequences"] = float(sum(s.num_trainable == 0 for s in samples))
+    return {f"precision/{k}": v for k, v in m.items()}
 
 
 def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int,
@@ -272,7 +287,8 @@ def train_on_batch(cfg: Config, learner, samples: list[Sample], old, step: int,
     for key in per[0]:
         vals = [p[key] for p in per if key in p]
         if key in ("tokens", "trainable_tokens", "sequences", "micro_batches", "packed_tokens",
-                   "time_fwd_bwd", "time_optimizer", "update_skipped"):
+                   "time_fwd_bwd", "time_optimizer", "update_skipped",
+                   "offpolicy_masked_sequences", "offpolicy_masked_tokens"):
             out[key] = float(sum(vals))
         elif key == "lr":
             out[key] = float(vals[-1])

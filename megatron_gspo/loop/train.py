@@ -143,7 +143,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         need_lps = phases.learner_logprobs_needed(cfg, controller, samples, step)
         ref, learner_lps, kl_m = phases.reference_logprobs(cfg, learner, samples, need_lps)
         m.update(kl_m)
-        phases.fill_advantages(cfg, samples)
+        m.update(phases.fill_advantages(cfg, samples))
 
         # 4. pi_old: the engine's log-probs, or the learner's recompute; audited on schedule.
         t_old = time.perf_counter()

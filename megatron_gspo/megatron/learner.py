@@ -55,6 +55,8 @@ class Learner(LearnerState):
         reference: also build a frozen reference policy (KL term) in the same parallel layout;
             its weights are set by `load_reference` (None = no reference parameters at all).
         reference_offload: keep the reference's weights in CPU memory between its forwards.
+        offload_outside_step: fp32 main weights and Adam moments wait in host memory except
+            during each optimizer step (`optimizer.offload_outside_step`).
         routing_replay: MoE routing replay, "none" | "r2" | "r3" (`megatron.router_replay`);
             MoE models always record routing for the `moe/*` metrics.
     """
@@ -64,7 +66,8 @@ class Learner(LearnerState):
                  batching: BatchSettings | None = None, params_dtype: torch.dtype = torch.float32,
                  seed: int = 1234, use_te: bool | None = None, recompute: bool = False,
                  model_kwargs: dict | None = None, reference: bool = False,
-                 reference_offload: bool = False, routing_replay: str = "none"):
+                 reference_offload: bool = False, routing_replay: str = "none",
+                 offload_outside_step: bool = False):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.transformer.module import Float16Module
@@ -123,7 +126,7 @@ class Learner(LearnerState):
         self.steps = 0
         # fp32 main weights and Adam moments off the accelerator during forward / backward
         # (`train_step` brings them in for the optimizer step only)
-        self.offload_outside_step = False
+        self.offload_outside_step = offload_outside_step
         self.reference_offload = reference_offload
         self.reference_chunks = None  # frozen KL reference; None = none built
         self.reference_model = None

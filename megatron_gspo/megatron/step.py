@@ -27,26 +27,33 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.algo import kl as kl_terms
-from megatron_gspo.algo import losses
+from megatron_gspo.algo import cispo, gmpo, kl as kl_terms, losses, sapo
+from megatron_gspo.algo.corrections import offpolicy_sequence_mask
 from megatron_gspo.data.batch import MicroBatch, cp_local_index
 from megatron_gspo.megatron.logprobs import (cp_gather, vocab_parallel_entropy,
                                               vocab_parallel_logprobs)
 
-LOSS_KINDS = ("gspo", "gspo_token", "grpo")
+LOSS_KINDS = ("gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo")
+# Losses defined for per-token advantages (GSPO-token style, turn-level); gspo / gmpo are not.
+TOKEN_ADVANTAGE_KINDS = ("gspo_token", "grpo", "sapo", "cispo")
 SUM_KEYS = ("loss", "clipped_tokens", "clipped_tokens_low", "clipped_tokens_high",
             "trainable_tokens", "sequences", "ratio_sum", "ratio_count", "logratio_bound_hits",
-            "entropy_sum", "kl_loss", "entropy_loss")
+            "entropy_sum", "kl_loss", "entropy_loss", "offpolicy_masked_sequences",
+            "offpolicy_masked_tokens", "offpolicy_seen_sequences")
 
 
 @dataclass(frozen=True)
 class LossSettings:
     """Which policy loss and its knobs.
 
-    kind: "gspo" | "gspo_token" | "grpo"; eps_low / eps_high: clip range; grpo_aggregation:
-    "seq-mean-token-mean" | "token-mean"; temperature: sampling temperature of the rollouts;
+    kind: one of LOSS_KINDS; eps_low / eps_high: clip range (GMPO: in log space; unused by
+    SAPO); grpo_aggregation: "seq-mean-token-mean" | "token-mean" | "seq-mean-token-sum-norm"
+    (Dr. GRPO, over `norm_length` tokens); temperature: sampling temperature of the rollouts;
     logratio_bound: bound on log-ratios before exp; kl_coef / kl_estimator: KL-to-reference term
-    in the loss (0 = off; needs `ref_logprobs` in the batch); entropy_coef: entropy bonus.
+    in the loss (0 = off; needs `ref_logprobs` in the batch); entropy_coef: entropy bonus;
+    tau_pos / tau_neg: SAPO's gate temperatures; offpolicy_mask_delta: DeepSeek-V3.2 off-policy
+    sequence masking threshold (None = off). The KL and entropy terms are aggregated like the
+    policy term (`aggregation()`).
     """
 
     kind: str = "gspo"
@@ -58,10 +65,20 @@ class LossSettings:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    offpolicy_mask_delta: float | None = None
+    norm_length: float | None = None
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
             raise ValueError(f"loss kind {self.kind!r} not in {LOSS_KINDS}")
+
+    def aggregation(self) -> str:
+        """How this loss (and so its KL / entropy terms) averages over the mini-batch."""
+        if self.kind == "grpo":
+            return self.grpo_aggregation
+        return "token-mean" if self.kind == "cispo" else "seq-mean-token-mean"
 
 
 @dataclass(frozen=True)
@@ -143,7 +160,7 @@ def compute_loss(lp_full: torch.Tensor, data: dict, settings: LossSettings, *,
     """
     loss, stats = _policy_loss(lp_full, data, settings, num_sequences=num_sequences,
                                num_tokens=num_tokens)
-    agg = settings.grpo_aggregation if settings.kind == "grpo" else "seq-mean-token-mean"
+    agg = settings.aggregation()
     mask = _rows(data["loss_mask"], data)  # [n, L]
     zero = torch.zeros((), dtype=torch.float32, device=lp_full.device)
     kl_part, ent_part = zero, zero
@@ -153,13 +170,13 @@ def compute_loss(lp_full: torch.Tensor, data: dict, settings: LossSettings, *,
         kl_part = kl_terms.kl_loss(_rows(lp_full, data), _rows(data["ref_logprobs"], data), mask,
                                    coef=settings.kl_coef, estimator=settings.kl_estimator,
                                    aggregation=agg, num_sequences=num_sequences,
-                                   num_tokens=num_tokens)
+                                   num_tokens=num_tokens, norm_length=settings.norm_length)
     if settings.entropy_coef > 0:
         if entropy is None:
             raise ValueError("entropy_coef > 0 but no differentiable entropy was given")
         ent_part = kl_terms.entropy_loss(_rows(entropy, data), mask, coef=settings.entropy_coef,
                                          aggregation=agg, num_sequences=num_sequences,
-                                         num_tokens=num_tokens)
+                                         num_tokens=num_tokens, norm_length=settings.norm_length)
     stats = dict(stats, kl_loss=kl_part.detach(), entropy_loss=ent_part.detach())
     return loss + kl_part + ent_part, stats
 
@@ -178,21 +195,39 @@ def _policy_loss(lp_full: torch.Tensor, data: dict, settings: LossSettings, *,
     lp = _rows(lp_full, data)  # [n, L]
     old = _rows(data["old_logprobs"], data)
     mask = _rows(data["loss_mask"], data)
-    if settings.kind == "gspo":
-        if data["token_advantages"]:
-            raise ValueError("per-token advantages need loss kind gspo_token or grpo")
-        return losses.gspo_loss(lp, old, data["seq_advantages"], mask, eps_low=settings.eps_low,
-                                eps_high=settings.eps_high, num_sequences=num_sequences,
-                                logratio_bound=settings.logratio_bound)
-    adv = _rows(data["advantages"], data)  # [n, L]
-    if settings.kind == "gspo_token":
-        return losses.gspo_token_loss(lp, old, adv, mask, eps_low=settings.eps_low,
-                                      eps_high=settings.eps_high, num_sequences=num_sequences,
-                                      logratio_bound=settings.logratio_bound)
-    return losses.grpo_loss(lp, old, adv, mask, eps_low=settings.eps_low,
-                            eps_high=settings.eps_high, aggregation=settings.grpo_aggregation,
-                            num_sequences=num_sequences, num_tokens=num_tokens,
-                            logratio_bound=settings.logratio_bound)
+    k = settings.kind
+    if data["token_advantages"] and k not in TOKEN_ADVANTAGE_KINDS:
+        raise ValueError(f"per-token advantages need a loss kind of {TOKEN_ADVANTAGE_KINDS}, "
+                         f"not {k!r}")
+    adv = data["seq_advantages"] if k in ("gspo", "gmpo") else _rows(data["advantages"], data)
+    zero = torch.zeros((), device=lp.device)
+    off = {"offpolicy_masked_sequences": zero, "offpolicy_masked_tokens": zero,
+           "offpolicy_seen_sequences": (mask.sum(-1) > 0).sum().float()}
+    if settings.offpolicy_mask_delta is not None:  # DeepSeek-V3.2, with this forward's policy
+        new_mask, rows, _ = offpolicy_sequence_mask(lp, old, adv, mask,
+                                                    delta=settings.offpolicy_mask_delta)
+        off.update(offpolicy_masked_sequences=rows.sum().float(),
+                   offpolicy_masked_tokens=((mask > 0).sum() - (new_mask > 0).sum()).float())
+        mask = new_mask
+    bound = settings.logratio_bound
+    clip = dict(eps_low=settings.eps_low, eps_high=settings.eps_high, logratio_bound=bound)
+    if k == "gspo":
+        out = losses.gspo_loss(lp, old, adv, mask, num_sequences=num_sequences, **clip)
+    elif k == "gspo_token":
+        out = losses.gspo_token_loss(lp, old, adv, mask, num_sequences=num_sequences, **clip)
+    elif k == "grpo":
+        out = losses.grpo_loss(lp, old, adv, mask, aggregation=settings.grpo_aggregation,
+                               num_sequences=num_sequences, num_tokens=num_tokens,
+                               norm_length=settings.norm_length, **clip)
+    elif k == "sapo":
+        out = sapo.sapo_loss(lp, old, adv, mask, tau_pos=settings.tau_pos,
+                             tau_neg=settings.tau_neg, num_sequences=num_sequences,
+                             logratio_bound=bound)
+    elif k == "cispo":
+        out = cispo.cispo_loss(lp, old, adv, mask, num_tokens=num_tokens, **clip)
+    else:
+        out = gmpo.gmpo_loss(lp, old, adv, mask, num_sequences=num_sequences, **clip)
+    return out[0], dict(out[1], **off)
 
 
 def loss_func(data: dict, settings: LossSettings, ctx: ParallelContext, num_sequences: float,
@@ -273,6 +308,10 @@ def reduce_metrics(per_mb: list[dict], dp_group, device) -> dict[str, float]:
     out = {k: float(v) for k, v in st.items()}
     out["ratio_min"] = float(lo) if torch.isfinite(lo) else 1.0
     out["ratio_max"] = float(hi) if torch.isfinite(hi) else 1.0
-    out["entropy"] = out.pop("entropy_sum") / max(out["trainable_tokens"], 1.0)
+    # entropy_sum covers the batch's trainable tokens, off-policy-masked ones included
+    ent_tokens = out["trainable_tokens"] + out["offpolicy_masked_tokens"]
+    out["entropy"] = out.pop("entropy_sum") / max(ent_tokens, 1.0)
+    out["offpolicy_masked_share"] = (out["offpolicy_masked_sequences"]
+                                     / max(out.pop("offpolicy_seen_sequences"), 1.0))
     out["entropy/mean"] = out["entropy"]
     return out

@@ -32,7 +32,12 @@ PANELS = [
 _MEANS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
           "clip_fraction/first_minibatch", "clip_fraction/later_minibatches", "grad_norm",
           "ratio/spread", "ratio_mean", "response_length/mean", "precision/out_of_range_fraction",
-          "precision/seq_abs_mismatch_mean", "entropy", "update_skipped")
+          "precision/seq_abs_mismatch_mean", "entropy", "update_skipped",
+          # masked shares by cause (GSPO-family corrections, DAPO overlong options)
+          "precision/masked_share/mask", "precision/masked_share/mis",
+          "precision/masked_share/icepop", "precision/tis_truncated_share",
+          "offpolicy_masked_share", "reward/overlong_filtered_share",
+          "reward/overlong_penalty_mean")
 _MOE_HINTS = ("moe/", "expert_change", "routing_agreement", "routing/", "router")
 
 

@@ -9,7 +9,8 @@ import sys
 
 import megatron_gspo.algo as algo
 
-MODULES = ("advantages", "kl", "logprobs", "losses", "precision")
+MODULES = ("advantages", "kl", "logprobs", "losses", "precision", "sapo", "cispo", "gmpo",
+           "corrections")
 
 
 def test_documented_names_import_from_the_package():

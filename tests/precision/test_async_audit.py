@@ -84,9 +84,10 @@ def test_recompute_keeps_engine_logprobs_as_pi_old_of_stale_samples():
     assert old[4:] == [s.rollout_logprobs for s in batch[4:]]
 
 
-def test_correction_never_masks_stale_samples():
-    cfg = _cfg("auto", correction="mask")
-    batch = _batch(stale_shift=0.5)
+@pytest.mark.parametrize("correction", ["mask", "mis", "icepop"])
+def test_correction_never_masks_stale_samples(correction):
+    cfg = _cfg("auto", correction=correction)
+    batch = _batch(stale_shift=2.0)  # k = e^2 > 5 per token, weight e^2 > C = 2
     _old, _source, m = phases.old_logprobs(cfg, FakeLearner(), _controller(cfg), batch, STEP)
     assert all(s.num_trainable == 6 for s in batch)
     assert m["precision/masked_sequences"] == 0

@@ -19,7 +19,6 @@ from megatron_gspo.algo.precision import (
     audit_sums,
     check_engine_logprobs,
     finalize_audit,
-    sequence_mismatch,
 )
 from megatron_gspo.config import Config
 from megatron_gspo.data.sample import Sample
@@ -31,7 +30,8 @@ def split_old_logprobs(cfg: Config, learner, controller, samples: list[Sample], 
 
     Args:
         padded: rows of floats -> [B, T] tensor (`phases._padded`).
-        correct: (samples, d, mask, precision config) -> None (`phases._correct`).
+        correct: (samples, learner [B, T], engine [B, T], mask, precision config) -> metrics
+            (`phases._correct`).
     Returns:
         (old, source, metrics): `old` is None when every sample uses the engine's log-probs,
         else per-sample lists (learner's for current samples, engine's for stale ones).
@@ -52,11 +52,10 @@ def split_old_logprobs(cfg: Config, learner, controller, samples: list[Sample], 
                    if controller.needs_learner_logprobs(step) else None)
     audit = None
     if learner_lps is not None:
-        lo, hi = a.clip_range()
+        lo, hi, level = a.audit_range()
         mask = padded([list(map(float, s.loss_mask)) for s in samples])  # [B, T]
         learner_t = padded(learner_lps)  # [B, T]
         engine_t = padded([s.rollout_logprobs for s in samples])  # [B, T]
-        level = "token" if a.loss == "grpo" else "sequence"
         for prefix, idx in (("precision/", cur), ("precision/stale/", stale)):
             if not idx:
                 continue
@@ -67,9 +66,8 @@ def split_old_logprobs(cfg: Config, learner, controller, samples: list[Sample], 
             if idx is cur:
                 audit = part
         if p.correction != "none" and cur:
-            d = sequence_mismatch(learner_t[cur], engine_t[cur], mask[cur])
-            correct([samples[i] for i in cur], d, mask[cur], p)
-            m["precision/masked_sequences"] = sum(samples[i].num_trainable == 0 for i in cur)
+            m.update(correct([samples[i] for i in cur], learner_t[cur], engine_t[cur], mask[cur],
+                             p))
     source = controller.decide(step, audit)
     m["precision/audited"] = float(audit is not None)
     m["precision/stale_audited"] = float(learner_lps is not None and bool(stale))
