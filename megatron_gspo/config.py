@@ -86,7 +86,8 @@ class OptimizerConfig:
 @dataclass
 class RolloutConfig:
     engine: str = option("embedded", "rollout engine", choices=("embedded", "sglang"))
-    group_size: int = option(8, "responses sampled per prompt (G)", ge=1)
+    group_size: int = option(8, "responses sampled per prompt (G); at least 2, as the "
+                             "advantages are relative to the prompt's group", ge=2)
     temperature: float = option(1.0, "sampling temperature (the learner uses the same)", gt=0)
     top_p: float = option(1.0, "nucleus sampling threshold", gt=0, le=1)
     top_k: int = option(-1, "top-k sampling (-1 disables)", ge=-1)
@@ -270,7 +271,8 @@ class AgentConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = option(100, "RL steps (rollout + updates) to run", ge=1)
-    seed: int = option(1234, "seed of data order, sampling and initialisation")
+    seed: int = option(1234, "seed of data order, sampling and initialisation", ge=0,
+                       le=2**31 - 1)
     resume: str = option("auto", "auto: continue from the newest intact checkpoint (a damaged "
                          "one is moved aside); never: start fresh, an error if the run dir "
                          "already holds checkpoints or metrics", choices=("auto", "never"))

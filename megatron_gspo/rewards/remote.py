@@ -38,6 +38,21 @@ from megatron_gspo.rewards.registry import RewardError
 FAILED_KEY = "rollout_error"  # the failed-sample mark that group sampling and evaluation honour
 
 
+def _finite(v: int | float) -> bool:
+    """A finite float, or an int a float can hold (JSON integers have no size limit)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def _describe(v: Any) -> str:
+    """A reward entry for an error message (a huge JSON integer by its length)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        return f"an integer of {len(str(abs(v)))} digits"
+    return f"{v!r:.40}"
+
+
 class _Retryable(Exception):
     """A 5xx status, a connection error or a timeout (worth another attempt)."""
 
@@ -118,7 +133,10 @@ class RewardService:
         where = f"reward service {self.url}"
         try:
             values = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            raise RewardError(f"{where}: reply is nested too deep ({len(raw)} bytes); expected "
+                              f"a flat JSON list of {n} numbers") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, too many digits
             head = " ".join(raw[:60].decode("utf-8", "replace").split())
             raise RewardError(f"{where}: reply is not JSON ({e.__class__.__name__} at "
                               f"{getattr(e, 'pos', 0)}; starts {head!r})") from None
@@ -133,9 +151,9 @@ class RewardService:
             if v is None:
                 out.append(None)
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
                 raise RewardError(f"{where}: reward {j} of the batch (sample {first + j}) is "
-                                  f"{v!r:.40}; expected a finite number or null")
+                                  f"{_describe(v)}; expected a finite number or null")
             out.append(float(v))
         return out
 
