@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry of `megatron-gspo convert` and tools/convert_checkpoint.py; returns the exit code."""
     args = _parser().parse_args(argv)
     from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.guards import check_out_writable
 
     try:
+        check_out_writable(args.out)  # before anything is read or loaded
         from megatron_gspo.megatron import conversion as conv
 
         world = conv.conversion_world_size(args.tp, args.pp, args.ep)

@@ -167,3 +167,26 @@ def test_exit_code_of_the_process(tmp_path):
         timeout=120,
     )
     assert p.returncode == 1 and "unsupported architecture 'GPT2LMHeadModel'" in p.stderr
+
+
+def test_unwritable_out_is_refused_before_anything_is_loaded(tiny_hf, tmp_path, capsys,
+                                                             monkeypatch):
+    from megatron_gspo.megatron import conversion
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the conversion started before --out was checked")
+
+    monkeypatch.setattr(conversion, "launch", refuse)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    outs = [blocker / "o", blocker]
+    try:
+        (Path("/sys") / "megatron_gspo_probe").mkdir()
+    except OSError:
+        outs.append(Path("/sys/megatron_gspo_probe/o"))  # a read-only file system
+    hf = str(tiny_hf["Qwen3ForCausalLM"])
+    for out in outs:
+        for argv in (["hf-to-mcore", "--hf", hf], ["mcore-to-hf", "--ckpt", hf]):
+            rc, err = _run(capsys, *argv, "--out", str(out), "--force")
+            assert rc == 1 and len(err.splitlines()) == 1, (out, err[-2000:])
+            assert f"--out {out}" in err and "cannot be written" in err, err
