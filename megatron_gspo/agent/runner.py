@@ -25,6 +25,7 @@ from megatron_gspo.agent.chat import QWEN3, ChatFormat
 from megatron_gspo.agent.chat_session import ChatTemplateError, make_chat
 from megatron_gspo.agent.tool_parsers import ToolParser, resolve_tool_parser
 from megatron_gspo.data.sample import Sample
+from megatron_gspo.rewards.registry import MAX_ABS_REWARD
 from megatron_gspo.rollout.base import GenerateRequest, RolloutEngine, SamplingParams
 
 
@@ -407,6 +408,9 @@ def _turn_reward(value: Any) -> float:
     out = float(value)
     if not math.isfinite(out):
         raise ValueError(f"environment returned reward {out}; expected a finite number")
+    if abs(out) > MAX_ABS_REWARD:  # group advantages of such rewards overflow float32
+        raise ValueError(f"environment returned reward {out:g}; expected a number within "
+                         f"[{-MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]")
     return out
 
 

@@ -30,6 +30,9 @@ from megatron_gspo.rewards.math import (
 )
 
 RewardFn = Callable[[str, Any, dict], float]
+# Largest |reward| accepted: group means, squares and sums of rewards up to this size stay
+# finite in float32 (whose largest value is 3.4e38), so advantages never turn NaN.
+MAX_ABS_REWARD = 1e15
 
 
 class RewardError(ValueError):
@@ -200,6 +203,10 @@ def _score_one(s: Sample, reward_fn: RewardFn, detokenize: Callable[[list[int]],
     value = real
     if not math.isfinite(value):
         raise RewardError(f"reward {name} returned {value} for sample {s.index}")
+    if abs(value) > MAX_ABS_REWARD:
+        raise RewardError(f"reward {name} returned {value:g} for sample {s.index} (group "
+                          f"{s.group_index}): outside [{-MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]"
+                          ", where group advantages stay finite in float32")
     return value
 
 

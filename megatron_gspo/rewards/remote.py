@@ -33,15 +33,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.rewards.registry import RewardError
+from megatron_gspo.rewards.registry import MAX_ABS_REWARD, RewardError
 
 FAILED_KEY = "rollout_error"  # the failed-sample mark that group sampling and evaluation honour
 
 
 def _finite(v: int | float) -> bool:
-    """A finite float, or an int a float can hold (JSON integers have no size limit)."""
+    """A number within [-MAX_ABS_REWARD, MAX_ABS_REWARD] (JSON integers have no size limit)."""
     try:
-        return math.isfinite(float(v))
+        return math.isfinite(float(v)) and abs(float(v)) <= MAX_ABS_REWARD
     except OverflowError:
         return False
 
@@ -153,7 +153,8 @@ class RewardService:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
                 raise RewardError(f"{where}: reward {j} of the batch (sample {first + j}) is "
-                                  f"{_describe(v)}; expected a finite number or null")
+                                  f"{_describe(v)}; expected a finite number within "
+                                  f"[{-MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}] or null")
             out.append(float(v))
         return out
 
