@@ -1,6 +1,6 @@
 """Checks that run before the learner is built, so a wrong setting costs seconds and prints
 one line (a ConfigError naming the field) instead of a traceback after minutes of start-up:
-the run and checkpoint directories, the parallel layout against the world size and the model,
+the model's architecture, the run and checkpoint directories, the parallel layout against the world size and the model,
 the KL reference, the agent environment, chat template and labels, routing replay.
 """
 
@@ -38,6 +38,7 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
     """
     from megatron_gspo.megatron.parallel import ParallelLayout, ParallelLayoutError, check_layout
 
+    check_model(cfg.model.path, hf_config)
     p = cfg.parallel
     layout = ParallelLayout(tensor=p.tensor, pipeline=p.pipeline,
                             virtual_pipeline=p.virtual_pipeline, expert=p.expert,
@@ -69,6 +70,17 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
     if cfg.moe.routing_replay == "r3" and cfg.agent.enabled:
         raise ConfigError("moe.routing_replay: 'r3' is not supported with agent.enabled (the "
                           "episodes' environment tokens have no engine routing); use 'r2'")
+
+
+def check_model(path: str | None, hf_config: dict) -> None:
+    """The learner can build the model of `hf_config` (supported architecture, activation,
+    biases, rope scaling, head counts): a ConfigError naming model.path otherwise."""
+    from megatron_gspo.megatron.model import ModelConfigError, build_model_config
+
+    try:
+        build_model_config(hf_config, use_te=False)
+    except ModelConfigError as e:
+        raise ConfigError(f"model.path: {path}: {e}") from None
 
 
 def is_moe(hf_config: dict) -> bool:
