@@ -25,6 +25,7 @@ from megatron_gspo import build, faults
 from megatron_gspo.build import DTYPES
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.data.sample import Sample
+from megatron_gspo.rollout.base import RolloutError
 
 
 def _requests(prompts):
@@ -58,12 +59,15 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
                                sampling=sampling_params(cfg, tok),
                                oversample_factor=cfg.rollout.over_sample,
                                drop_zero_variance=cfg.rollout.drop_zero_variance_groups)
-        samples, gm = sampler.collect(_requests(prompts), cfg.train.prompts_per_step)
+        try:
+            samples, gm = sampler.collect(_requests(prompts), cfg.train.prompts_per_step)
+        except RolloutError as e:  # e.g. every sampled group had a failed sample
+            raise RolloutError(f"step {step}: {e}") from None
         m = {f"rollout/{k}": v for k, v in gm.items()}
     for k, v in getattr(engine, "metrics", {}).items():  # SGLang client counters, since start
         m[f"rollout/engine_{k}_total"] = float(v)
     if not samples:
-        raise RuntimeError(f"step {step}: the rollout produced no complete group")
+        raise RolloutError(f"step {step}: no group to train: {_why_no_group(m)}")
     if _colocated_sglang(cfg):  # hand the GPUs to the learner until the next weight sync
         engine.release_memory()
     rewards = torch.tensor([float(s.reward) for s in samples])
@@ -82,6 +86,17 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
         "rollout/weight_version": float(min(s.weight_version for s in samples)),
     })
     return samples, m
+
+
+def _why_no_group(m: dict) -> str:
+    """What happened to a round's groups, from the rollout metrics."""
+    zero = int(m.get("rollout/groups_zero_variance", m.get("agent/dropped_groups", 0)))
+    total = int(m.get("rollout/groups_generated", zero))
+    if zero:
+        return (f"{zero} of {total} sampled groups had equal rewards (dropped by "
+                "rollout.drop_zero_variance_groups); every reward the same is usually a reward "
+                "function or label problem")
+    return f"{total} groups sampled, none complete (prompts exhausted?)"
 
 
 def _colocated_sglang(cfg: Config) -> bool:
@@ -327,8 +342,8 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
 
     r = cfg.rollout
     dtype = DTYPES[r.dtype] if r.engine == "embedded" else DTYPES[cfg.model.dtype]
-    buckets = export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
-                                dtype=dtype)
+    buckets = _finite(export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
+                                        dtype=dtype), version)
     if _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
         from megatron_gspo.rollout.multinode_sync import multinode_sync
 
@@ -367,6 +382,20 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
                 f"{int(st['max_bucket_bytes'])}, bound {r.bucket_bytes})") if st else ""
         event(f"weight sync v{version}: " + " -> ".join(order) + peak)
     return {f"weight_sync/{k}": float(v) for k, v in st.items()}
+
+
+def _finite(buckets, version: int):
+    """The exported buckets, checked on the way: a non-finite weight stops the run naming the
+    tensor and the update that made it (every rank sees the same gathered tensors)."""
+    from megatron_gspo.rundir import RunError
+
+    for bucket in buckets:
+        for name, t in bucket:
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise RunError(f"the weights went non-finite ({name}) in the optimizer update "
+                               f"of step {version - 1} (weight version {version}); lower "
+                               "optimizer.lr or check the gradients")
+        yield bucket
 
 
 def _tensor_sync(cfg: Config) -> bool:

@@ -124,6 +124,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         if rank0:
             samples, rollout_m = phases.rollout(cfg, engine, prompts, reward, tokenizer, step,
                                                 producer)
+            for note in rollout_m.pop("events", ()):  # first episode error of each kind
+                log.event(note)
             m.update(rollout_m)
         samples = phases.broadcast(samples)
         if every_node and engine is not None and not rank0:  # this node's servers, as rank 0's
