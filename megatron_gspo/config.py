@@ -231,7 +231,8 @@ class RewardConfig:
                              "reward.name (schema: docs/rewards.md)")
     url_batch_size: int = option(64, "reward service: samples per request", ge=1)
     url_concurrency: int = option(8, "reward service: requests in flight at once", ge=1)
-    url_timeout: float = option(60.0, "reward service: seconds to wait for a reply", gt=0)
+    url_timeout: float = option(60.0, "reward service: seconds one request may take in all "
+                                "(connect and the whole reply)", gt=0)
     url_retries: int = option(3, "reward service: retries after a 5xx status, a connection "
                               "error or a timeout", ge=0)
     url_backoff: float = option(0.5, "reward service: seconds before the first retry, doubled "

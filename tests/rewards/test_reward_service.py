@@ -138,7 +138,8 @@ def test_timeout_is_retried_then_an_error():
     with Server(_len_of_response, delay_s=1.5) as srv:
         svc = RewardService(srv.url, timeout_s=0.3, retries=1, backoff_s=0.01)
         t = time.monotonic()
-        with pytest.raises(RewardError, match=r"no reply within 0.3 s \(after 2 attempts\)"):
+        with pytest.raises(RewardError,
+                           match=r"no complete reply within 0.3 s \(after 2 attempts\)"):
             svc.score_texts(_items(1))
         assert time.monotonic() - t < 1.5
         assert srv.url in str(svc.url)

@@ -24,3 +24,48 @@ def test_replies_a_float_cannot_hold_are_one_line_errors(reply, match):
         with pytest.raises(RewardError, match=match) as e:
             RewardService(srv.url, retries=1).score_texts(_items(1))
     assert srv.url in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 400
+
+
+def test_a_trickling_reply_meets_the_total_deadline():
+    """A service that sends its reply one byte a second never stalls a single read; the
+    deadline `timeout_s` covers the whole request (connect, headers and body)."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            body = json.dumps([1.0] * 1).encode()
+            reply = (b"HTTP/1.1 200 OK\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+            try:
+                conn.recv(65536)
+                for i in range(len(reply)):
+                    if stop.is_set():
+                        break
+                    conn.sendall(reply[i:i + 1])
+                    time.sleep(0.25)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}/score"
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RewardError, match=r"no complete reply within 1.0 s \(after 2 "
+                                              r"attempts\)"):
+            RewardService(url, timeout_s=1.0, retries=1, backoff_s=0.01).score_texts(_items(1))
+        assert time.monotonic() - t0 < 4.0  # two attempts of 1 s each, not 2 x 20 s
+    finally:
+        stop.set()
+        srv.close()
