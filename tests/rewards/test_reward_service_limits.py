@@ -69,3 +69,36 @@ def test_a_trickling_reply_meets_the_total_deadline():
     finally:
         stop.set()
         srv.close()
+
+
+def test_example_server_scores_right_answers_on_every_thread(tmp_path):
+    """examples/reward_server.py serves each request on its own thread; the answers that only
+    math-verify can judge come out right on every request, and GET /stats reports no crash."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    proc = subprocess.Popen([sys.executable, str(root / "examples" / "reward_server.py"),
+                             "--port", str(port)], cwd=root,
+                            env=dict(os.environ, PYTHONPATH=str(root)))
+    try:
+        url = f"http://127.0.0.1:{port}/score"
+        svc = RewardService(url, retries=40, backoff_s=0.25, timeout_s=60)
+        items = [{"prompt": "q", "response": r"so \boxed{2\sqrt{2}}", "label": r"\sqrt{8}",
+                  "metadata": {}}]
+        got = [svc.score_texts(items)[0] for _ in range(16)]
+        assert got == [1.0] * 16
+        stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/stats",
+                                                  timeout=30).read())
+        assert stats["rewards/verifier_crashes"] == 0 and stats["rewards/verifier_calls"] >= 16
+    finally:
+        proc.terminate()
+        proc.wait(10)
