@@ -175,3 +175,17 @@ def check_agent_labels(cfg: Config, ds) -> None:
     if not keep:
         raise DatasetError(f"{ds.path}: no usable rows ({len(ds.skipped)} bad rows skipped)")
     ds.items = keep
+
+
+def check_resume_mode(cfg: Config, state: dict, path) -> None:
+    """A checkpoint of an asynchronous run that holds finished untrained groups or groups in
+    flight resumes only with `rollout.mode: async` (a synchronous run would skip them)."""
+    pending = state.get("async") or {}
+    if cfg.rollout.mode == "async" or not pending:
+        return
+    finished, redo = len(pending.get("finished") or []), len(pending.get("redo") or [])
+    if finished or redo:
+        raise ConfigError(f"rollout.mode: 'sync', but checkpoint {path} was written by an "
+                          f"asynchronous run and holds {finished} finished untrained groups and "
+                          f"{redo} in flight, which a synchronous run would skip; resume with "
+                          "rollout.mode=async")

@@ -75,6 +75,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     latest = ckpt.resume_point() if cfg.train.resume == "auto" else None  # verified
     if latest is not None:
         state = ckpt.load(latest.path, learner, verified=True)
+        early_checks.check_resume_mode(cfg, state, latest.path)  # async groups not skipped
         start = state["step"]
         if rank0:
             prompts.load_state_dict(state["data"])

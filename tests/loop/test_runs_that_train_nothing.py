@@ -58,3 +58,20 @@ def test_weights_blown_up_by_the_learning_rate_is_one_line(tmp_path):
     assert rc == 2 and len(lines) == 1, err[-3000:]
     assert "weight version 1" in lines[0] and "optimizer" in lines[0], lines[0]
     assert "non-finite" in lines[0] or "not finite" in lines[0], lines[0]
+
+
+def test_async_checkpoint_resumed_in_sync_mode_is_refused(tmp_path):
+    """The groups an asynchronous checkpoint holds (finished untrained, in flight) would be
+    skipped by a synchronous resume: the switch is refused with one line."""
+    import shutil
+
+    (tmp_path / "rw.py").write_text(REWARDS)
+    rc, lines, err = _train(tmp_path, "rollout.mode=async", "train.max_steps=2",
+                            "checkpoint.interval=1")
+    assert rc == 0, err[-3000:]
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000002")
+    rc, lines, err = _train(tmp_path, "rollout.mode=sync", "train.max_steps=2",
+                            "checkpoint.interval=1")
+    assert rc == 2 and len(lines) == 1, err[-3000:]
+    assert "config error: rollout.mode: 'sync', but checkpoint" in lines[0] and \
+        "resume with rollout.mode=async" in lines[0], lines[0]
