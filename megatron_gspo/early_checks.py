@@ -1,7 +1,8 @@
 """Checks that run before the learner is built, so a wrong setting costs seconds and prints
 one line (a ConfigError naming the field) instead of a traceback after minutes of start-up:
-the model's architecture, the run and checkpoint directories, the parallel layout against the world size and the model,
-the KL reference, the agent environment, chat template and labels, routing replay.
+the model's architecture, the run and checkpoint directories, the parallel layout against the
+world size and the model, the KL reference, the agent environment, chat template and labels,
+routing replay.
 """
 
 from __future__ import annotations

@@ -196,12 +196,12 @@ def run_study(path: str | Path, out: str | Path | None = None, log=None,
 
     lock = RunDirLock(out).acquire()  # one study per --out (RunError naming the holder)
     try:
-        return _run_arms(path, spec, arms, out, log)
+        return _run_arms(path, spec, base, arms, out, log)
     finally:
         lock.release()
 
 
-def _run_arms(path, spec: StudySpec, arms: dict, out: Path, log) -> Path:
+def _run_arms(path, spec: StudySpec, base: Path, arms: dict, out: Path, log) -> Path:
     """The arms in order, then the summary (see `run_study`)."""
     from megatron_gspo.study_report import plot_study, summarize
 

@@ -95,8 +95,10 @@ def _rollout(tmp_path, *over):
 
 
 @pytest.mark.parametrize("kind,over,needle", [
-    ("tool parser", ["agent.tool_parser={dir}/parsers.py:boom"], "raised KeyError: 'parser bug'"),
-    ("tool parser", ["agent.tool_parser={dir}/parsers.py:garbage"], "returned str, expected ParsedAction"),
+    ("tool parser", ["agent.tool_parser={dir}/parsers.py:boom"],
+     "raised KeyError: 'parser bug'"),
+    ("tool parser", ["agent.tool_parser={dir}/parsers.py:garbage"],
+     "returned str, expected ParsedAction"),
     ("chat template", ["agent.chat_template={dir}/t.jinja"], "no tool role"),
 ])
 def test_every_episode_failing_stops_with_the_first_error(tmp_path, monkeypatch, kind, over,

@@ -55,7 +55,8 @@ def test_label_key_may_be_null(tmp_path):
 
 @pytest.mark.parametrize("override,match", [
     ("train.seed=-1", r"train.seed: expected int >= 0 and <= 2147483647, got -1"),
-    ("train.seed=100000000000000000000", r"train.seed: expected int >= 0 and <= 2147483647, got 1000"),
+    ("train.seed=100000000000000000000",
+     r"train.seed: expected int >= 0 and <= 2147483647, got 1000"),
     ("rollout.group_size=1", r"rollout.group_size: expected int >= 2"),
 ])
 def test_values_that_would_fail_or_learn_nothing_later(override, match):

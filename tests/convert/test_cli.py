@@ -205,7 +205,8 @@ def test_a_checkpoint_being_converted_is_not_rotated_away(tmp_path):
     ckpt = Checkpointer(root, keep_last=2)
     held = subprocess.Popen([sys.executable, "-c",
                              "import sys, time; from megatron_gspo.checkpoint import "
-                             f"hold_for_reading\nwith hold_for_reading({str(root / 'step_00000001')!r}):"
+                             "hold_for_reading\n"
+                             f"with hold_for_reading({str(root / 'step_00000001')!r}):"
                              "\n    print('held', flush=True); time.sleep(60)"],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

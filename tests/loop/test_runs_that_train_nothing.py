@@ -25,7 +25,10 @@ def const(text, label, meta):
 """
 
 
-def _train(tmp_path, *extra, timeout=int(os.environ.get("TRAIN_NOTHING_TIMEOUT", "240"))):
+TIMEOUT = int(os.environ.get("TRAIN_NOTHING_TIMEOUT", "240"))  # a hang fails after this
+
+
+def _train(tmp_path, *extra, timeout=TIMEOUT):
     (tmp_path / "rw.py").write_text(REWARDS)
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", str(CONFIG), "--run-dir",
            str(tmp_path / "run"), *FAST, *extra]

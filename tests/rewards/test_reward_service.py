@@ -159,7 +159,8 @@ def test_connection_refused_names_the_url():
     (b"<html>oops</html>", r"reply is not JSON .*starts '<html>oops</html>'"),
     (b'{"rewards": [1]}', "must be a JSON list of 1 numbers, got dict"),
     (b"[1, 2]", "reply has 2 rewards for a batch of 1 samples"),
-    (b'["1"]', r"reward 0 of the batch \(sample 0\) is '1'; expected a finite number within .* or null"),
+    (b'["1"]',
+     r"reward 0 of the batch \(sample 0\) is '1'; expected a finite number within .* or null"),
     (b"[true]", "reward 0 of the batch .* is True"),
     (b"[NaN]", "is nan"),
 ])

@@ -15,7 +15,8 @@ from tests.rewards.test_reward_service import Server, _items
 
 
 @pytest.mark.parametrize("reply,match", [
-    (b"[1" + b"0" * 400 + b"]", r"reward 0 of the batch \(sample 0\) is an integer of 401 digits; expected a finite"),
+    (b"[1" + b"0" * 400 + b"]",
+     r"reward 0 of the batch \(sample 0\) is an integer of 401 digits; expected a finite"),
     (b"[1" + b"0" * 5000 + b"]", "reply is not JSON"),
     (b"[" * 100_000 + b"]" * 100_000, "reply is nested too deep"),
 ])
