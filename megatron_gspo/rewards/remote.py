@@ -15,8 +15,8 @@ unscorable sample never ends a run).
 Batches go out `concurrency` at a time; a request that gets a 5xx status, a connection error or
 no complete answer within `timeout_s` (in all, not per read) is retried `retries` times with
 exponential back-off. When the service still fails, or answers with a 4xx status, text that
-is not JSON, a list of the wrong length or entries that are not numbers, the scoring raises a one-line RewardError naming the
-URL: a failing service is never a silent reward of 0.
+is not JSON, a list of the wrong length or entries that are not numbers, the scoring raises a
+one-line RewardError naming the URL: a failing service is never a silent reward of 0.
 """
 
 from __future__ import annotations
