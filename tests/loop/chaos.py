@@ -3,8 +3,9 @@ rename/COMPLETE window, a second writer, a damaged newest checkpoint, NaN steps,
 an asynchronous run, kill -9 of a study in the middle of its arm (its trainer must die too).
 After each injection the run is resumed to the end and must give the metrics of an undisturbed
 run (every non-timing value of every metrics.jsonl row, bit for bit), and nothing that looks
-complete may be wrong (every checkpoint with COMPLETE verifies, its trainer.json names its step; no lock
-left behind).
+complete may be wrong (every checkpoint with COMPLETE verifies, its trainer.json names its
+step; no lock left behind). An asynchronous run's numbers depend on timing: only its steps,
+checkpoints, lock and processes are checked.
 
     python tests/loop/chaos.py --rounds 10 --seed 0 [--workdir DIR] [--model DIR] [--kinds a,b]
 
