@@ -63,6 +63,7 @@ def test_weights_blown_up_by_the_learning_rate_is_one_line(tmp_path):
     assert "non-finite" in lines[0] or "not finite" in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_async_checkpoint_resumed_in_sync_mode_is_refused(tmp_path):
     """The groups an asynchronous checkpoint holds (finished untrained, in flight) would be
     skipped by a synchronous resume: the switch is refused with one line."""
