@@ -393,11 +393,17 @@ def _finite(buckets, version: int):
     from megatron_gspo.rundir import RunError
 
     for bucket in buckets:
-        for name, t in bucket:
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise RunError(f"the weights went non-finite ({name}) in the optimizer update "
-                               f"of step {version - 1} (weight version {version}); lower "
-                               "optimizer.lr or check the gradients")
+        floats = [(name, t) for name, t in bucket if t.is_floating_point()]
+        try:  # one device sync per bucket
+            ok = not floats or bool(torch.stack([torch.isfinite(t).all() for _, t in floats])
+                                    .all())
+        except RuntimeError:  # tensors on several devices
+            ok = all(bool(torch.isfinite(t).all()) for _, t in floats)
+        if not ok:
+            name = next(n for n, t in floats if not bool(torch.isfinite(t).all()))
+            raise RunError(f"the weights went non-finite ({name}) in the optimizer update "
+                           f"of step {version - 1} (weight version {version}); lower "
+                           "optimizer.lr or check the gradients")
         yield bucket
 
 
