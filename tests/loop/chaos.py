@@ -239,10 +239,14 @@ class Chaos:
         numbers depend on the overlap's timing, so they are not compared with a reference."""
         for _ in range(self.rng.randint(1, 2)):
             p = self.start(run, extra=ASYNC)
-            time.sleep(self.rng.uniform(0.2, 1.0) * self.ref_time)
+            step = self.rng.randint(1, STEPS - 1)  # mid-run: after a checkpoint, not by time
+            self._wait_for(p, run / "checkpoints" / f"step_{step:08d}" / "COMPLETE")
+            time.sleep(self.rng.uniform(0.0, 2.0))
             pids = self._run_pids(run)
             if self._kill(p):
                 self.counts["async_kill"] += 1
+            else:
+                self.problems.append(f"{run.name}: the async run ended before the kill")
             self._check_gone(run, pids)
             self.check_complete(run)
         self.finish(run, extra=ASYNC)
@@ -269,12 +273,15 @@ class Chaos:
         p = subprocess.Popen(cmd, cwd=ROOT, env=self._env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
         arm = run / "out" / "a"
-        self._wait_for(p, arm / "run.lock")
-        time.sleep(self.rng.uniform(0.1, 0.8) * self.ref_time)
+        step = self.rng.randint(1, STEPS - 1)
+        self._wait_for(p, arm / "checkpoints" / f"step_{step:08d}" / "COMPLETE")
+        time.sleep(self.rng.uniform(0.0, 2.0))
         pids = self._run_pids(arm)
         if self._kill(p):
             self.counts["study_kill"] += 1
             self._check_gone(arm, pids)
+        else:
+            self.problems.append(f"{run.name}: the study ended before the kill")
         r = subprocess.run(cmd, cwd=ROOT, env=self._env(), capture_output=True, text=True,
                            timeout=900)
         self.counts["resumes"] += 1
