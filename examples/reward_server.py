@@ -4,7 +4,7 @@ scores each response with the built-in `math` reward. Run it, then train with
 
     python examples/reward_server.py --port 8008
 
-`GET /stats` answers the math-verify counters of the service (comparisons, timeouts, worker
+`GET /stats` answers the math-verify totals of the service (comparisons, timeouts, worker
 crashes) as JSON. A thread serves each request; the math-verify worker is shared and outlives
 the threads, so every thread gets the same answers.
 """
@@ -35,7 +35,7 @@ class Handler(BaseHTTPRequestHandler):
                      for s in body["samples"]])
 
     def do_GET(self):  # noqa: N802
-        self._reply(verifier_counts())
+        self._reply(verifier_counts(since_last=False))
 
 
 if __name__ == "__main__":

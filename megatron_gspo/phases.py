@@ -68,7 +68,7 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
         m[f"rollout/engine_{k}_total"] = float(v)
     from megatron_gspo.rewards.verifier import verifier_counts
 
-    m.update(verifier_counts())  # math-verify comparisons cut at their limit / crashed
+    m.update(verifier_counts())  # this step's math-verify comparisons, timeouts, crashes
     if not samples:
         raise RolloutError(f"step {step}: no group to train: {_why_no_group(m)}")
     if _colocated_sglang(cfg):  # hand the GPUs to the learner until the next weight sync

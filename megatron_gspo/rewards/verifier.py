@@ -200,12 +200,23 @@ def default_verifier() -> MathVerifier:
         return _DEFAULT
 
 
-def verifier_counts() -> dict[str, float]:
-    """Totals of the process-wide verifier since start, as metrics: `rewards/verifier_calls`,
-    `rewards/verifier_timeouts`, `rewards/verifier_crashes` ({} while none was used)."""
+_REPORTED = {"calls": 0, "timeouts": 0, "crashes": 0}  # totals at the last verifier_counts()
+
+
+def verifier_counts(since_last: bool = True) -> dict[str, float]:
+    """The process-wide verifier's counters as metrics: `rewards/verifier_calls`,
+    `rewards/verifier_timeouts`, `rewards/verifier_crashes` ({} while none was used).
+
+    Args:
+        since_last: counts since the previous call (per training step, so a resumed run logs
+            the same numbers as an uninterrupted one); False: totals since start.
+    """
     v = _DEFAULT
     if v is None:
         return {}
-    return {"rewards/verifier_calls": float(v.calls),
-            "rewards/verifier_timeouts": float(v.timeouts),
-            "rewards/verifier_crashes": float(v.crashes)}
+    now = {"calls": v.calls, "timeouts": v.timeouts, "crashes": v.crashes}
+    out = {f"rewards/verifier_{k}": float(n - (_REPORTED[k] if since_last else 0))
+           for k, n in now.items()}
+    if since_last:
+        _REPORTED.update(now)
+    return out
