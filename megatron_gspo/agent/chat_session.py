@@ -38,6 +38,17 @@ class ChatTemplateError(ValueError):
     """The chat template cannot extend an episode token by token (ends the run)."""
 
 
+class TemplateRenderError(ValueError):
+    """The chat template raised while rendering one conversation (fails that episode only)."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join((str(e).strip().splitlines() or [""])[0].split())
+    line = getattr(e, "lineno", None)
+    where = f" (template line {line})" if line else ""
+    return f"{type(e).__name__}: {text[:300]}{where}"
+
+
 class BuiltinChat:
     """The built-in Qwen3/ChatML renderer (`megatron_gspo.agent.chat`)."""
 
@@ -90,8 +101,11 @@ class TemplateChat:
         self.enable_thinking = enable_thinking
         self.template = template
         probe = "PROBE_CONTENT_7f3a"
-        text = self.render([{"role": "user", "content": "x"},
-                            {"role": "assistant", "content": probe}], None, gen=False)
+        try:
+            text = self.render([{"role": "user", "content": "x"},
+                                {"role": "assistant", "content": probe}], None, gen=False)
+        except TemplateRenderError as e:
+            raise ChatTemplateError(f"agent.chat_template: {e}") from None
         if probe not in text:
             raise ChatTemplateError("chat template does not render an assistant message's "
                                     "content; cannot tell where a model turn ends")
@@ -108,8 +122,14 @@ class TemplateChat:
         kwargs: dict[str, Any] = {"enable_thinking": self.enable_thinking}
         if self.template is not None:
             kwargs["chat_template"] = self.template
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=gen, tokenize=False, **kwargs)
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=gen, tokenize=False,
+                **kwargs)
+        except Exception as e:  # noqa: BLE001 - Jinja syntax/undefined errors, raise_exception
+            roles = ", ".join(str(m.get("role")) for m in messages[-3:])
+            raise TemplateRenderError(f"the chat template failed on a conversation ending in "
+                                      f"[{roles}]: {_first_line(e)}") from None
 
     def session(self) -> TemplateSession:
         return TemplateSession(self)

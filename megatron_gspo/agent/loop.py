@@ -9,7 +9,7 @@ turn-level advantages for GSPO-token.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -17,6 +17,7 @@ from megatron_gspo.agent import build_runner
 from megatron_gspo.agent.runner import episode_metrics
 from megatron_gspo.algo.turn_advantages import assign_multiturn_advantages
 from megatron_gspo.data.sample import Sample
+from megatron_gspo.rollout.base import RolloutError
 
 
 def _item(req: Any) -> dict[str, Any]:
@@ -75,6 +76,7 @@ def rollout_episodes(
     runner = make_runner(cfg, engine, tok)
     samples = runner.run_batch_sync(items, n_per_prompt=cfg.rollout.group_size)
     metrics = episode_metrics(samples)
+    metrics["events"] = _episode_failures(samples, step)
     if cfg.rollout.drop_zero_variance_groups:
         g = cfg.rollout.group_size
         keep: list[Sample] = []
@@ -87,6 +89,68 @@ def rollout_episodes(
     for i, s in enumerate(samples):
         s.index = i
     return samples, metrics
+
+
+_REPORTED: set[str] = set()  # kinds of episode errors already in the log (first one each)
+
+
+def _episode_failures(samples: list[Sample], step: int) -> list[str]:
+    """Log lines for the first episode error of each kind (tool parser, chat template,
+    environment) in this process; RolloutError when every episode failed, or when no episode
+    holds a token to train.
+
+    Returns:
+        the new log lines (for events.log).
+    """
+    failed = [s for s in samples if "env_error" in s.metadata]
+    notes = []
+    for s in failed:
+        kind = s.metadata.get("error_kind", "environment")
+        if kind not in _REPORTED:
+            _REPORTED.add(kind)
+            notes.append(f"step {step}: first {kind} error in an episode (the episode is "
+                         f"dropped to reward 0): {s.metadata['env_error']}")
+    if failed and len(failed) == len(samples):
+        first = failed[0].metadata
+        raise RolloutError(f"step {step}: every one of {len(samples)} episodes failed; the "
+                           f"first {first.get('error_kind', 'environment')} error: "
+                           f"{first['env_error']}")
+    if samples and not any(s.num_trainable for s in samples):
+        stops = sorted({str(s.metadata.get("stop_reason")) for s in samples})
+        raise RolloutError(f"step {step}: none of {len(samples)} episodes holds a model token "
+                           f"to train (stop reasons: {', '.join(stops)}); is "
+                           "agent.max_total_tokens shorter than the opening prompt?")
+    return notes
+
+
+def check_opening_prompts(cfg: Any, tok: Any, items: Sequence[Any], rows: int = 8) -> None:
+    """The rendered opening prompt (environment reset, tool list, chat template) of the first
+    `rows` dataset items leaves room under `agent.max_total_tokens` for the model's turns.
+
+    Raises:
+        ConfigError naming both numbers and the row.
+    """
+    import asyncio
+
+    from megatron_gspo.agent.runner import opening_prompt
+    from megatron_gspo.config import ConfigError
+
+    runner = make_runner(cfg, _NoEngine(), tok)
+    limit = cfg.agent.max_total_tokens
+    for item in items[:rows]:
+        n = len(asyncio.run(opening_prompt(runner, _item(item))))
+        if n >= limit:
+            raise ConfigError(f"agent.max_total_tokens: {limit} tokens, but the rendered "
+                              f"opening prompt of row {getattr(item, 'row', '?')} (tool list "
+                              f"included) is {n} tokens; raise agent.max_total_tokens above "
+                              f"{n} plus room for the model's turns")
+
+
+class _NoEngine:
+    """Stands in for the engine where only prompts are rendered (no generation)."""
+
+    default_sampling = None
+    weight_version = 0
 
 
 def evaluate_episodes(cfg: Any, engine: Any, requests: Iterable[Any], tok: Any) -> dict:

@@ -22,9 +22,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_gspo.agent.chat import QWEN3, ChatFormat
-from megatron_gspo.agent.chat_session import ChatTemplateError, make_chat
-from megatron_gspo.agent.tool_parsers import ToolParser, resolve_tool_parser
-from megatron_gspo.data.sample import Sample
+from megatron_gspo.agent.chat_session import ChatTemplateError, TemplateRenderError, make_chat
+from megatron_gspo.agent.tool_parsers import (ToolParser, ToolParserError, checked_parser,
+                                              resolve_tool_parser)
+from megatron_gspo.agent.episode_stats import episode_metrics, merge_info  # noqa: F401
+from megatron_gspo.data.sample import MAX_ABS_REWARD, Sample
 from megatron_gspo.rollout.base import GenerateRequest, RolloutEngine, SamplingParams
 
 
@@ -185,8 +187,8 @@ class EpisodeRunner:
         if max_concurrent < 1:
             raise ValueError(f"agent.max_concurrent must be >= 1, got {max_concurrent}")
         self.max_concurrent = max_concurrent
-        self.parser = (tool_parser if isinstance(tool_parser, ToolParser)
-                       else resolve_tool_parser(tool_parser))
+        self.parser = checked_parser(tool_parser if isinstance(tool_parser, ToolParser)
+                                     else resolve_tool_parser(tool_parser))
         self.chat = make_chat(chat_template, tokenizer, self.parser, fmt=fmt,
                               enable_thinking=enable_thinking)
         self.im_end_id = self._single_token(self.chat.turn_end)
@@ -302,7 +304,7 @@ class EpisodeRunner:
                     finish, stop = "abort", "episode_timeout"
                     break
                 rewards.append(_turn_reward(res.reward))
-                _merge_info(metrics, res.info)
+                merge_info(metrics, res.info)
                 if res.done:
                     finish, stop = "stop", "done"
                     break
@@ -325,6 +327,9 @@ class EpisodeRunner:
         except Exception as exc:  # noqa: BLE001  (a broken environment ends only its episode)
             finish, stop = "abort", "env_error"
             metrics["env_error"] = f"{type(exc).__name__}: {exc}"
+            metrics["error_kind"] = ("tool parser" if isinstance(exc, ToolParserError) else
+                                     "chat template" if isinstance(exc, TemplateRenderError)
+                                     else "environment")
             metrics["env_errors"] = 1  # counted: agent/env_errors is the share of episodes
             if not prompt_ids:  # reset failed: keep a valid (untrainable) placeholder prompt
                 prompt_ids = [self.im_end_id]
@@ -394,6 +399,16 @@ class EpisodeRunner:
         return runner(self.run_batch(items, n_per_prompt))
 
 
+async def opening_prompt(runner: EpisodeRunner, item: Any) -> list[int]:
+    """Token ids of an episode's opening prompt (environment reset, tool list, template)."""
+    env = runner.env_factory()
+    try:
+        messages = await asyncio.wait_for(env.reset(item), runner.limits.episode_timeout_s)
+        return runner._encode(runner.chat.session().start(messages, env.tool_schemas()))
+    finally:
+        await env.close()
+
+
 class _EngineFailure(Exception):
     """Carries an engine exception through the episode's environment-error handler."""
 
@@ -407,37 +422,7 @@ def _turn_reward(value: Any) -> float:
     out = float(value)
     if not math.isfinite(out):
         raise ValueError(f"environment returned reward {out}; expected a finite number")
-    return out
-
-
-def _merge_info(metrics: dict[str, Any], info: dict[str, Any]) -> None:
-    """Sum numeric info into the episode metrics; keep the last value of anything else."""
-    for k, v in info.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            metrics[k] = metrics.get(k, 0) + v
-        else:
-            metrics[k] = v
-
-
-def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
-    """Batch means of the numeric episode metrics (and of the reward), for logging.
-
-    Tool-error counts are reported as totals per episode (mean over episodes); stop reasons as
-    shares (`stop/<reason>`).
-    """
-    out: dict[str, float] = {}
-    n = max(len(samples), 1)
-    keys: set[str] = set()
-    for s in samples:
-        keys |= {
-            k
-            for k, v in s.metadata.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
-    for k in sorted(keys):
-        out[f"agent/{k}"] = sum(float(s.metadata.get(k, 0)) for s in samples) / n
-    for s in samples:
-        key = f"agent/stop/{s.metadata.get('stop_reason', 'unknown')}"
-        out[key] = out.get(key, 0.0) + 1.0 / n
-    out["agent/reward"] = sum(float(s.reward or 0.0) for s in samples) / n
+    if abs(out) > MAX_ABS_REWARD:  # group advantages of such rewards overflow float32
+        raise ValueError(f"environment returned reward {out:g}; expected a number within "
+                         f"[{-MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]")
     return out

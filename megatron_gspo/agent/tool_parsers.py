@@ -42,6 +42,34 @@ class ToolParser:
     call_end: str | None = None
 
 
+class ToolParserError(ValueError):
+    """A tool parser raised or returned something other than a ParsedAction (fails that
+    episode only; the runner names the parser)."""
+
+
+def checked_parser(parser: ToolParser) -> ToolParser:
+    """`parser` whose exceptions and malformed results become one-line ToolParserErrors."""
+    fn = parser.parse
+
+    def parse(text: str) -> ParsedAction:
+        try:
+            out = fn(text)
+        except Exception as e:  # noqa: BLE001 - user code
+            msg = " ".join(str(e).split())[:300]
+            raise ToolParserError(f"tool parser {parser.name!r} raised {type(e).__name__}: "
+                                  f"{msg}") from None
+        ok = isinstance(out, ParsedAction) and isinstance(out.content, str) \
+            and isinstance(out.tool_calls, list) \
+            and all(isinstance(c, ToolCall) for c in out.tool_calls)
+        if not ok:
+            raise ToolParserError(f"tool parser {parser.name!r} returned {out!r:.80} "
+                                  f"({type(out).__name__}); expected a ParsedAction with str "
+                                  "content and a list of ToolCalls")
+        return out
+
+    return ToolParser(parser.name, parse, parser.call_end)
+
+
 def _add(got: ToolCall | str, calls: list[ToolCall], errors: list[str]) -> None:
     if isinstance(got, str):
         errors.append(got)

@@ -59,10 +59,12 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from megatron_gspo.data.datasets import DatasetError
     from megatron_gspo.data.sample import SampleError
     from megatron_gspo.rewards import RewardError
+    from megatron_gspo.megatron.model import ModelConfigError  # e.g. a checkpoint's model
+    from megatron_gspo.rollout.base import RolloutError  # every sampled group failed, ...
     from megatron_gspo.run.rundir import RunError  # run-dir lock, checkpoints, diverged training
 
     return (DatasetError, RewardError, ConversionError, SampleError, FileNotFoundError, RunError,
-            ChatTemplateError)
+            ChatTemplateError, ModelConfigError, RolloutError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,12 +55,41 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextmanager
+def _held(ckpt: str):
+    """`--ckpt` resolved to one run checkpoint (step_N) held against rotation while it is read
+    (`checkpoint.hold_for_reading`); a converted checkpoint is passed through. A checkpoint
+    removed before it could be held, or while it was read, is a one-line "retry" error."""
+    from megatron_gspo.run.checkpoint import hold_for_reading
+    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.sources import resolve_checkpoint
+
+    src = resolve_checkpoint(ckpt)
+    if src.kind != "run":
+        yield ckpt
+        return
+    gone = ConversionError(f"--ckpt {ckpt}: checkpoint {src.root} was removed while reading "
+                           "(the training run rotated it away); retry")
+    try:
+        with hold_for_reading(src.root):
+            try:
+                yield str(src.root)
+            except (ConversionError, OSError):
+                if not (src.root / "COMPLETE").is_file():
+                    raise gone from None
+                raise
+    except FileNotFoundError:
+        raise gone from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry of `megatron-gspo convert` and tools/convert_checkpoint.py; returns the exit code."""
     args = _parser().parse_args(argv)
     from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.guards import check_out_writable
 
     try:
+        check_out_writable(args.out)  # before anything is read or loaded
         from megatron_gspo.megatron import conversion as conv
 
         world = conv.conversion_world_size(args.tp, args.pp, args.ep)
@@ -79,17 +109,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if args.max_shard_size <= 0:
                 raise ConversionError(f"--max-shard-size must be > 0, got {args.max_shard_size}")
-            plan = conv.check_mcore_to_hf(args.ckpt, args.hf_config, args.out, args.force)
-            conv.launch(
-                conv.mcore_to_hf,
-                world,
-                **plan,
-                out=args.out,
-                dtype=dtype,
-                max_shard_bytes=int(args.max_shard_size * 2**30),
-                **common,
-            )
-    except (ConversionError, ValueError) as e:
+            with _held(args.ckpt) as ckpt:  # a training run cannot rotate it away meanwhile
+                plan = conv.check_mcore_to_hf(ckpt, args.hf_config, args.out, args.force)
+                conv.launch(
+                    conv.mcore_to_hf,
+                    world,
+                    **plan,
+                    out=args.out,
+                    dtype=dtype,
+                    max_shard_bytes=int(args.max_shard_size * 2**30),
+                    **common,
+                )
+    except (ConversionError, ValueError, FileNotFoundError) as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 1
     print(f"convert_checkpoint: wrote {args.out}")

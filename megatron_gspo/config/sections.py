@@ -95,7 +95,8 @@ class OptimizerConfig:
 @dataclass
 class RolloutConfig:
     engine: str = option("embedded", "rollout engine", choices=("embedded", "sglang"))
-    group_size: int = option(8, "responses sampled per prompt (G)", ge=1)
+    group_size: int = option(8, "responses sampled per prompt (G); at least 2, as the "
+                             "advantages are relative to the prompt's group", ge=2)
     temperature: float = option(1.0, "sampling temperature (the learner uses the same)", gt=0)
     top_p: float = option(1.0, "nucleus sampling threshold", gt=0, le=1)
     top_k: int = option(-1, "top-k sampling (-1 disables)", ge=-1)
@@ -291,7 +292,8 @@ class RewardConfig:
                              "reward.name (schema: docs/rewards.md)")
     url_batch_size: int = option(64, "reward service: samples per request", ge=1)
     url_concurrency: int = option(8, "reward service: requests in flight at once", ge=1)
-    url_timeout: float = option(60.0, "reward service: seconds to wait for a reply", gt=0)
+    url_timeout: float = option(60.0, "reward service: seconds one request may take in all "
+                                "(connect and the whole reply)", gt=0)
     url_retries: int = option(3, "reward service: retries after a 5xx status, a connection "
                               "error or a timeout", ge=0)
     url_backoff: float = option(0.5, "reward service: seconds before the first retry, doubled "
@@ -341,7 +343,8 @@ class AgentConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = option(100, "RL steps (rollout + updates) to run", ge=1)
-    seed: int = option(1234, "seed of data order, sampling and initialisation")
+    seed: int = option(1234, "seed of data order, sampling and initialisation", ge=0,
+                       le=2**31 - 1)
     resume: str = option("auto", "auto: continue from the newest intact checkpoint (a damaged "
                          "one is moved aside); never: start fresh, an error if the run dir "
                          "already holds checkpoints or metrics", choices=("auto", "never"))

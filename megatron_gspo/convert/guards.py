@@ -48,6 +48,33 @@ def check_out_disjoint(out: str | os.PathLike, inputs: Mapping[str, str | os.Pat
         )
 
 
+def check_out_writable(out: str | os.PathLike) -> None:
+    """Refuse an output directory that cannot be created and written (checked before any
+    input is read): its nearest existing ancestor must be a directory that takes a new file.
+
+    Args:
+        out: the output directory (need not exist; replaced through a temp directory beside
+            it, so the parent must be writable too).
+    """
+    import tempfile
+
+    o = Path(os.path.abspath(out))
+    if o.exists() and not o.is_dir():
+        raise ConversionError(f"--out {out} cannot be written: it is a file, not a directory")
+    base = o.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ConversionError(f"--out {out} cannot be written: {base} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write_check_", dir=base)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConversionError(f"--out {out} cannot be written: {base}: "
+                              f"{e.strerror or e}") from None
+
+
 def _rope(cfg: Mapping) -> tuple[float, tuple | None]:
     params = cfg.get("rope_parameters") or {}
     theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))

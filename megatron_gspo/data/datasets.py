@@ -83,6 +83,15 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, str, Any]]:
                 yield i, where, _BadRow(f"invalid JSON ({e.msg} at column {e.colno})")
 
 
+def _as_dataset_errors(rows: Iterator[tuple[int, str, Any]], kind: type[Exception]
+                       ) -> Iterator[tuple[int, str, Any]]:
+    """`rows`, with a reading error of type `kind` re-raised as a DatasetError."""
+    try:
+        yield from rows
+    except kind as e:
+        raise DatasetError(str(e)) from None
+
+
 def _read_parquet(path: Path) -> Iterator[tuple[int, str, Any]]:
     """Yield (row index, where, row dict) for each row of a Parquet file."""
     import pyarrow.parquet as pq
@@ -158,6 +167,7 @@ class PromptDataset:
                 _, rows = hf_datasets.load_rows(str(path), split, dataset_config)
             except hf_datasets.HFDatasetError as e:
                 raise DatasetError(str(e)) from None
+            rows = _as_dataset_errors(rows, hf_datasets.HFDatasetError)
         elif suffix in SUFFIXES_JSONL:
             rows = _read_jsonl(self.path)
         elif suffix in SUFFIXES_PARQUET:

@@ -7,6 +7,7 @@ same prompt/label columns (`data.prompt_key`, `data.label_key`) and bad-row rule
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -66,6 +67,10 @@ def load_rows(source: str | Path, split: str = "train",
         except (FileNotFoundError, ValueError) as e:
             raise HFDatasetError(f"{source}: not a directory written by datasets' save_to_disk "
                                  f"({_first_line(e)})") from None
+        except (OSError, TypeError, KeyError, IndexError, AttributeError) as e:
+            # an empty save, a truncated .arrow file, a damaged state.json / dataset_info.json
+            raise HFDatasetError(f"{source}: cannot read the saved dataset ({_first_line(e)}); "
+                                 "is it damaged or empty? save it again") from None
     else:
         where = f"{source}{'/' + config if config else ''} [{split}]"
         try:
@@ -76,7 +81,15 @@ def load_rows(source: str | Path, split: str = "train",
     ds = _pick_split(obj, split, source)
 
     def rows() -> Iterator[tuple[int, str, Any]]:
-        for i, row in enumerate(ds):
+        it = iter(ds)
+        for i in itertools.count():
+            try:
+                row = next(it)
+            except StopIteration:
+                return
+            except (OSError, ValueError, TypeError, KeyError, IndexError) as e:  # damaged data
+                raise HFDatasetError(f"{where} row {i}: cannot read the saved dataset "
+                                     f"({_first_line(e)})") from None
             yield i, f"{where} row {i}", dict(row)
 
     return where, rows()

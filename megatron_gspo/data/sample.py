@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FINISH_REASONS = ("stop", "length", "abort")
+# Largest |reward| a Sample may carry: group means, squares and sums of rewards up to this size
+# stay finite in float32 (whose largest value is 3.4e38), so advantages never turn NaN.
+MAX_ABS_REWARD = 1e15
 
 
 class SampleError(ValueError):

@@ -348,7 +348,10 @@ def _dataset(cfg: Config, tok, path: str, split: str | None = None):
                                  skip_bad_rows=d.skip_bad_rows,
                                  split=split or d.train_split, dataset_config=d.dataset_config)
     if cfg.agent.enabled:
+        from megatron_gspo.agent.loop import check_opening_prompts
+
         check_agent_labels(cfg, ds)
+        check_opening_prompts(cfg, tok, ds.items)  # room under agent.max_total_tokens
     return ds
 
 

@@ -1,7 +1,8 @@
 """Checks that run before the learner is built, so a wrong setting costs seconds and prints
 one line (a ConfigError naming the field) instead of a traceback after minutes of start-up:
-the run and checkpoint directories, the parallel layout against the world size and the model,
-the KL reference, the agent environment, chat template and labels, routing replay.
+the model's architecture, the run and checkpoint directories, the parallel layout against the
+world size and the model, the KL reference, the agent environment, chat template and labels,
+routing replay.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
     """
     from megatron_gspo.megatron.parallel import ParallelLayout, ParallelLayoutError, check_layout
 
+    check_model(cfg.model.path, hf_config)
     p = cfg.parallel
     layout = ParallelLayout(tensor=p.tensor, pipeline=p.pipeline,
                             virtual_pipeline=p.virtual_pipeline, expert=p.expert,
@@ -85,6 +87,17 @@ def check_memory(cfg: Config, hf_config: dict, world: int, gpu_bytes: int | None
         gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     check_before_launch(cfg, hf_config, gpu_bytes=gpu_bytes, world=world,
                         gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def check_model(path: str | None, hf_config: dict) -> None:
+    """The learner can build the model of `hf_config` (supported architecture, activation,
+    biases, rope scaling, head counts): a ConfigError naming model.path otherwise."""
+    from megatron_gspo.megatron.model import ModelConfigError, build_model_config
+
+    try:
+        build_model_config(hf_config, use_te=False)
+    except ModelConfigError as e:
+        raise ConfigError(f"model.path: {path}: {e}") from None
 
 
 def is_moe(hf_config: dict) -> bool:
@@ -193,3 +206,17 @@ def check_agent_labels(cfg: Config, ds) -> None:
     if not keep:
         raise DatasetError(f"{ds.path}: no usable rows ({len(ds.skipped)} bad rows skipped)")
     ds.items = keep
+
+
+def check_resume_mode(cfg: Config, state: dict, path) -> None:
+    """A checkpoint of an asynchronous run that holds finished untrained groups or groups in
+    flight resumes only with `rollout.mode: async` (a synchronous run would skip them)."""
+    pending = state.get("async") or {}
+    if cfg.rollout.mode == "async" or not pending:
+        return
+    finished, redo = len(pending.get("finished") or []), len(pending.get("redo") or [])
+    if finished or redo:
+        raise ConfigError(f"rollout.mode: 'sync', but checkpoint {path} was written by an "
+                          f"asynchronous run and holds {finished} finished untrained groups and "
+                          f"{redo} in flight, which a synchronous run would skip; resume with "
+                          "rollout.mode=async")

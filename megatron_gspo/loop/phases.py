@@ -28,6 +28,7 @@ from megatron_gspo.loop.build import DTYPES
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rewards.overlong import apply_overlong
+from megatron_gspo.rollout.base import RolloutError
 
 
 def _requests(prompts):
@@ -61,12 +62,18 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
                                sampling=SamplingParams.for_rollouts(cfg.rollout, tok),
                                oversample_factor=cfg.rollout.over_sample,
                                drop_zero_variance=cfg.rollout.drop_zero_variance_groups)
-        samples, gm = sampler.collect(_requests(prompts), cfg.train.prompts_per_step)
+        try:
+            samples, gm = sampler.collect(_requests(prompts), cfg.train.prompts_per_step)
+        except RolloutError as e:  # e.g. every sampled group had a failed sample
+            raise RolloutError(f"step {step}: {e}") from None
         m = {f"rollout/{k}": v for k, v in gm.items()}
     for k, v in getattr(engine, "metrics", {}).items():  # SGLang client counters, since start
         m[f"rollout/engine_{k}_total"] = float(v)
+    from megatron_gspo.rewards.verifier import verifier_counts
+
+    m.update(verifier_counts())  # this step's math-verify comparisons, timeouts, crashes
     if not samples:
-        raise RuntimeError(f"step {step}: the rollout produced no complete group")
+        raise RolloutError(f"step {step}: no group to train: {_why_no_group(m)}")
     if _colocated_sglang(cfg):  # hand the GPUs to the learner until the next weight sync
         engine.release_memory()
     rewards = torch.tensor([float(s.reward) for s in samples])
@@ -85,6 +92,17 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
         "rollout/weight_version": float(min(s.weight_version for s in samples)),
     })
     return samples, m
+
+
+def _why_no_group(m: dict) -> str:
+    """What happened to a round's groups, from the rollout metrics."""
+    zero = int(m.get("rollout/groups_zero_variance", m.get("agent/dropped_groups", 0)))
+    total = int(m.get("rollout/groups_generated", zero))
+    if zero:
+        return (f"{zero} of {total} sampled groups had equal rewards (dropped by "
+                "rollout.drop_zero_variance_groups); every reward the same is usually a reward "
+                "function or label problem")
+    return f"{total} groups sampled, none complete (prompts exhausted?)"
 
 
 def _colocated_sglang(cfg: Config) -> bool:
@@ -364,8 +382,8 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
         from megatron_gspo.rollout.multinode.colocated import offload_around_stream
 
         learner.onload(["weights"] if "weights" in learner.offloaded_parts() else [])
-    buckets = export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
-                                dtype=dtype)
+    buckets = _finite(export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
+                                        dtype=dtype), version)
     if offload:
         buckets = offload_around_stream(learner, buckets)
     if _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
@@ -434,6 +452,26 @@ def verify_sync(learner, engine, cfg: Config, version: int) -> float:
     if not lead:
         return 0.0
     return check_sync_probe(version, probes, mine, PROBE_TOLERANCE[cfg.model.dtype])
+
+
+def _finite(buckets, version: int):
+    """The exported buckets, checked on the way: a non-finite weight stops the run naming the
+    tensor and the update that made it (every rank sees the same gathered tensors)."""
+    from megatron_gspo.run.rundir import RunError
+
+    for bucket in buckets:
+        floats = [(name, t) for name, t in bucket if t.is_floating_point()]
+        try:  # one device sync per bucket
+            ok = not floats or bool(torch.stack([torch.isfinite(t).all() for _, t in floats])
+                                    .all())
+        except RuntimeError:  # tensors on several devices
+            ok = all(bool(torch.isfinite(t).all()) for _, t in floats)
+        if not ok:
+            name = next(n for n, t in floats if not bool(torch.isfinite(t).all()))
+            raise RunError(f"the weights went non-finite ({name}) in the optimizer update "
+                           f"of step {version - 1} (weight version {version}); lower "
+                           "optimizer.lr or check the gradients")
+        yield bucket
 
 
 def _tensor_sync(cfg: Config) -> bool:

@@ -70,6 +70,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     latest = ckpt.resume_point() if cfg.train.resume == "auto" else None  # verified
     if latest is not None:
         state = ckpt.load(latest.path, learner, verified=True)
+        early_checks.check_resume_mode(cfg, state, latest.path)  # async groups not skipped
         start = state["step"]
         if rank0:
             prompts.load_state_dict(state["data"])
@@ -130,6 +131,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         if rank0:
             samples, rollout_m = phases.rollout(cfg, engine, prompts, reward, tokenizer, step,
                                                 producer)
+            for note in rollout_m.pop("events", ()):  # first episode error of each kind
+                log.event(note)
             m.update(rollout_m)
         samples = phases.broadcast(samples)
         if every_node and engine is not None and not rank0:  # this node's servers, as rank 0's

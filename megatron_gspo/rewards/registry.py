@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from megatron_gspo.data.sample import Sample
+from megatron_gspo.data.sample import MAX_ABS_REWARD, Sample
 from megatron_gspo.rewards.math import (
     exact_match_reward,
     math_boxed_strict_reward,
@@ -200,6 +200,10 @@ def _score_one(s: Sample, reward_fn: RewardFn, detokenize: Callable[[list[int]],
     value = real
     if not math.isfinite(value):
         raise RewardError(f"reward {name} returned {value} for sample {s.index}")
+    if abs(value) > MAX_ABS_REWARD:
+        raise RewardError(f"reward {name} returned {value:g} for sample {s.index} (group "
+                          f"{s.group_index}): outside [{-MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]"
+                          ", where group advantages stay finite in float32")
     return value
 
 

@@ -13,10 +13,10 @@ generation: its group is dropped from training and it is left out of evaluation,
 unscorable sample never ends a run).
 
 Batches go out `concurrency` at a time; a request that gets a 5xx status, a connection error or
-no answer within `timeout_s` is retried `retries` times with exponential back-off. When the
-service still fails, or answers with a 4xx status, text that is not JSON, a list of the wrong
-length or entries that are not numbers, the scoring raises a one-line RewardError naming the
-URL: a failing service is never a silent reward of 0.
+no complete answer within `timeout_s` (in all, not per read) is retried `retries` times with
+exponential back-off. When the service still fails, or answers with a 4xx status, text that
+is not JSON, a list of the wrong length or entries that are not numbers, the scoring raises a
+one-line RewardError naming the URL: a failing service is never a silent reward of 0.
 """
 
 from __future__ import annotations
@@ -26,16 +26,29 @@ import math
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from megatron_gspo.data.sample import Sample
+from megatron_gspo.data.sample import MAX_ABS_REWARD, Sample
 from megatron_gspo.rewards.registry import RewardError
 
 FAILED_KEY = "rollout_error"  # the failed-sample mark that group sampling and evaluation honour
+
+
+def _finite(v: int | float) -> bool:
+    """A number within [-MAX_ABS_REWARD, MAX_ABS_REWARD] (JSON integers have no size limit)."""
+    try:
+        return math.isfinite(float(v)) and abs(float(v)) <= MAX_ABS_REWARD
+    except OverflowError:
+        return False
+
+
+def _describe(v: Any) -> str:
+    """A reward entry for an error message (a huge JSON integer by its length)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        return f"an integer of {len(str(abs(v)))} digits"
+    return f"{v!r:.40}"
 
 
 class _Retryable(Exception):
@@ -49,7 +62,7 @@ class RewardService:
         url: the service's endpoint (http:// or https://).
         batch_size: samples per request.
         concurrency: requests in flight at once.
-        timeout_s: seconds to wait for a reply (connect and each read).
+        timeout_s: seconds one request may take in all (connect, send, the whole reply).
         retries: further attempts after a retryable failure.
         backoff_s: wait before the first retry; doubled for each further one.
         kwargs: passed to the service as the request's "kwargs" (config reward.kwargs).
@@ -74,28 +87,57 @@ class RewardService:
             self.stats[key] += n
 
     def _post(self, body: bytes) -> bytes:
-        """One attempt; raises _Retryable or RewardError."""
-        req = urllib.request.Request(self.url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+        """One attempt within `timeout_s` in all (connect, headers and body: a reply that
+        trickles in a byte at a time is cut off at the deadline); raises _Retryable or
+        RewardError."""
+        import http.client
+        import urllib.parse
+
+        u = urllib.parse.urlsplit(self.url)
+        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = cls(u.hostname, u.port, timeout=self.timeout_s)
+        expired = threading.Event()
+
+        def cut_off() -> None:  # wakes a blocked read: the deadline is for the whole request
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(self.timeout_s, cut_off)
+        timer.daemon = True
         self._count("requests")
+        timer.start()
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return resp.read()
-        except urllib.error.HTTPError as e:
-            text = " ".join(e.read(300).decode("utf-8", "replace").split())
-            what = f"HTTP {e.code}" + (f": {text}" if text else "")
-            if e.code >= 500:
-                raise _Retryable(what) from None
-            raise RewardError(f"reward service {self.url}: {what}") from None
+            path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+            conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+            if expired.is_set():
+                raise TimeoutError
         except (TimeoutError, socket.timeout):
-            raise _Retryable(f"no reply within {self.timeout_s} s") from None
-        except urllib.error.URLError as e:
-            reason = e.reason
-            if isinstance(reason, (TimeoutError, socket.timeout)):
-                raise _Retryable(f"no reply within {self.timeout_s} s") from None
-            raise _Retryable(f"cannot connect ({reason})") from None
-        except (ConnectionError, OSError) as e:  # reset, closed without a reply
+            raise _Retryable(f"no complete reply within {self.timeout_s} s") from None
+        except (ConnectionRefusedError, socket.gaierror) as e:
+            if expired.is_set():
+                raise _Retryable(f"no complete reply within {self.timeout_s} s") from None
+            raise _Retryable(f"cannot connect ({e})") from None
+        except (http.client.HTTPException, ConnectionError, OSError) as e:  # reset, closed
+            if expired.is_set():
+                raise _Retryable(f"no complete reply within {self.timeout_s} s") from None
             raise _Retryable(f"connection failed ({type(e).__name__}: {e})") from None
+        finally:
+            timer.cancel()
+            conn.close()
+        if resp.status >= 400:
+            text = " ".join(data[:300].decode("utf-8", "replace").split())
+            what = f"HTTP {resp.status}" + (f": {text}" if text else "")
+            if resp.status >= 500:
+                raise _Retryable(what)
+            raise RewardError(f"reward service {self.url}: {what}")
+        return data
 
     def _request(self, items: list[dict[str, Any]], first: int) -> list[float | None]:
         """Score one batch (samples first .. first + len(items) - 1) with retries."""
@@ -118,7 +160,10 @@ class RewardService:
         where = f"reward service {self.url}"
         try:
             values = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            raise RewardError(f"{where}: reply is nested too deep ({len(raw)} bytes); expected "
+                              f"a flat JSON list of {n} numbers") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, too many digits
             head = " ".join(raw[:60].decode("utf-8", "replace").split())
             raise RewardError(f"{where}: reply is not JSON ({e.__class__.__name__} at "
                               f"{getattr(e, 'pos', 0)}; starts {head!r})") from None
@@ -133,9 +178,10 @@ class RewardService:
             if v is None:
                 out.append(None)
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
                 raise RewardError(f"{where}: reward {j} of the batch (sample {first + j}) is "
-                                  f"{v!r:.40}; expected a finite number or null")
+                                  f"{_describe(v)}; expected a finite number within "
+                                  f"[{-MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}] or null")
             out.append(float(v))
         return out
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 _WORKER = r"""
 import sys
@@ -78,11 +79,13 @@ class MathVerifier:
         self.calls = 0
 
     def _start(self) -> subprocess.Popen:
-        # PR_SET_PDEATHSIG fires when the *thread* that started the worker ends; a later
-        # call then finds the worker gone and starts a new one.
-        proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(os.getpid())],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, bufsize=1, close_fds=True)
+        # PR_SET_PDEATHSIG fires when the *thread* that started the worker ends, so workers
+        # are started from one long-lived thread of this process (`_spawner`), never from the
+        # caller's thread (a server's thread per request would take the worker with it).
+        proc = _spawner().submit(
+            subprocess.Popen, [sys.executable, "-c", _WORKER, str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            bufsize=1, close_fds=True).result()
         line = self._read_line(proc, STARTUP_TIMEOUT_S)
         if line is None or not line.startswith('{"ready"'):
             err = ""
@@ -97,7 +100,7 @@ class MathVerifier:
 
     @staticmethod
     def _read_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
-        """One line of the worker's stdout within timeout_s; None on timeout or exit."""
+        """One line of the worker's stdout within timeout_s; None on timeout, "" on exit."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -105,8 +108,7 @@ class MathVerifier:
                 return None
             ready, _, _ = select.select([proc.stdout], [], [], left)
             if ready:
-                line = proc.stdout.readline()
-                return line or None
+                return proc.stdout.readline()  # "" when the worker closed its end (died)
 
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:
@@ -125,34 +127,44 @@ class MathVerifier:
             timeout_s: limit for parsing both and comparing; past it the comparison is cut.
         Returns:
             True when equivalent; False when not, when either side does not parse, or on
-            timeout (counted in `timeouts`).
+            timeout (counted in `timeouts`). A worker that dies under a comparison (counted in
+            `crashes`) is replaced and the comparison asked once more.
         """
         if not timeout_s > 0:
             raise ValueError(f"math-verify timeout_s must be > 0 seconds, got {timeout_s}")
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: the parent's worker is not ours
-                self._proc, self._pid = None, os.getpid()
-            if self._proc is None or self._proc.poll() is not None:
-                self._proc = self._start()
-            proc = self._proc
-            self.calls += 1
-            try:
-                proc.stdin.write(json.dumps({"gold": gold, "answer": answer}) + "\n")
-                proc.stdin.flush()
-            except (BrokenPipeError, OSError):
-                self._proc = None
-                self._kill(proc)
-                raise VerifierError("math-verify worker exited unexpectedly") from None
-            line = self._read_line(proc, timeout_s)
-            if line is None:
-                if proc.poll() is None:
-                    self.timeouts += 1
-                else:
-                    self.crashes += 1
-                self._proc = None
-                self._kill(proc)
-                return False
-            return bool(json.loads(line).get("ok", False))
+            ok = self._compare(gold, answer, timeout_s)
+            if ok is None:  # the worker died under this comparison: once more on a fresh one
+                ok = self._compare(gold, answer, timeout_s)
+            return bool(ok)
+
+    def _compare(self, gold: str, answer: str, timeout_s: float) -> bool | None:
+        """One comparison (lock held); None when the worker died during it (a crash)."""
+        if self._pid != os.getpid():  # a forked child: the parent's worker is not ours
+            self._proc, self._pid = None, os.getpid()
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = self._start()
+        proc = self._proc
+        self.calls += 1
+        try:
+            proc.stdin.write(json.dumps({"gold": gold, "answer": answer}) + "\n")
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):  # died before the question got through
+            self.crashes += 1
+            self._proc = None
+            self._kill(proc)
+            return None
+        line = self._read_line(proc, timeout_s)
+        if not line:  # None: past the limit (a timeout); "": the worker died (a crash)
+            crashed = line == "" or proc.poll() is not None
+            if crashed:
+                self.crashes += 1
+            else:
+                self.timeouts += 1
+            self._proc = None
+            self._kill(proc)
+            return None if crashed else False
+        return bool(json.loads(line).get("ok", False))
 
     def close(self) -> None:
         """Stop the worker (a later `verify` starts a new one)."""
@@ -160,6 +172,19 @@ class MathVerifier:
             if self._proc is not None:
                 self._kill(self._proc)
                 self._proc = None
+
+
+_SPAWNER: tuple[int, ThreadPoolExecutor] | None = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawner() -> ThreadPoolExecutor:
+    """The one thread of this process that starts workers (lives as long as the process)."""
+    global _SPAWNER
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None or _SPAWNER[0] != os.getpid():  # none yet, or a forked child
+            _SPAWNER = (os.getpid(), ThreadPoolExecutor(1, "math-verify-spawner"))
+        return _SPAWNER[1]
 
 
 _DEFAULT: MathVerifier | None = None
@@ -173,3 +198,25 @@ def default_verifier() -> MathVerifier:
         if _DEFAULT is None:
             _DEFAULT = MathVerifier()
         return _DEFAULT
+
+
+_REPORTED = {"calls": 0, "timeouts": 0, "crashes": 0}  # totals at the last verifier_counts()
+
+
+def verifier_counts(since_last: bool = True) -> dict[str, float]:
+    """The process-wide verifier's counters as metrics: `rewards/verifier_calls`,
+    `rewards/verifier_timeouts`, `rewards/verifier_crashes` ({} while none was used).
+
+    Args:
+        since_last: counts since the previous call (per training step, so a resumed run logs
+            the same numbers as an uninterrupted one); False: totals since start.
+    """
+    v = _DEFAULT
+    if v is None:
+        return {}
+    now = {"calls": v.calls, "timeouts": v.timeouts, "crashes": v.crashes}
+    out = {f"rewards/verifier_{k}": float(n - (_REPORTED[k] if since_last else 0))
+           for k, n in now.items()}
+    if since_last:
+        _REPORTED.update(now)
+    return out

@@ -25,6 +25,7 @@ from megatron_gspo.rollout.base import (
     Bucket,
     GenerateRequest,
     RolloutEngine,
+    RolloutError,
     SamplingParams,
     make_sample,
     plan_slots,
@@ -336,6 +337,12 @@ class EmbeddedEngine(RolloutEngine):
             logp = torch.log_softmax(scaled, dim=-1)  # [B, V] full-vocab log-probs
             cand = filter_logits(scaled, top_k, top_p) if need_filter else scaled
             probs = torch.softmax(cand, dim=-1)
+            if not bool(torch.isfinite(probs).all()):
+                raise RolloutError(
+                    f"embedded engine: the policy's next-token probabilities are not finite at "
+                    f"weight version {self.weight_version}: the weights of the optimizer "
+                    f"update that made version {self.weight_version} overflow (logits inf/nan); "
+                    "lower optimizer.lr or check the gradients")
             sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)  # [B]
             tok = torch.where(greedy, scaled.argmax(-1), sampled)  # [B]
             tok_lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)  # [B]

@@ -34,6 +34,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -183,6 +184,41 @@ def _count_all_ranks(n: int, learner) -> int:
     return int(t.item())
 
 
+@contextmanager
+def hold_for_reading(step_dir: str | os.PathLike):
+    """Keep a complete checkpoint from being rotated away while it is read: a shared `flock`
+    on its COMPLETE marker, which `Checkpointer.rotate` respects (released on exit, also when
+    the reader dies). Raises FileNotFoundError when the checkpoint is already gone."""
+    import fcntl
+
+    marker = Path(step_dir) / "COMPLETE"
+    fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if not marker.is_file() or os.stat(marker).st_ino != os.fstat(fd).st_ino:
+            raise FileNotFoundError(f"{step_dir} was removed while it was being opened")
+        yield Path(step_dir)
+    finally:
+        os.close(fd)
+
+
+def being_read(step_dir: str | os.PathLike) -> bool:
+    """A reader holds `hold_for_reading` on this checkpoint."""
+    import fcntl
+
+    try:
+        fd = os.open(Path(step_dir) / "COMPLETE", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
 class Checkpointer:
     """Saves, verifies and finds run checkpoints.
 
@@ -258,10 +294,19 @@ class Checkpointer:
             with open(part) as f:
                 os.fsync(f.fileno())
             os.replace(part, final / "COMPLETE")
-            for _, old in self.complete()[: -self.keep_last]:
-                self._discard(old)
+            self.rotate()
         _barrier()
         return final
+
+    def rotate(self) -> None:
+        """Delete complete checkpoints beyond `keep_last`, oldest first, except one being read
+        (`hold_for_reading`, e.g. by the converter): it goes at a later rotation."""
+        for _, old in self.complete()[: -self.keep_last]:
+            if being_read(old):
+                self.events.append(f"checkpoint {old} is being read (a conversion?); kept "
+                                   "until a later save")
+                continue
+            self._discard(old)
 
     def _discard(self, path: Path) -> None:
         """Delete a checkpoint so that no half-deleted folder still looks complete."""

@@ -14,7 +14,10 @@ Study file (strict: an unknown key is an error naming its path)::
 
 Each arm trains in its own process into `DIR/<arm>` with `train.resume: auto`, so a killed study
 resumes: finished arms (marked by `DIR/<arm>/study_arm.json`) are not rerun and a half-done arm
-continues from its newest checkpoint. Settings that fix the data order, seeds and sample budget
+continues from its newest checkpoint. An arm's trainer dies with the study (kill -9 too), a
+study holds the lock `DIR/run.lock` (two studies never write into one --out), and an arm
+whose run ended with its last checkpoint is done even if the study died before saying so.
+Settings that fix the data order, seeds and sample budget
 (`LOCKED`) must be equal in every arm. Overrides on the command line apply to every arm after the
 file's common ones (e.g. `train.max_steps=2` for a quick version of a study).
 """
@@ -137,13 +140,38 @@ def _write_json(path: Path, obj) -> None:
 
 
 def _run_arm(base: Path, ovr: list[str], arm_dir: Path) -> int:
-    """Train one arm in its own process (output in DIR/<arm>/train.log); returns its exit code."""
+    """Train one arm in its own process (output in DIR/<arm>/train.log); returns its exit code.
+    The kernel ends the arm's trainer when the study dies (kill -9 too), so a killed study
+    leaves no arm training on its own."""
+    from megatron_gspo.run.exec_with_parent import wrap
+
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", str(base), "--run-dir",
            str(arm_dir), *ovr]
     with open(arm_dir / "train.log", "a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        return subprocess.run(wrap(cmd), stdout=f, stderr=subprocess.STDOUT).returncode
+
+
+def _finished(cfg: Config, arm_dir: Path) -> bool:
+    """The arm's run holds a complete checkpoint of its last step (it finished, though the
+    study that ran it died before marking it done)."""
+    from megatron_gspo.run.checkpoint import Checkpointer
+
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else arm_dir / "checkpoints"
+    done = Checkpointer(root).complete() if root.is_dir() else []
+    return bool(done) and done[-1][0] >= cfg.train.max_steps
+
+
+def _check_not_running(name: str, arm_dir: Path) -> None:
+    """An arm whose run dir is locked by a live trainer (started by an earlier study) is not
+    started again beside it."""
+    from megatron_gspo.run.rundir import RunDirLock
+
+    try:
+        RunDirLock(arm_dir).acquire().release()
+    except RunError as e:
+        raise RunError(f"arm {name}: {e}") from None
 
 
 def run_study(path: str | Path, out: str | Path | None = None, log=None,
@@ -159,15 +187,26 @@ def run_study(path: str | Path, out: str | Path | None = None, log=None,
         the output directory. Raises ConfigError for a bad study file, RunError naming the arms
         that failed (after every other arm ran and the summary was written).
     """
-    from megatron_gspo.study.report import plot_study, summarize
-
     log = log or (lambda line: print(f"study: {line}", file=sys.stderr, flush=True))
     spec, base = load_study(path)
     arms = arm_configs(spec, base, path, overrides)
     out = Path(out) if out else Path("runs") / f"study-{Path(path).stem}"
     out.mkdir(parents=True, exist_ok=True)
+    from megatron_gspo.run.rundir import RunDirLock
+
+    lock = RunDirLock(out).acquire()  # one study per --out (RunError naming the holder)
+    try:
+        return _run_arms(path, spec, base, arms, out, log)
+    finally:
+        lock.release()
+
+
+def _run_arms(path, spec: StudySpec, base: Path, arms: dict, out: Path, log) -> Path:
+    """The arms in order, then the summary (see `run_study`)."""
+    from megatron_gspo.study.report import plot_study, summarize
+
     failed: list[str] = []
-    for name, (ovr, _) in arms.items():
+    for name, (ovr, cfg) in arms.items():
         arm_dir = out / name
         arm_dir.mkdir(exist_ok=True)
         state = _arm_state(arm_dir)
@@ -176,6 +215,12 @@ def run_study(path: str | Path, out: str | Path | None = None, log=None,
                               f"({state.get('overrides')}); use another --out")
         if state.get("status") == "done":
             log(f"arm {name}: finished earlier, not rerun")
+            continue
+        _check_not_running(name, arm_dir)
+        if state.get("status") == "running" and _finished(cfg, arm_dir):
+            state["status"] = "done"  # trained to the end; the study died before saying so
+            _write_json(arm_dir / "study_arm.json", state)
+            log(f"arm {name}: finished earlier (its last checkpoint is complete), not rerun")
             continue
         state = {"overrides": ovr, "status": "running", "attempts": state.get("attempts", [])}
         _write_json(arm_dir / "study_arm.json", state)

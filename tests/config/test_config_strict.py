@@ -51,3 +51,14 @@ def test_label_key_may_be_null(tmp_path):
     assert load_config(None, ["data.label_key=null"]).data.label_key is None
     p = _write(tmp_path, "data:\n  label_key: null\n")
     assert load_config(p).data.label_key is None
+
+
+@pytest.mark.parametrize("override,match", [
+    ("train.seed=-1", r"train.seed: expected int >= 0 and <= 2147483647, got -1"),
+    ("train.seed=100000000000000000000",
+     r"train.seed: expected int >= 0 and <= 2147483647, got 1000"),
+    ("rollout.group_size=1", r"rollout.group_size: expected int >= 2"),
+])
+def test_values_that_would_fail_or_learn_nothing_later(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])

@@ -167,3 +167,58 @@ def test_exit_code_of_the_process(tmp_path):
         timeout=120,
     )
     assert p.returncode == 1 and "unsupported architecture 'GPT2LMHeadModel'" in p.stderr
+
+
+def test_unwritable_out_is_refused_before_anything_is_loaded(tiny_hf, tmp_path, capsys,
+                                                             monkeypatch):
+    from megatron_gspo.megatron import conversion
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the conversion started before --out was checked")
+
+    monkeypatch.setattr(conversion, "launch", refuse)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    outs = [blocker / "o", blocker]
+    try:
+        (Path("/sys") / "megatron_gspo_probe").mkdir()
+    except OSError:
+        outs.append(Path("/sys/megatron_gspo_probe/o"))  # a read-only file system
+    hf = str(tiny_hf["Qwen3ForCausalLM"])
+    for out in outs:
+        for argv in (["hf-to-mcore", "--hf", hf], ["mcore-to-hf", "--ckpt", hf]):
+            rc, err = _run(capsys, *argv, "--out", str(out), "--force")
+            assert rc == 1 and len(err.splitlines()) == 1, (out, err[-2000:])
+            assert f"--out {out}" in err and "cannot be written" in err, err
+
+
+def test_a_checkpoint_being_converted_is_not_rotated_away(tmp_path):
+    """The converter holds the run checkpoint it reads (a shared flock on COMPLETE); the
+    trainer's rotation keeps a held checkpoint until a later save."""
+    from megatron_gspo.run.checkpoint import Checkpointer, hold_for_reading
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        d = root / f"step_{step:08d}"
+        (d / "model").mkdir(parents=True)
+        (d / "COMPLETE").write_text("{}")
+    ckpt = Checkpointer(root, keep_last=2)
+    held = subprocess.Popen([sys.executable, "-c",
+                             "import sys, time; from megatron_gspo.run.checkpoint import "
+                             "hold_for_reading\n"
+                             f"with hold_for_reading({str(root / 'step_00000001')!r}):"
+                             "\n    print('held', flush=True); time.sleep(60)"],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout.readline().strip() == "held"
+        ckpt.rotate()
+        assert (root / "step_00000001" / "COMPLETE").is_file()
+        assert any("being read" in e for e in ckpt.events)
+    finally:
+        held.kill()
+        held.wait()
+    ckpt.rotate()
+    assert [p.name for p in sorted(root.iterdir())] == ["step_00000002", "step_00000003"]
+    with pytest.raises(FileNotFoundError):
+        with hold_for_reading(root / "step_00000001"):
+            pass

@@ -97,3 +97,27 @@ def test_train_path_and_eval_sets_from_saved_datasets_through_the_config(tmp_pat
     assert len(build.prompt_stream(cfg, tok).next_batch(6)) == 6
     sets = build.eval_prompts(cfg, tok)
     assert list(sets) == ["held"] and len(sets["held"]) == 1
+
+
+def _damaged(tmp_path, kind):
+    d = tmp_path / kind
+    rows = [] if kind == "empty" else [{"question": "x" * 100, "solution": "1"}] * 200
+    datasets.Dataset.from_list(rows).save_to_disk(str(d))
+    if kind == "truncated":
+        for f in d.glob("*.arrow"):
+            with open(f, "r+b") as fh:
+                fh.truncate(f.stat().st_size // 2)
+    if kind == "bad_state":
+        (d / "state.json").write_text('{"_data_files": 3}')
+    return d
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("empty", "cannot read the saved dataset"), ("truncated", "cannot read the saved dataset"),
+    ("bad_state", "cannot read the saved dataset")])
+def test_damaged_saved_datasets_are_one_line_errors(tmp_path, kind, needle):
+    d = _damaged(tmp_path, kind)
+    with pytest.raises(DatasetError, match=needle) as e:
+        PromptDataset(d, TOK, prompt_key="question", label_key="solution",
+                      apply_chat_template=False)
+    assert str(d) in str(e.value) and "\n" not in str(e.value)

@@ -1,13 +1,15 @@
 """Chaos run of the tiny demo: kill -9 at random points and inside the checkpoint
-rename/COMPLETE window, a second writer, a damaged newest checkpoint, NaN steps. After each
-injection the run is resumed to the end and must give the metrics of an undisturbed run (every
-non-timing value of every metrics.jsonl row, bit for bit), and nothing that looks complete may
-be wrong (every checkpoint with COMPLETE verifies, its trainer.json names its step; no lock
-left behind). `kill_python_tool` kills an agent run (the multi-turn demo with the python tool)
-with -9 in the middle of a python tool call: no process of the run may be left, and the next
-sandbox made removes the call's temp dir and cgroup.
+rename/COMPLETE window, a second writer, a damaged newest checkpoint, NaN steps, kill -9 of
+an asynchronous run, kill -9 of a study in the middle of its arm (its trainer must die too).
+After each injection the run is resumed to the end and must give the metrics of an undisturbed
+run (every non-timing value of every metrics.jsonl row, bit for bit), and nothing that looks
+complete may be wrong (every checkpoint with COMPLETE verifies, its trainer.json names its
+step; no lock left behind). An asynchronous run's numbers depend on timing: only its steps,
+checkpoints, lock and processes are checked. `kill_python_tool` kills an agent run (the
+multi-turn demo with the python tool) with -9 in the middle of a python tool call: no process
+of the run may be left, and the next sandbox made removes the call's temp dir and cgroup.
 
-    python tests/loop/chaos.py --rounds 10 --seed 0 [--workdir DIR] [--model DIR]
+    python tests/loop/chaos.py --rounds 10 --seed 0 [--workdir DIR] [--model DIR] [--kinds a,b]
 
 Prints the counts (injections per kind, resumes, mismatches, violations); exit code 1 on any
 mismatch or violation.
@@ -42,7 +44,8 @@ SETTINGS = [f"train.max_steps={STEPS}", "checkpoint.interval=1", "checkpoint.kee
             "precision.audit_fraction=0.5"]
 TIMING = ("time", "time/", "tokens_per_s", "time_fwd_bwd", "time_optimizer")
 KINDS = ("kill_random", "kill_window", "second_writer", "corrupt_newest", "nan_step",
-         "kill_python_tool")
+         "kill_python_tool", "async_kill", "study_kill")
+ASYNC = ["rollout.mode=async", "rollout.max_staleness=1"]
 AGENT_CONFIG = ROOT / "examples" / "multiturn_agent" / "config_cpu.yaml"
 AGENT_SETTINGS = ["agent.environment=tests/agent/sleepy_python_env.py:SleepyPythonEnv",
                   "agent.python_tool=true", "train.max_steps=1", "train.prompts_per_step=1",
@@ -74,14 +77,14 @@ class Chaos:
             env["MEGATRON_GSPO_FAULT"] = fault
         return env
 
-    def start(self, run: Path, fault: str = "") -> subprocess.Popen:
-        return subprocess.Popen(self._cmd(run), cwd=ROOT, env=self._env(fault),
+    def start(self, run: Path, fault: str = "", extra: tuple = ()) -> subprocess.Popen:
+        return subprocess.Popen(self._cmd(run) + list(extra), cwd=ROOT, env=self._env(fault),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
-    def finish(self, run: Path, fault: str = "", resume: bool = True) -> float:
+    def finish(self, run: Path, fault: str = "", resume: bool = True, extra: tuple = ()) -> float:
         """Run (or resume) to the end; returns the wall time (a failure is a problem)."""
         t0 = time.time()
-        p = self.start(run, fault)
+        p = self.start(run, fault, extra)
         _, err = p.communicate(timeout=900)
         if resume:
             self.counts["resumes"] += 1
@@ -274,9 +277,107 @@ class Chaos:
             self.counts["violations"] += 1
             self.problems.append(f"{run.name}: temp dirs/cgroups of the call not swept")
 
-    def run(self, rounds: int) -> int:
+    def async_kill(self, run: Path) -> None:
+        """kill -9 of an asynchronous run (generation overlapping training), then resume:
+        every step trained once, complete checkpoints verify, no lock or process left. The
+        numbers depend on the overlap's timing, so they are not compared with a reference."""
+        for _ in range(self.rng.randint(1, 2)):
+            p = self.start(run, extra=ASYNC)
+            step = self.rng.randint(1, STEPS - 1)  # mid-run: after a checkpoint, not by time
+            self._wait_for(p, run / "checkpoints" / f"step_{step:08d}" / "COMPLETE")
+            time.sleep(self.rng.uniform(0.0, 2.0))
+            pids = self._run_pids(run)
+            if self._kill(p):
+                self.counts["async_kill"] += 1
+            else:
+                self.problems.append(f"{run.name}: the async run ended before the kill")
+            self._check_gone(run, pids)
+            self.check_complete(run)
+        self.finish(run, extra=ASYNC)
+        steps = sorted(self.metrics(run))
+        if steps != list(range(STEPS)):
+            self.counts["mismatches"] += 1
+            self.problems.append(f"{run.name}: async metrics steps {steps}")
+        self.check_complete(run)
+        if (run / "run.lock").exists():
+            self.counts["violations"] += 1
+            self.problems.append(f"{run.name}: run.lock left after a clean exit")
+
+    def study_kill(self, run: Path) -> None:
+        """kill -9 of `megatron-gspo study` (the study only) in the middle of its arm: the
+        arm's trainer must die with it; the rerun finishes the arm, marks it done, and its
+        metrics equal the undisturbed run's."""
+        extra = [f"model.path={self.model}"] if self.model else []
+        run.mkdir(parents=True, exist_ok=True)
+        study = run / "study.yaml"
+        study.write_text(f"base: {CONFIG}\noverrides: {json.dumps(SETTINGS + extra)}\n"
+                         "arms:\n  a: []\n")
+        cmd = [sys.executable, "-m", "megatron_gspo.cli", "study", str(study), "--out",
+               str(run / "out")]
+        p = subprocess.Popen(cmd, cwd=ROOT, env=self._env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        arm = run / "out" / "a"
+        step = self.rng.randint(1, STEPS - 1)
+        self._wait_for(p, arm / "checkpoints" / f"step_{step:08d}" / "COMPLETE")
+        time.sleep(self.rng.uniform(0.0, 2.0))
+        pids = self._run_pids(arm)
+        if self._kill(p):
+            self.counts["study_kill"] += 1
+            self._check_gone(arm, pids)
+        else:
+            self.problems.append(f"{run.name}: the study ended before the kill")
+        r = subprocess.run(cmd, cwd=ROOT, env=self._env(), capture_output=True, text=True,
+                           timeout=900)
+        self.counts["resumes"] += 1
+        if r.returncode != 0:
+            self.problems.append(f"{run.name}: study rerun exit {r.returncode}: "
+                                 f"{r.stderr.strip()[-400:]}")
+        state = json.loads((arm / "study_arm.json").read_text()) \
+            if (arm / "study_arm.json").exists() else {}
+        if state.get("status") != "done":
+            self.counts["violations"] += 1
+            self.problems.append(f"{run.name}: arm status {state.get('status')} after rerun")
+        self.check(arm)
+
+    @staticmethod
+    def _run_pids(run: Path) -> list[int]:
+        """The trainer holding `run`'s lock and every process below it."""
+        try:
+            top = int(json.loads((run / "run.lock").read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            return []
+        out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True)
+        kids: dict[int, list[int]] = {}
+        for line in out.stdout.splitlines():
+            pid, ppid = map(int, line.split())
+            kids.setdefault(ppid, []).append(pid)
+        found, todo = [], [top]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            todo += kids.get(pid, [])
+        return found
+
+    def _check_gone(self, run: Path, pids: list[int], timeout: float = 30.0) -> None:
+        """Every process of a killed run ends within `timeout` (a survivor is a violation and
+        is killed here)."""
+        deadline = time.time() + timeout
+        alive = list(pids)
+        while alive and time.time() < deadline:
+            alive = [pid for pid in alive if _alive(pid)]
+            time.sleep(0.1)
+        if alive:
+            self.counts["violations"] += 1
+            self.problems.append(f"{run.name}: processes {alive} outlived the kill")
+            for pid in alive:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def run(self, rounds: int, only: tuple[str, ...] = KINDS) -> int:
         self.reference()
-        kinds = [KINDS[i % len(KINDS)] for i in range(rounds)]
+        kinds = [only[i % len(only)] for i in range(rounds)]
         self.rng.shuffle(kinds)
         for i, kind in enumerate(kinds):
             t0 = time.time()
@@ -292,16 +393,32 @@ class Chaos:
         return 1 if self.problems else 0
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=len(KINDS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
     ap.add_argument("--model", default=None, help="model.path (default: the config's)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated injection kinds")
     args = ap.parse_args(argv)
+    only = tuple(k for k in args.kinds.split(",") if k)
+    unknown = sorted(set(only) - set(KINDS))
+    if unknown:
+        ap.error(f"unknown kinds {unknown}; known: {', '.join(KINDS)}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="chaos_"))
     work.mkdir(parents=True, exist_ok=True)
-    return Chaos(work, args.model, args.seed).run(args.rounds)
+    return Chaos(work, args.model, args.seed).run(args.rounds, only)
 
 
 if __name__ == "__main__":

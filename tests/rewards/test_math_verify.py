@@ -134,3 +134,23 @@ def test_worker_dies_with_a_killed_parent_even_mid_comparison(tmp_path):
     if still:
         os.kill(worker, signal.SIGKILL)
     assert not still, "the math-verify worker outlived its killed parent"
+
+
+def test_right_answers_whatever_thread_asks():
+    """A thread per request (ThreadingHTTPServer): the worker outlives the thread that
+    started it, so no comparison meets a dying worker."""
+    v = MathVerifier()
+    results = []
+
+    def ask(i):
+        results.append(v.verify(r"$\frac{1}{2}$", f"{i % 2 + 0.5 - i % 2}", timeout_s=30.0))
+
+    try:
+        for i in range(12):
+            t = threading.Thread(target=ask, args=(i,))
+            t.start()
+            t.join()
+            time.sleep(0.05)  # the starting thread is gone before the next question
+        assert results == [True] * 12 and v.crashes == 0 and v.timeouts == 0
+    finally:
+        v.close()

@@ -185,3 +185,21 @@ def test_group_sampling_drops_the_group_of_a_failed_reward_and_goes_on():
     out, m = sampler.collect(prompts, 3)
     assert [s.label for s in out] == ["1", "2", "3"]
     assert m["groups_failed"] == 1 and m["samples_failed"] == 1
+
+
+@pytest.mark.parametrize("value", [1e300, -1e300, 1e38])
+def test_rewards_too_large_for_float32_advantages_are_refused(value):
+    """Finite rewards whose group statistics overflow float32 (1e300; four of 1e38 in a
+    group) would give NaN advantages; the reward is refused, naming the sample."""
+    from megatron_gspo.algo.advantages import group_advantages
+
+    samples = [Sample(prompt_ids=[1], response_ids=[2], loss_mask=[1], index=i,
+                      group_index=0) for i in range(4)]
+    with pytest.raises(RewardError, match=r"sample 0.*outside \[-1e\+15, 1e\+15\]"):
+        score_samples(samples, lambda t, lab, m: value, lambda ids: "x")
+    rewards = score_samples(samples, lambda t, lab, m: value, lambda ids: "x", mark_failed=True)
+    assert rewards == [0.0] * 4
+    assert all("sample" in s.metadata["rollout_error"] for s in samples)
+    big = [1e15, -1e15, 1e15, 0.0]  # the bound itself stays finite through the advantages
+    import torch
+    assert torch.isfinite(group_advantages(torch.tensor(big), 4)).all()
