@@ -10,7 +10,7 @@ examples/smollm2/config.yaml):
               (ignore_eos), temperature 1
   pi_old      Learner.forward_logprobs over those samples (Megatron-Core, fp32)
   training    Learner.train_step: forward + backward + optimizer, GSPO loss
-  sync        phases.sync_weights: Megatron -> HF export into the engine
+  sync        sync_phase.sync_weights: Megatron -> HF export into the engine
 Plain transformers, the same batch and token ids:
   generation  model.generate(do_sample, min_new_tokens = max_new_tokens = --new-tokens, no
               top-k/top-p), same left-padded prompts repeated group times
@@ -64,7 +64,7 @@ class Project:
         self.version = 0
 
     def step(self, prompt_texts: list[str], args) -> tuple[dict, list]:
-        from megatron_gspo.loop import phases
+        from megatron_gspo.loop import sync as sync_phase
         from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
 
         sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, n=args.group,
@@ -86,7 +86,7 @@ class Project:
         t["training"] = time.perf_counter() - t0
         self.version += 1
         t0 = time.perf_counter()
-        phases.sync_weights(self.learner, self.engine, self.hf, self.cfg, version=self.version)
+        sync_phase.sync_weights(self.learner, self.engine, self.hf, self.cfg, version=self.version)
         t["sync"] = time.perf_counter() - t0
         return t, samples
 

@@ -16,7 +16,7 @@ import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
-from megatron_gspo.loop import build, early_checks, phases
+from megatron_gspo.loop import build, early_checks, phases, sync
 from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.run.checkpoint import Checkpointer
 from megatron_gspo.config import Config, save_config, to_dict
@@ -82,7 +82,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     # node's servers (built collectively). Started once the learner holds its weights, so that
     # an offloaded learner (rollout.offload_learner) leaves SGLang the whole GPU.
     every_node = build.colocated_on_every_node(cfg)
-    offload = phases.offloading(cfg)  # rollout.offload_learner: SGLang gets the whole GPU
+    offload = sync.offloading(cfg)  # rollout.offload_learner: SGLang gets the whole GPU
     if offload:
         learner.offload()
     engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 or every_node else None
@@ -111,7 +111,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         if cfg.algorithm.loss == "grpo" and cfg.precision.old_logprobs != "recompute":
             log.event("warning: GRPO's token-level ratios tolerate engine/learner mismatch less "
                       "than GSPO's sequence ratios; the audit reports per-token numbers")
-    phases.sync_weights(learner, engine, hf_config, cfg, version=start,
+    sync.sync_weights(learner, engine, hf_config, cfg, version=start,
                         event=log.event if rank0 else None)
     producer = None  # rollout.mode async: generation overlaps training (rollout/async_producer)
     if rank0 and cfg.rollout.mode == "async":
@@ -171,7 +171,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         # 6. New weights to the rollout engine.
         t_sync = time.perf_counter()
         with producer.updating() if producer else nullcontext():  # async: pause, update, go on
-            m.update(phases.sync_weights(learner, engine, hf_config, cfg, version=step + 1,
+            m.update(sync.sync_weights(learner, engine, hf_config, cfg, version=step + 1,
                                          event=log.event if rank0 else None))
         m["time/weight_sync"] = time.perf_counter() - t_sync
 

@@ -4,6 +4,7 @@ torch.distributed): prints the advantage-weighted change of the batch's mean tok
 import json
 
 from megatron_gspo.loop import build, phases
+from megatron_gspo.loop import sync as sync_phase
 from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.config import load_config
 
@@ -17,7 +18,7 @@ def main() -> None:
     learner = build.learner(cfg, hf)
     build.load_initial_weights(cfg, learner, hf)
     engine = build.rollout_engine(cfg, hf, tok)
-    phases.sync_weights(learner, engine, hf, cfg, 0)
+    sync_phase.sync_weights(learner, engine, hf, cfg, 0)
     samples, _ = phases.rollout(cfg, engine, prompts, score, tok, 0)
     phases.fill_advantages(cfg, samples)
     before = learner.forward_logprobs(samples)

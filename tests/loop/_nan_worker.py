@@ -11,6 +11,7 @@ import tempfile
 import torch
 
 from megatron_gspo.loop import build, phases
+from megatron_gspo.loop import sync as sync_phase
 from megatron_gspo.run.checkpoint import Checkpointer
 from megatron_gspo.config import load_config
 
@@ -25,7 +26,7 @@ def main() -> None:
     learner = build.learner(cfg, hf)
     build.load_initial_weights(cfg, learner, hf)
     engine = build.rollout_engine(cfg, hf, tok)
-    phases.sync_weights(learner, engine, hf, cfg, 0)
+    sync_phase.sync_weights(learner, engine, hf, cfg, 0)
     samples, _ = phases.rollout(cfg, engine, prompts, score, tok, 0)
     phases.fill_advantages(cfg, samples)
     good = [s.advantage for s in samples]

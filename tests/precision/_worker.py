@@ -29,6 +29,7 @@ def tiny_model_dir() -> str:
 
 def main() -> None:
     from megatron_gspo.loop import build, phases
+    from megatron_gspo.loop import sync as sync_phase
     from megatron_gspo.algo.precision import (ToleranceController, audit_sums, finalize_audit,
                                               sequence_mismatch)
     from megatron_gspo.config import load_config
@@ -46,7 +47,7 @@ def main() -> None:
     engines = {dt: EmbeddedEngine(dict(hf), dtype=dt, seed=1) for dt in ("bfloat16", "float32")}
     for dt, eng in engines.items():
         cfg.rollout.dtype = dt
-        phases.sync_weights(learner, eng, hf, cfg, version=0)
+        sync_phase.sync_weights(learner, eng, hf, cfg, version=0)
     sp = SamplingParams(max_new_tokens=24, temperature=1.0, n=4)
     g = torch.Generator().manual_seed(5)
     reqs = [GenerateRequest(prompt_ids=torch.randint(10, 250, (6,), generator=g).tolist(),
@@ -103,14 +104,14 @@ def main() -> None:
     # fallback; sync again -> back under tolerance -> reuse after `recheck_interval` steps.
     ctl = ToleranceController("auto", audit_fraction=1.0, tolerance=0.2, recheck_interval=2)
     eng = engines["float32"]
-    phases.sync_weights(learner, eng, hf, cfg, version=1)
+    sync_phase.sync_weights(learner, eng, hf, cfg, version=1)
     trace = []
     for step in range(6):
         if step == 1:
             for _ in range(3):
                 learner.train_step(samples[8:16], None)  # the learner moves on; engine stale
         if step == 3:
-            phases.sync_weights(learner, eng, hf, cfg, version=2)
+            sync_phase.sync_weights(learner, eng, hf, cfg, version=2)
         batch = eng.generate(reqs[:4])
         lp = learner.forward_logprobs(batch)
         a = finalize_audit(audit_sums(pad(lp), pad([s.rollout_logprobs for s in batch]),

@@ -20,6 +20,7 @@ def main(model: str, run_dir: str, out_dir: str, base_port: int, extra: list[str
     import torch.distributed as dist
 
     from megatron_gspo.loop import build, phases, train
+    from megatron_gspo.loop import sync as sync_phase
     from megatron_gspo.config import load_config
     from megatron_gspo.megatron.export import export_hf_weights
     from megatron_gspo.rollout.multinode.servers import gather_layout, node_engine
@@ -28,7 +29,7 @@ def main(model: str, run_dir: str, out_dir: str, base_port: int, extra: list[str
     records: list[dict] = []
     engines: list = []  # stopped here when the run fails (train.run stops them on success)
     info: dict = {}
-    make_engine, sync = build.rollout_engine, phases.sync_weights
+    make_engine, sync = build.rollout_engine, sync_phase.sync_weights
 
     def rollout_engine(cfg, hf, tok):
         eng = make_engine(cfg, hf, tok)
@@ -71,7 +72,7 @@ def main(model: str, run_dir: str, out_dir: str, base_port: int, extra: list[str
             [s.metadata.get("server") for s in samples])
         return samples, m
 
-    build.rollout_engine, phases.sync_weights = rollout_engine, sync_weights
+    build.rollout_engine, sync_phase.sync_weights = rollout_engine, sync_weights
     phases.rollout = rollout_servers
     cfg = load_config(ROOT / "examples" / "tiny" / "config.yaml", [
         f"model.path={model}", "rollout.engine=sglang", "rollout.colocate=true",

@@ -160,7 +160,7 @@ def test_unreachable_master_refused_and_blocks_the_standin(standin, monkeypatch)
 
 def test_sync_probe_catches_a_sync_that_changed_nothing(engine, tiny_model_dir):
     from megatron_gspo.config import load_config
-    from megatron_gspo.loop.phases import verify_sync
+    from megatron_gspo.loop.sync import verify_sync
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
     srv = StandinServer(engine, model_path=tiny_model_dir).start_in_thread()

@@ -33,6 +33,7 @@ def _adv(s) -> float:
 
 def main() -> None:
     from megatron_gspo.loop import build, phases
+    from megatron_gspo.loop import sync as sync_phase
     from megatron_gspo.config import load_config
     from megatron_gspo.megatron.step import LossSettings
     from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
@@ -61,7 +62,7 @@ def main() -> None:
         cfg = load_config(None, base + [f"algorithm.loss={kind}"])
         lo, hi = cfg.algorithm.clip_range()
         learner.loss_settings = LossSettings(kind=kind, eps_low=lo, eps_high=hi)
-        phases.sync_weights(learner, engine, hf, cfg, version=step)  # engine = learner weights
+        sync_phase.sync_weights(learner, engine, hf, cfg, version=step)  # engine = learner weights
         samples = engine.generate(reqs)
         for i, s in enumerate(samples):
             s.reward = float(i % GROUP)  # distinct rewards in each group: no zero advantage

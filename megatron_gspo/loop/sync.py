@@ -1,0 +1,147 @@
+"""The weight-sync phase of a step: the learner's new weights into the rollout engine (embedded,
+tensor sync into colocated servers on one or every node, or the NCCL/gloo broadcast to remote
+servers), with the learner offloaded around it when it shares the GPUs with SGLang, every
+bucket checked finite, and the sync verified by served log-probs on a schedule
+(`rollout.verify_sync_interval`). Called by `train.py`; returns metrics as a flat dict.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_gspo.config import Config
+from megatron_gspo.data.sample import Sample
+from megatron_gspo.loop import build
+from megatron_gspo.loop.build import DTYPES
+
+def colocated_sglang(cfg: Config) -> bool:
+    return cfg.rollout.engine == "sglang" and cfg.rollout.colocate
+
+
+def offloading(cfg: Config) -> bool:
+    """`rollout.offload_learner` in effect (`rollout.colocated_sync` does the moves)."""
+    from megatron_gspo.megatron.memory_report import offload_learner_enabled
+
+    return offload_learner_enabled(cfg)
+
+
+def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
+                 event=None) -> dict:
+    """Export the learner's weights (collective over all ranks) into the rollout engine,
+    streamed one bucket at a time (`rollout.bucket_bytes`). Colocated SGLang follows SGLang's
+    memory order (see `rollout.colocated_sync`).
+
+    Args:
+        event: optional callable taking one line for the run's events.log (rank 0).
+    Returns:
+        `weight_sync/*` metrics (rank 0 of an SGLang engine; {} otherwise).
+    """
+    from megatron_gspo.megatron.export import export_hf_weights
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+
+    r = cfg.rollout
+    dtype = DTYPES[r.dtype] if r.engine == "embedded" else DTYPES[cfg.model.dtype]
+    offload = offloading(cfg)
+    if offload:  # optimizer state away before the servers resume; weights after the stream
+        from megatron_gspo.rollout.multinode.colocated import offload_around_stream
+
+        learner.onload(["weights"] if "weights" in learner.offloaded_parts() else [])
+    buckets = _finite(export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
+                                        dtype=dtype), version)
+    if offload:
+        buckets = offload_around_stream(learner, buckets)
+    if _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
+        from megatron_gspo.rollout.multinode.sync import multinode_sync
+
+        st = multinode_sync(buckets, engine, version, num_servers=r.num_servers,
+                            tp_size=r.tp_size)
+    elif _tensor_sync(cfg):
+        from megatron_gspo.rollout.multinode.colocated import colocated_sync
+
+        st = colocated_sync(buckets, engine, version, num_servers=len(r.server_urls) or
+                            r.num_servers, tp_size=r.tp_size, attached=bool(r.server_urls))
+    else:
+        def send() -> None:
+            if engine is None:
+                for _ in buckets:  # other ranks take part in the gathers
+                    pass
+            elif isinstance(engine, EmbeddedEngine):
+                engine.load_buckets(buckets, version)
+            else:
+                engine.update_weights(buckets, version)
+
+        st = {}
+        if colocated_sglang(cfg):  # NCCL broadcast into servers on the learner's GPUs
+            from megatron_gspo.rollout.multinode.colocated import in_memory_order
+
+            st["order"] = in_memory_order(engine, send)
+        else:
+            if engine is not None:
+                engine.resume_memory()  # no-op unless released after the rollout
+            send()
+    if r.engine == "sglang" and r.verify_sync_interval and version % r.verify_sync_interval == 0:
+        st["probe_max_diff"] = verify_sync(learner, engine, cfg, version)
+    order = st.pop("order", None)
+    for note in st.pop("notes", []):  # servers restarted by their node (multi-node colocated)
+        if event is not None:
+            event(f"weight sync v{version}: {note}")
+    if event is not None and order:
+        peak = (f"; peak live bucket bytes {int(st['peak_live_bucket_bytes'])} (largest bucket "
+                f"{int(st['max_bucket_bytes'])}, bound {r.bucket_bytes})") if st else ""
+        event(f"weight sync v{version}: " + " -> ".join(order) + peak)
+    out = {f"weight_sync/{k}": float(v) for k, v in st.items()}
+    if offload:  # what this rank's learner gave back to the servers
+        out["memory/learner_offloaded_bytes"] = float(learner.offloaded_bytes())
+    return out
+
+
+def verify_sync(learner, engine, cfg: Config, version: int) -> float:
+    """Verify a weight sync (collective): rank 0's servers generate from a fixed probe prompt,
+    the learner recomputes the log-probs of what they generated, and a difference above
+    `PROBE_TOLERANCE` of the served dtype is one RolloutError naming the sync. Returns the
+    largest difference (rank 0; 0.0 elsewhere)."""
+    from megatron_gspo.rollout.sglang.weights import (PROBE_PROMPT, PROBE_TOLERANCE,
+                                                      check_sync_probe)
+
+    tdist = torch.distributed
+    lead = engine is not None and (not tdist.is_initialized() or tdist.get_rank() == 0)
+    probes = engine.sync(engine.aprobe_servers(cfg.rollout.temperature)) if lead else None
+    samples = None
+    if lead:
+        samples = [Sample(prompt_ids=list(PROBE_PROMPT), response_ids=list(ids),
+                          rollout_logprobs=list(lps), index=i)
+                   for i, (_, ids, lps) in enumerate(probes)]
+    from megatron_gspo.megatron.learner import broadcast_samples
+
+    samples = broadcast_samples(samples)
+    mine = learner.forward_logprobs(samples, temperature=cfg.rollout.temperature)
+    if not lead:
+        return 0.0
+    return check_sync_probe(version, probes, mine, PROBE_TOLERANCE[cfg.model.dtype])
+
+
+def _finite(buckets, version: int):
+    """The exported buckets, checked on the way: a non-finite weight stops the run naming the
+    tensor and the update that made it (every rank sees the same gathered tensors)."""
+    from megatron_gspo.run.rundir import RunError
+
+    for bucket in buckets:
+        floats = [(name, t) for name, t in bucket if t.is_floating_point()]
+        try:  # one device sync per bucket
+            ok = not floats or bool(torch.stack([torch.isfinite(t).all() for _, t in floats])
+                                    .all())
+        except RuntimeError:  # tensors on several devices
+            ok = all(bool(torch.isfinite(t).all()) for _, t in floats)
+        if not ok:
+            name = next(n for n, t in floats if not bool(torch.isfinite(t).all()))
+            raise RunError(f"the weights went non-finite ({name}) in the optimizer update "
+                           f"of step {version - 1} (weight version {version}); lower "
+                           "optimizer.lr or check the gradients")
+        yield bucket
+
+
+def _tensor_sync(cfg: Config) -> bool:
+    """SGLang with `update_weights_from_tensor` (tensor, or auto while colocated)."""
+    r = cfg.rollout
+    return r.engine == "sglang" and (r.weight_sync == "tensor"
+                                     or (r.weight_sync == "auto" and r.colocate))
