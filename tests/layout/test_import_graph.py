@@ -1,6 +1,6 @@
 """The package layout: no import circle, no import of a higher layer (cli -> loop, study ->
 rollout, agent, rewards, megatron -> convert -> algo, data, config, run), Megatron-Core only under
-megatron/ and algo/ pure torch. The checks are also run on small
+megatron/, algo/ pure torch, and no file over 450 lines. The checks are also run on small
 made-up graphs, so that a circle or an upward import is seen to fail them."""
 
 from __future__ import annotations
@@ -73,3 +73,15 @@ def test_no_package_module_imports_an_old_path(g):
     old = {"megatron_gspo.rollout.standin_server", "megatron_gspo.rollout.standin_router"}
     assert [m for m, ds in g.items() if ds & old] == []
 
+
+
+MAX_LINES = 450
+
+
+def test_no_file_over_the_limit():
+    root = PKG.parent
+    files = [p for d in ("megatron_gspo", "tools", "scripts", "bench", "examples")
+             for p in (root / d).rglob("*.py")]
+    long = {str(p.relative_to(root)): n for p in files
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}

@@ -1,0 +1,244 @@
+"""The weights and memory side of the stand-in SGLang server (`server.StandinServer` mixes it
+in), as strict as SGLang 0.5.12: `/flush_cache`, `/update_weights_from_tensor` (every TP
+rank's entry decoded with SGLang's unpickler allow-list; a bad entry or a wrong shape ends the
+server as it ends SGLang's scheduler), `/update_weights_from_disk`, the distributed update
+group (`/init_weights_update_group`, `/update_weights_from_distributed`,
+`/destroy_weights_update_group`), `/update_weight_version`, and `/release_memory_occupation` /
+`/resume_memory_occupation` with SGLang's tags and refusals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+from aiohttp import web
+
+from megatron_gspo.rollout.base import MEMORY_TAGS
+from megatron_gspo.rollout.weight_sync import decode_tensor_update, init_learner_update_group
+
+
+class WeightEndpoints:
+    """Weight and memory endpoints; the server provides `engine`, `stats`, `released_tags`,
+    `lost_weights`, `weight_version` and `weights_cpu_backup`."""
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        self.stats["flushes"] += 1
+        return web.Response(text=FLUSHED)
+
+    async def _load(self, named: list, version: Any) -> None:
+        if "weights" in self.released_tags:  # SGLang would write into unmapped GPU memory
+            raise RuntimeError("the weights region is released; resume 'weights' first")
+        await asyncio.to_thread(self.engine.load_buckets, [named], self.engine.weight_version)
+        self.lost_weights.difference_update(n for n, _ in named)
+        self.stats["weight_updates"] += 1
+        if version is not None:
+            self.weight_version = str(version)
+
+    async def update_from_tensor(self, request: web.Request) -> web.StreamResponse:
+        """As SGLang 0.5.12: an entry that does not decode (bad base64, a class outside the
+        unpickler's allow-list: utils/common.py SafeUnpickler) or a tensor of the wrong shape
+        (model_loader/weight_utils.py default_weight_loader asserts the shape) raises in the
+        scheduler, which ends the server; an unknown parameter name is skipped (the model's
+        load_weights ignores it) and the update answers success."""
+        body = await request.json()
+        try:  # every TP rank deserializes its own entry (SGLang tp_worker.py)
+            ranks = [decode_tensor_update(body, tp_rank=k) for k in range(self.tp_size)]
+            for k, other in enumerate(ranks[1:], 1):
+                if [n for n, _ in other] != [n for n, _ in ranks[0]] or not all(
+                        a.equal(b) for (_, a), (_, b) in zip(ranks[0], other, strict=True)):
+                    raise ValueError(f"TP rank {k}'s entry holds other tensors than rank 0's")
+        except Exception as e:
+            return await self.die(request, f"/update_weights_from_tensor: {e}")
+        shapes = {n: self.engine.param_shape(n) for n, _ in ranks[0]}
+        named = [(n, t) for n, t in ranks[0] if shapes[n] is not None]
+        wrong = next(((n, t) for n, t in named if tuple(t.shape) != shapes[n]), None)
+        if wrong is not None:
+            return await self.die(request, f"AssertionError: {wrong[0]} has shape "
+                                  f"{tuple(wrong[1].shape)}, the model {shapes[wrong[0]]}")
+        try:
+            await self._load(named, body.get("weight_version"))
+        except Exception as e:
+            return _fail(f"Failed to update weights from tensor: {e}")
+        return _ok(_versioned(TENSOR_UPDATE_OK, body))
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        path = body.get("model_path", "")
+        try:
+            from safetensors.torch import load_file
+
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no .safetensors files in {path}")
+            named = [kv for f in files for kv in load_file(os.path.join(path, f)).items()]
+            await self._load(named, body.get("weight_version"))
+        except Exception as e:
+            return web.json_response(
+                {"success": False, "message": f"Failed to update weights: {e}",
+                 "num_paused_requests": 0}, status=400)
+        self.model_path = path
+        return web.json_response(
+            {"success": True, "message": _versioned("Succeeded to update model weights.", body),
+             "num_paused_requests": 0})
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        """The rendezvous blocks the whole server until it completes, as upstream (the
+        scheduler's event loop waits in model_runner.py init_weights_update_group): with an
+        unreachable master address even /health gets no answer."""
+        b = await request.json()
+        try:
+            name = b.get("group_name", "weight_update_group")
+            pg = init_learner_update_group(  # on the event loop: blocks every endpoint
+                b["master_address"], int(b["master_port"]), int(b["world_size"]), name,
+                b.get("backend", "nccl"), int(b["rank_offset"]),
+                timeout_s=float(os.environ.get("STANDIN_GROUP_TIMEOUT_S", "600")))
+            self._groups[name] = pg
+        except Exception as e:
+            return _fail(f"Failed to init process group: {e}")
+        return _ok("Succeeded to initialize custom process group.")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        import torch
+        import torch.distributed as dist
+
+        b = await request.json()
+        name = b.get("group_name", "weight_update_group")
+        if name not in self._groups:
+            return _fail(f"Group {name} not in {list(self._groups)}")
+
+        def recv() -> list:
+            out = []
+            for n, dt, shape in zip(b["names"], b["dtypes"], b["shapes"], strict=True):
+                t = torch.empty(shape, dtype=getattr(torch, dt))
+                dist.broadcast(t, src=0, group=self._groups[name])
+                out.append((n, t))
+            return out
+
+        try:
+            named = await asyncio.to_thread(recv)
+            await self._load(named, b.get("weight_version"))
+        except Exception as e:
+            return _fail(f"Failed to update parameter online: {e}")
+        return _ok(_versioned("Succeeded to update parameter online.", b))
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        import torch.distributed as dist
+
+        name = (await request.json()).get("group_name", "weight_update_group")
+        pg = self._groups.pop(name, None)
+        if pg is None:
+            return _fail(f"Group {name} not found")
+        dist.destroy_process_group(pg)
+        return _ok("Succeeded to destroy custom process group.")
+
+    async def weights_digest(self, request: web.Request) -> web.Response:
+        """Stand-in only (SGLang has no such endpoint): `weights_digest` of the served
+        parameters, the weight version and the counters, for tests comparing them with the
+        learner's."""
+        named = list(self.engine.model.named_parameters())
+        return web.json_response({"digest": await asyncio.to_thread(weights_digest, named),
+                                  "weight_version": self.weight_version, "stats": self.stats})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        b = await request.json()
+        self.weight_version = str(b.get("new_version", ""))
+        return web.json_response(
+            {"success": True, "message": "ok", "new_version": self.weight_version}
+        )
+
+    async def release(self, request: web.Request) -> web.Response:
+        tags = await _memory_tags(request)
+        if isinstance(tags, web.Response):
+            return tags
+        self.released_tags |= set(tags)
+        self.released = True
+        self.memory_log.append("release " + ",".join(tags))
+        if "weights" in tags:
+            await self.engine.arelease_memory()
+        return web.json_response(None)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        tags = await _memory_tags(request)
+        if isinstance(tags, web.Response):
+            return tags
+        missing = [t for t in tags if t not in self.released_tags]
+        if missing:  # SGLang: the KeyError of the scheduler's resume ends the server
+            return await self.die(request, f"KeyError: {missing[0]!r} (memory region not "
+                                  "released; managers/scheduler_update_weights_mixin.py)")
+        self.released_tags -= set(tags)
+        self.released = bool(self.released_tags)
+        self.memory_log.append("resume " + ",".join(tags))
+        if "weights" in tags:
+            await self.engine.aresume_memory()
+            if not self.weights_cpu_backup:
+                await asyncio.to_thread(self._lose_weights)
+        return web.json_response(None)
+
+    def _lose_weights(self) -> None:
+        """What SGLang's memory saver does to weights released without CPU backup: the
+        re-mapped GPU memory does not hold them (its contents are undefined). The stand-in
+        zeroes every parameter, so generation runs but answers garbage until the weights are
+        pushed again; `lost_weights` names the parameters not yet re-pushed."""
+        import torch
+
+        with torch.no_grad():
+            for name, p in self.engine.model.named_parameters():
+                p.zero_()
+                self.lost_weights.add(name)
+
+
+def weights_digest(named: Any) -> str:
+    """SHA-256 over (name, shape, float32 bytes) of the named tensors, in name order."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda kv: kv[0]):
+        h.update(f"{name}:{tuple(t.shape)};".encode())
+        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+#: model_executor/model_runner.py update_weights_from_tensor's answer (also for names it skips).
+TENSOR_UPDATE_OK = "Success"
+#: entrypoints/http_server.py /flush_cache's answer.
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+           "or waiting requests, the operation will not be performed.)\n")
+
+
+def _versioned(msg: str, body: dict) -> str:
+    """A weight update's success text: managers/tokenizer_control_mixin.py appends the new
+    version when the request names one."""
+    v = body.get("weight_version")
+    return msg if v is None else f"{msg} Weight version updated to {v}."
+
+
+def _ok(msg: str) -> web.Response:
+    return web.json_response({"success": True, "message": msg})
+
+
+def _fail(msg: str) -> web.Response:
+    return web.json_response({"success": False, "message": msg}, status=400)
+
+
+def _bad(msg: str) -> web.Response:
+    return web.json_response({"object": "error", "message": msg, "code": 400}, status=400)
+
+
+async def _memory_tags(request: web.Request) -> list[str] | web.Response:
+    """The `tags` of a release/resume request (None or [] = all regions, as in SGLang's
+    scheduler_update_weights_mixin.py), or a 400 answer naming an unknown tag."""
+    text = await request.text()
+    try:
+        tags = (json.loads(text) or {}).get("tags") if text.strip() else None
+    except (ValueError, AttributeError):
+        return _bad("body must be a JSON object with optional 'tags'")
+    tags = list(tags or MEMORY_TAGS)
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        return _bad(f"unknown memory tag {bad[0]!r}; expected one of {list(MEMORY_TAGS)}")
+    return tags
