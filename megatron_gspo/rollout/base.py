@@ -95,13 +95,14 @@ class SamplingParams:
             SamplingParams with n = the group size.
         """
         ids = [int(t) for t in rollout.stop_token_ids]
-        vocab = tok.get_vocab()
+        vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}  # minimal tokenizers: none
         for t in ("<|im_end|>", "<|endoftext|>"):
             tid = tok.convert_tokens_to_ids(t) if t in vocab else None
             if tid is not None and tid not in ids:
                 ids.append(int(tid))
-        if tok.eos_token_id is not None and tok.eos_token_id not in ids:
-            ids.append(int(tok.eos_token_id))
+        eos = getattr(tok, "eos_token_id", None)
+        if eos is not None and eos not in ids:
+            ids.append(int(eos))
         return cls(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                    top_p=rollout.top_p, top_k=rollout.top_k, n=rollout.group_size,
                    stop_token_ids=tuple(ids))

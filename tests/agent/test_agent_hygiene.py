@@ -66,7 +66,11 @@ def _agent_cfg(path, *extra):
                               f"data.train_path={path}", *extra])
 
 
-def test_non_numeric_labels_are_bad_rows_before_training(tmp_path):
+def test_non_numeric_labels_are_bad_rows_before_training(tmp_path, monkeypatch):
+    from megatron_gspo.agent import loop as agent_loop
+
+    # CHAR_TOK renders no chat: the opening-prompt length check (tests/loop) is not this test's
+    monkeypatch.setattr(agent_loop, "check_opening_prompts", lambda *a, **k: None)
     p = tmp_path / "rows.jsonl"
     p.write_text('{"prompt": "What is 1+1?", "answer": "2"}\n'
                  '{"prompt": "What is 1+2?", "answer": "three"}\n'
