@@ -30,7 +30,13 @@ def task():
 @pytest.fixture(scope="module")
 def pretrain():
     sys.path.insert(0, str(ROOT / "examples"))
-    return _load("long_pretrain", LONG / "pretrain.py")
+    other = sys.modules.pop("task", None)  # another example's `task` module (examples/tiny)
+    try:
+        return _load("long_pretrain", LONG / "pretrain.py")  # imports examples/long/task.py
+    finally:
+        sys.modules.pop("task", None)
+        if other is not None:
+            sys.modules["task"] = other
 
 
 def test_solution_shows_every_step_and_the_reward_reads_the_total(task):
