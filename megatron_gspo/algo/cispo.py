@@ -25,7 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo.algo.losses import LOGRATIO_BOUND, _prep, _stats
+from megatron_gspo.algo.losses import (
+    LOGRATIO_BOUND,
+    _prep,
+    _stats,
+    _token_advantages,
+    _token_bound_hits,
+)
 
 __all__ = ["cispo_loss"]
 
@@ -46,12 +52,8 @@ def cispo_loss(logprobs, old_logprobs, advantages, loss_mask, *, eps_low=1.0, ep
         (loss scalar, stats dict as in `losses`).
     """
     log_ratio, mask, on = _prep(logprobs, old_logprobs, loss_mask)
-    adv = advantages.to(torch.float32)
-    if adv.dim() == 1:
-        adv = adv[:, None].expand_as(mask)
-    if adv.shape != mask.shape:
-        raise ValueError(f"advantages shape {tuple(adv.shape)} != loss_mask {tuple(mask.shape)}")
-    hits = ((log_ratio.detach().abs() > logratio_bound) & on).sum().to(torch.float32)
+    adv = _token_advantages(advantages, mask)  # [B, T]
+    hits = _token_bound_hits(log_ratio, on, logratio_bound)
     ratio = torch.exp(log_ratio.detach().clamp(-logratio_bound, logratio_bound))  # [B, T]
     weight = ratio.clamp(max(1.0 - eps_low, 0.0), 1.0 + eps_high)  # [B, T], no grad
     lp = torch.where(on, logprobs.float(), 0.0)  # [B, T]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo.algo.losses import LOGRATIO_BOUND, _prep, _stats
+from megatron_gspo.algo.losses import LOGRATIO_BOUND, _prep, _stats, _token_bound_hits
 
 __all__ = ["gmpo_loss"]
 
@@ -52,7 +52,7 @@ def gmpo_loss(logprobs, old_logprobs, advantages, loss_mask, *, eps_low=0.4, eps
                          f"advantages of shape {tuple(adv.shape)}")
     if adv.shape[0] != log_ratio.shape[0]:
         raise ValueError(f"advantages has {adv.shape[0]} rows for {log_ratio.shape[0]} sequences")
-    hits = ((log_ratio.detach().abs() > logratio_bound) & on).sum().to(torch.float32)
+    hits = _token_bound_hits(log_ratio, on, logratio_bound)
     lr = log_ratio.clamp(-logratio_bound, logratio_bound)  # [B, T]
     sg = torch.where(adv >= 0, 1.0, -1.0)[:, None]  # [B, 1]
     clipped = lr.clamp(-eps_low, eps_high)  # [B, T]

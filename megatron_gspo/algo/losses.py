@@ -71,6 +71,22 @@ def sequence_log_ratio(logprobs, old_logprobs, loss_mask):
     return log_ratio.sum(-1) / count.clamp(min=1.0), count
 
 
+def _token_advantages(advantages, mask):
+    """Advantages as float32 `[B, T]`: a `[B]` tensor is broadcast over tokens; another shape
+    than `mask`'s is a ValueError."""
+    adv = advantages.to(torch.float32)
+    if adv.dim() == 1:
+        adv = adv[:, None].expand_as(mask)
+    if adv.shape != mask.shape:
+        raise ValueError(f"advantages shape {tuple(adv.shape)} != loss_mask {tuple(mask.shape)}")
+    return adv  # [B, T]
+
+
+def _token_bound_hits(log_ratio, on, bound):
+    """How many trainable token log-ratios exceed `bound` (float32 scalar, for `_stats`)."""
+    return ((log_ratio.detach().abs() > bound) & on).sum().to(torch.float32)
+
+
 def _bounded_seq_log_ratio(log_ratio, count, valid, bound):
     """Mean log-ratio per row bounded to [-bound, bound], and how many valid rows hit the bound.
 
@@ -214,11 +230,7 @@ def gspo_token_loss(
         (loss scalar, stats dict).
     """
     log_ratio, mask, on = _prep(logprobs, old_logprobs, loss_mask)
-    adv = advantages.to(torch.float32)
-    if adv.dim() == 1:
-        adv = adv[:, None].expand_as(mask)
-    if adv.shape != mask.shape:
-        raise ValueError(f"advantages shape {tuple(adv.shape)} != loss_mask {tuple(mask.shape)}")
+    adv = _token_advantages(advantages, mask)  # [B, T]
     count = mask.sum(-1)  # [B]
     valid = count > 0
     seq_lr, hits = _bounded_seq_log_ratio(log_ratio, count, valid, logratio_bound)
@@ -273,13 +285,9 @@ def grpo_loss(
         (loss scalar, stats dict).
     """
     log_ratio, mask, on = _prep(logprobs, old_logprobs, loss_mask)
-    adv = advantages.to(torch.float32)
-    if adv.dim() == 1:
-        adv = adv[:, None].expand_as(mask)
-    if adv.shape != mask.shape:
-        raise ValueError(f"advantages shape {tuple(adv.shape)} != loss_mask {tuple(mask.shape)}")
+    adv = _token_advantages(advantages, mask)  # [B, T]
     lr = log_ratio.clamp(-logratio_bound, logratio_bound)  # [B, T]
-    hits = ((log_ratio.detach().abs() > logratio_bound) & on).sum().to(torch.float32)
+    hits = _token_bound_hits(log_ratio, on, logratio_bound)
     ratio = torch.exp(lr)  # [B, T]
     per_tok = torch.where(on, _surrogate(ratio, adv, eps_low, eps_high), 0.0)  # [B, T]
     count = mask.sum(-1)  # [B]

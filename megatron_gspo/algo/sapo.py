@@ -26,7 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo.algo.losses import LOGRATIO_BOUND, _prep, _stats
+from megatron_gspo.algo.losses import (
+    LOGRATIO_BOUND,
+    _prep,
+    _stats,
+    _token_advantages,
+    _token_bound_hits,
+)
 
 __all__ = ["sapo_loss", "sapo_gate"]
 
@@ -64,12 +70,8 @@ def sapo_loss(logprobs, old_logprobs, advantages, loss_mask, *, tau_pos=1.0, tau
         (loss scalar, stats dict as in `losses`).
     """
     log_ratio, mask, on = _prep(logprobs, old_logprobs, loss_mask)
-    adv = advantages.to(torch.float32)
-    if adv.dim() == 1:
-        adv = adv[:, None].expand_as(mask)
-    if adv.shape != mask.shape:
-        raise ValueError(f"advantages shape {tuple(adv.shape)} != loss_mask {tuple(mask.shape)}")
-    hits = ((log_ratio.detach().abs() > logratio_bound) & on).sum().to(torch.float32)
+    adv = _token_advantages(advantages, mask)  # [B, T]
+    hits = _token_bound_hits(log_ratio, on, logratio_bound)
     ratio = torch.exp(log_ratio.clamp(-logratio_bound, logratio_bound))  # [B, T]
     gate = sapo_gate(ratio, adv, tau_pos, tau_neg)  # [B, T]
     per_tok = torch.where(on, -gate * adv, 0.0)  # [B, T]
