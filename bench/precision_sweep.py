@@ -46,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatron_gspo.data.batch import pad_rows  # noqa: E402
 from megatron_gspo.algo.precision import (  # noqa: E402
     ToleranceController,
     audit_sums,
@@ -160,14 +161,6 @@ def truncate(samples, length: int) -> list:
     return out
 
 
-def padded(rows: list[list[float]]) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    out = torch.zeros(len(rows), width, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
-    return out  # [B, T]
-
-
 def model_dir_for(path: str, need: int) -> tuple[str, int | None]:
     """`path`, or a temporary copy whose config allows `need` positions (RoPE models only).
 
@@ -244,8 +237,8 @@ def run(args) -> dict:
             for length in lengths:
                 cut = truncate(samples_by_engine[e], length)
                 lps = learner.forward_logprobs(cut, temperature=1.0)
-                point = measure(padded(lps), padded([s.rollout_logprobs for s in cut]),
-                                padded([list(map(float, s.loss_mask)) for s in cut]),
+                point = measure(pad_rows(lps), pad_rows([s.rollout_logprobs for s in cut]),
+                                pad_rows([list(map(float, s.loss_mask)) for s in cut]),
                                 gspo_clip=gspo_clip, grpo_clip=grpo_clip,
                                 tolerance=prec.tolerance, mismatch_scale=prec.mismatch_scale,
                                 audit_fraction=prec.audit_fraction,

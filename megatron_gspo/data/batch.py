@@ -282,3 +282,13 @@ def cp_local_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torc
         for chunk in (cp_rank, 2 * cp_size - 1 - cp_rank):
             out.append(torch.arange(b + chunk * c, b + (chunk + 1) * c))
     return torch.cat(out)
+
+
+def pad_rows(rows: list[list[float]]) -> torch.Tensor:
+    """Rows of per-token floats (log-probs, masks, advantages) as one float32 `[B, T]` tensor,
+    zero-padded on the right to the longest row (at least one column)."""
+    width = max(1, max(len(r) for r in rows))
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out  # [B, T]

@@ -25,6 +25,7 @@ from megatron_gspo.algo.precision import (
 )
 from megatron_gspo.run import faults
 from megatron_gspo.config import Config, ConfigError
+from megatron_gspo.data.batch import pad_rows
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rewards.overlong import apply_overlong
 from megatron_gspo.loop.sync import colocated_sglang
@@ -182,8 +183,8 @@ def reference_logprobs(cfg: Config, learner, samples: list[Sample], with_policy:
     else:
         ref = learner.forward_logprobs(samples, reference=True)
     sampled = [list(s.rollout_logprobs) for s in samples] if has_engine else policy
-    mask = _padded([list(map(float, s.loss_mask)) for s in samples])  # [B, T]
-    seq, count = sequence_kl(_padded(sampled), _padded(ref), mask, a.kl_estimator)  # [B]
+    mask = pad_rows([list(map(float, s.loss_mask)) for s in samples])  # [B, T]
+    seq, count = sequence_kl(pad_rows(sampled), pad_rows(ref), mask, a.kl_estimator)  # [B]
     has = count > 0
     m = {"kl/mean": float(seq[has].mean()) if has.any() else 0.0,
          "kl/max": float(seq[has].max()) if has.any() else 0.0}
@@ -193,14 +194,6 @@ def reference_logprobs(cfg: Config, learner, samples: list[Sample], with_policy:
         m["kl/reward_penalty_mean"] = a.kl_coef * m["kl/mean"]
     m["time/reference_logprobs"] = time.perf_counter() - t0
     return ref, policy, m
-
-
-def _padded(rows: list[list[float]]) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    out = torch.zeros(len(rows), width, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
-    return out  # [B, T]
 
 
 def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: int,
@@ -217,7 +210,7 @@ def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: 
     if _split_audit(cfg, samples, step):  # stale samples: split audit
         from megatron_gspo.rollout.asynchronous.audit import split_old_logprobs
 
-        return split_old_logprobs(cfg, learner, controller, samples, step, _padded, _correct)
+        return split_old_logprobs(cfg, learner, controller, samples, step, pad_rows, _correct)
     p, a = cfg.precision, cfg.algorithm
     m: dict = {}
     has_engine = all(s.rollout_logprobs is not None for s in samples)
@@ -235,9 +228,9 @@ def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: 
             check_engine_logprobs(s.index, s.rollout_logprobs, s.loss_mask, len(s.response_ids))
     if learner_lps is not None and has_engine:
         lo, hi, level = a.audit_range()
-        mask = _padded([list(map(float, s.loss_mask)) for s in samples])
-        learner_t = _padded(learner_lps)
-        engine_t = _padded([s.rollout_logprobs for s in samples])
+        mask = pad_rows([list(map(float, s.loss_mask)) for s in samples])
+        learner_t = pad_rows(learner_lps)
+        engine_t = pad_rows([s.rollout_logprobs for s in samples])
         sums = audit_sums(learner_t, engine_t, mask, eps_low=lo, eps_high=hi,
                           scale=p.mismatch_scale, level=level)
         audit = finalize_audit(sums)
@@ -253,7 +246,7 @@ def _correct(samples, learner_t, engine_t, mask, p) -> dict:
     """Apply `precision.correction` to the samples' loss masks and advantages; returns
     `precision/masked_sequences` and the share by cause (`algo.precision.correction_metrics`)."""
     tok_adv = isinstance(samples[0].advantage, list)
-    adv = _padded([s.advantage for s in samples]) if tok_adv else \
+    adv = pad_rows([s.advantage for s in samples]) if tok_adv else \
         torch.tensor([float(s.advantage) for s in samples])
     d = sequence_mismatch(learner_t, engine_t, mask)
     new_mask, new_adv, st = apply_correction(

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_gspo.data.batch import pad_rows as padded
 from bench.precision_sweep import (
     expected_safe_length,
     expected_share,
     measure,
-    padded,
     safe_length,
     truncate,
 )

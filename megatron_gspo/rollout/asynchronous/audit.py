@@ -29,7 +29,7 @@ def split_old_logprobs(cfg: Config, learner, controller, samples: list[Sample], 
     """`phases.old_logprobs` for a batch with stale samples (see the module docstring).
 
     Args:
-        padded: rows of floats -> [B, T] tensor (`phases._padded`).
+        padded: rows of floats -> [B, T] tensor (`data.batch.pad_rows`).
         correct: (samples, learner [B, T], engine [B, T], mask, precision config) -> metrics
             (`phases._correct`).
     Returns:
