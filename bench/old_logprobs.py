@@ -51,7 +51,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
 
+    from megatron_gspo.data.batch import pad_rows
     from megatron_gspo.loop import build, phases
+    from megatron_gspo.loop import sync as sync_phase
     from megatron_gspo.algo.precision import ToleranceController, audit_sums, finalize_audit
     from megatron_gspo.config import load_config
     from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
@@ -69,7 +71,7 @@ def main() -> None:
     build.load_initial_weights(cfg, learner, hf)
     engine = EmbeddedEngine(dict(hf), dtype="bfloat16", seed=0)
     cfg.rollout.dtype = "bfloat16"
-    phases.sync_weights(learner, engine, hf, cfg, version=0)
+    sync_phase.sync_weights(learner, engine, hf, cfg, version=0)
     sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, n=args.group,
                         ignore_eos=True)
     g = torch.Generator().manual_seed(1)
@@ -83,7 +85,7 @@ def main() -> None:
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
 
     lps = learner.forward_logprobs(samples)
-    pad = phases._padded
+    pad = pad_rows
     audit = finalize_audit(audit_sums(pad(lps), pad([s.rollout_logprobs for s in samples]),
                                       pad([list(map(float, s.loss_mask)) for s in samples]),
                                       eps_low=3e-4, eps_high=4e-4))

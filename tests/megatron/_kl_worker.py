@@ -115,7 +115,7 @@ def case_kl1(outdir: Path, chk: Checker, info: dict):
         chk.failures.append(f"kl/entropy parts not active: {m['kl_loss']}, {m['entropy_loss']}")
     # the KL part equals the pure-torch formula on the same log-probs
     from megatron_gspo.algo import kl as klmod
-    from megatron_gspo.loop.phases import _padded
+    from megatron_gspo.data.batch import pad_rows as _padded
 
     mask = _padded([list(map(float, s.loss_mask)) for s in samples])
     want = klmod.kl_loss(_padded(lps), _padded(ref_lps), mask, coef=0.05, estimator="k3")
