@@ -52,12 +52,13 @@ def evaluate_base(config: Path, overrides: list[str]) -> dict:
     sys.path.insert(0, str(ROOT))
     from megatron_gspo.loop import build, phases
     from megatron_gspo.config import load_config
+    from megatron_gspo.rollout.base import SamplingParams
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
     cfg = load_config(config, overrides)
     tok = build.tokenizer(cfg)
     engine = EmbeddedEngine(cfg.model.path, dtype=cfg.rollout.dtype, seed=cfg.train.seed,
-                            default_sampling=build.sampling_params(cfg, tok))
+                            default_sampling=SamplingParams.for_rollouts(cfg.rollout, tok))
     try:
         evals = build.eval_prompts(cfg, tok)
         return phases.evaluate(cfg, engine, tok, build.reward_scorer(cfg, tok), evals)
