@@ -64,6 +64,10 @@ class Faults:
 
 #: managers/schedule_batch.py FINISH_ABORT.to_json() of an aborted request.
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+#: managers/tokenizer_manager.py `_handle_abort_req`: a request aborted while still in the
+#: waiting queue (scheduler.py `abort_request` sends a bare AbortReq); its meta_info holds only
+#: these keys (plus the log-prob fields when asked).
+WAITING_ABORTED = {"type": "abort", "message": "Abort in waiting queue"}
 #: meta_info keys SGLang 0.5.12 adds to every /generate answer (values of a CPU server).
 EXTRA_META = {"cached_tokens_details": None, "dp_rank": None, "e2e_latency": 0.0,
               "num_retractions": 0, "reasoning_tokens": 0, "response_sent_to_client_ts": 0.0}
@@ -223,11 +227,20 @@ class GenerationEndpoints:
             return await self.die(request, f"IndexError in the embedding: {bad}")
         if self.released:
             return _bad("memory is released; call /resume_memory_occupation first")
+        start = body.get("logprob_start_len", -1)
+        if getattr(self, "device", "cuda") == "cpu" and body.get("return_logprob") and max(
+                start if isinstance(start, list) else [start]) >= 0:
+            # a prefill with input-token log-probs indexes with CUDA tensors on the CPU engine
+            # (layers/logits_processor.py _get_pruned_states): the scheduler dies
+            return await self.die(request, "RuntimeError: Found no NVIDIA driver on your system "
+                                  "(input-token log-probs on a CPU server)")
         rows = [
             (list(p), s.with_n(1))
             for p, s in zip(prompts, params, strict=True)
             for _ in range(s.n)
         ]
+        skips = [bool(d.get("skip_special_tokens", True))
+                 for d, s in zip(sps, params, strict=True) for _ in range(s.n)]
         self.stats["generate_calls"] += 1
         rid = body.get("rid") or uuid.uuid4().hex
         slow, aborted, bad_ids = f.slow > 0, f.abort > 0, f.bad_ids > 0
@@ -243,6 +256,15 @@ class GenerationEndpoints:
         for i, ((prompt, _), (tok, lps, reason, *routed)) in enumerate(
                 zip(rows, outs, strict=True)):
             fr: dict[str, Any] = {"type": reason}
+            if reason == "abort_waiting":
+                meta = {"id": rid if len(rows) == 1 else f"{rid}_{i}",
+                        "finish_reason": dict(WAITING_ABORTED),
+                        "weight_version": self.weight_version, "e2e_latency": 0.0,
+                        "completion_tokens": 0}
+                if body.get("return_logprob"):
+                    meta.update(input_token_logprobs=[], output_token_logprobs=[])
+                results.append({"text": "", "output_ids": [], "meta_info": meta})
+                continue
             if aborted or reason == "abort":  # as after /abort_request: part of the output
                 if aborted:
                     tok, lps = tok[: len(tok) // 2], lps[: len(tok) // 2]
@@ -275,7 +297,8 @@ class GenerationEndpoints:
                 # capturer is None and the field is silently absent (no refusal).
                 meta["routed_experts"] = base64.b64encode(
                     routed[0].to(torch.int32).numpy().tobytes()).decode("ascii")
-            results.append({"text": self.decode(tok), "output_ids": tok, "meta_info": meta})
+            results.append({"text": self.decode(tok, skips[i]), "output_ids": tok,
+                            "meta_info": meta})
         self.stats["samples"] += len(results)
         return web.json_response(results[0] if single and len(results) == 1 else results)
 
@@ -299,8 +322,10 @@ class GenerationEndpoints:
             return resp
         return None
 
-    def decode(self, ids: list[int]) -> str:
-        """The decoded text of `ids` (SGLang's `text`), "" when the model has no tokenizer."""
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The decoded text of `ids` (SGLang's `text`), "" when the model has no tokenizer.
+        As SGLang's detokenizer, special tokens are left out unless the request's sampling
+        params set `skip_special_tokens: false` (sampling/sampling_params.py, default True)."""
         if not hasattr(self, "_tokenizer"):
             self._tokenizer = None
             if any(os.path.isfile(os.path.join(self.model_path, f))
@@ -311,7 +336,8 @@ class GenerationEndpoints:
                                                                 local_files_only=True)
         if self._tokenizer is None:
             return ""
-        return self._tokenizer.decode([t for t in ids if t >= 0])
+        return self._tokenizer.decode([t for t in ids if t >= 0],
+                                      skip_special_tokens=skip_special_tokens)
 
     async def die(self, request: web.Request, why: str) -> web.StreamResponse:
         """End the server without an answer, as SGLang's scheduler does on an exception (the
@@ -384,7 +410,7 @@ class GenerationEndpoints:
         if mode == "abort":  # requests not yet started come back with finish reason abort
             for rows, fut, _ in self._queue:
                 if not fut.done():
-                    fut.set_result([([], [], "abort")] * len(rows))
+                    fut.set_result([([], [], "abort_waiting")] * len(rows))
             self._queue = []
         self._paused = True
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
@@ -402,7 +428,7 @@ class GenerationEndpoints:
         for rows, fut, rid in self._queue:  # only requests not yet started can be aborted
             if b.get("abort_all") or rid == b.get("rid"):
                 if not fut.done():
-                    fut.set_result([([], [], "abort")] * len(rows))
+                    fut.set_result([([], [], "abort_waiting")] * len(rows))
             else:
                 keep.append((rows, fut, rid))
         self._queue = keep

@@ -64,6 +64,8 @@ class StandinServer(GenerationEndpoints, WeightEndpoints):
             variable SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, default on).
         enable_return_routed_experts: `--enable-return-routed-experts` (MoE models): requests
             with `return_routed_experts` get `meta_info.routed_experts`.
+        device: `--device` (cuda | cpu): a cpu server ends on input-token log-probs, as
+            SGLang 0.5.12's CPU engine does.
     """
 
     def __init__(
@@ -71,7 +73,9 @@ class StandinServer(GenerationEndpoints, WeightEndpoints):
         model_path: str = "", exit_on_crash: bool = False, weights_cpu_backup: bool = False,
         dp_size: int = 1, context_length: int | None = None, api_key: str | None = None,
         health_generation: bool | None = None, enable_return_routed_experts: bool = False,
+        device: str = "cuda",
     ) -> None:
+        self.device = device
         self.engine, self.host, self.port, self.tp_size = engine, host, port, tp_size
         self.model_path, self.exit_on_crash = model_path, exit_on_crash
         self.faults = Faults()
@@ -213,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context-length", type=int, default=None)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--enable-return-routed-experts", action="store_true")
+    ap.add_argument("--device", default="cuda")
     args, _unknown = ap.parse_known_args(argv)
     port_error = grpc_port_error(args.port, os.environ)
     if port_error:  # SGLang refuses the port before loading anything
@@ -225,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
                            weights_cpu_backup=args.enable_weights_cpu_backup,
                            dp_size=args.dp_size, context_length=args.context_length,
                            api_key=args.api_key,
-                           enable_return_routed_experts=args.enable_return_routed_experts)
+                           enable_return_routed_experts=args.enable_return_routed_experts,
+                           device=args.device)
 
     async def run() -> None:
         await server.start()

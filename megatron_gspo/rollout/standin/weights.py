@@ -17,7 +17,16 @@ from typing import Any
 from aiohttp import web
 
 from megatron_gspo.rollout.base import MEMORY_TAGS
-from megatron_gspo.rollout.weight_sync import decode_tensor_update, init_learner_update_group
+from megatron_gspo.rollout.weight_sync import (
+    decode_tensor_update,
+    init_learner_update_group,
+    stacked_part,
+)
+
+#: Architectures whose SGLang 0.5.12 load_weights indexes params_dict with the fused name of a
+#: stacked part without checking it (models/qwen3.py); llama.py, qwen2.py and qwen3_moe.py
+#: skip such a name instead.
+UNCHECKED_STACKED = ("Qwen3ForCausalLM",)
 
 
 class WeightEndpoints:
@@ -53,6 +62,12 @@ class WeightEndpoints:
         except Exception as e:
             return await self.die(request, f"/update_weights_from_tensor: {e}")
         shapes = {n: self.engine.param_shape(n) for n, _ in ranks[0]}
+        unknown = next((n for n in shapes if shapes[n] is None and stacked_part(n)), None)
+        if unknown is not None and self.architecture() in UNCHECKED_STACKED:
+            fused = unknown.replace(stacked_part(unknown), ".qkv_proj." if stacked_part(
+                unknown) in (".q_proj.", ".k_proj.", ".v_proj.") else ".gate_up_proj.")
+            return await self.die(request, f"KeyError: {fused!r} (load_weights of "
+                                  "models/qwen3.py)")
         named = [(n, t) for n, t in ranks[0] if shapes[n] is not None]
         wrong = next(((n, t) for n, t in named if tuple(t.shape) != shapes[n]), None)
         if wrong is not None:
@@ -63,6 +78,14 @@ class WeightEndpoints:
         except Exception as e:
             return _fail(f"Failed to update weights from tensor: {e}")
         return _ok(_versioned(TENSOR_UPDATE_OK, body))
+
+    def architecture(self) -> str:
+        """The served model's architecture (config.json `architectures[0]`, "" if unknown)."""
+        try:
+            with open(os.path.join(self.model_path, "config.json"), encoding="utf-8") as f:
+                return str((json.load(f).get("architectures") or [""])[0])
+        except (OSError, ValueError, TypeError):
+            return ""
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
