@@ -13,6 +13,7 @@ from megatron_gspo.config import Config
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.loop import build
 from megatron_gspo.loop.build import DTYPES
+from megatron_gspo.rollout.base import RolloutError
 
 def colocated_sglang(cfg: Config) -> bool:
     return cfg.rollout.engine == "sglang" and cfg.rollout.colocate
@@ -99,22 +100,34 @@ def verify_sync(learner, engine, cfg: Config, version: int) -> float:
     """Verify a weight sync (collective): rank 0's servers generate from a fixed probe prompt,
     the learner recomputes the log-probs of what they generated, and a difference above
     `PROBE_TOLERANCE` of the served dtype is one RolloutError naming the sync. Returns the
-    largest difference (rank 0; 0.0 elsewhere)."""
+    largest difference (rank 0; 0.0 elsewhere). An offloaded learner is brought back for the
+    recompute the way a checkpoint brings it back (`colocated.checkpoint_room`)."""
     from megatron_gspo.rollout.sglang.weights import (PROBE_PROMPT, PROBE_TOLERANCE,
                                                       check_sync_probe)
 
-    tdist = torch.distributed
-    lead = engine is not None and (not tdist.is_initialized() or tdist.get_rank() == 0)
-    probes = engine.sync(engine.aprobe_servers(cfg.rollout.temperature)) if lead else None
-    samples = None
-    if lead:
-        samples = [Sample(prompt_ids=list(PROBE_PROMPT), response_ids=list(ids),
-                          rollout_logprobs=list(lps), index=i)
-                   for i, (_, ids, lps) in enumerate(probes)]
     from megatron_gspo.megatron.learner import broadcast_samples
 
+    tdist = torch.distributed
+    lead = engine is not None and (not tdist.is_initialized() or tdist.get_rank() == 0)
+    probes, samples = None, None
+    if lead:
+        try:  # a failed probe reaches every rank (the others wait in the broadcast)
+            probes = engine.sync(engine.aprobe_servers(cfg.rollout.temperature))
+            samples = [Sample(prompt_ids=list(PROBE_PROMPT), response_ids=list(ids),
+                              rollout_logprobs=list(lps), index=i)
+                       for i, (_, ids, lps) in enumerate(probes)]
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            samples = (f"weight sync to version {version}: the sync probe failed: "
+                       f"{type(e).__name__}: {e}")
     samples = broadcast_samples(samples)
-    mine = learner.forward_logprobs(samples, temperature=cfg.rollout.temperature)
+    if isinstance(samples, str):
+        raise RolloutError(samples)
+    from megatron_gspo.rollout.multinode.colocated import checkpoint_room
+
+    # an offloaded learner (rollout.offload_learner) comes back for the recompute as for a
+    # checkpoint: on GPUs the servers first release their KV cache and CUDA graphs
+    with checkpoint_room(learner, engine):
+        mine = learner.forward_logprobs(samples, temperature=cfg.rollout.temperature)
     if not lead:
         return 0.0
     return check_sync_probe(version, probes, mine, PROBE_TOLERANCE[cfg.model.dtype])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+import torch
 
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.multinode.servers import (
@@ -85,5 +86,46 @@ def test_client_leaves_a_refusing_server_out_and_loses_no_sample(engine):
         assert client.down == set() and client.weight_version == 3
     finally:
         client.shutdown()
+        for s in servers:
+            s.stop_thread()
+
+
+def test_sync_probe_covers_every_nodes_servers(engine, tiny_model_dir):
+    """`rollout.verify_sync_interval` on a multi-node colocated job: rank 0's engine probes
+    every node's servers and the learner's recompute checks them."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.loop.sync import verify_sync
+    from megatron_gspo.rollout.multinode.servers import MultiNodeEngine
+    from megatron_gspo.rollout.standin.server import StandinServer
+
+    class Learner:  # the learner's recompute of the probe (`Learner.forward_logprobs`)
+        def offloaded_parts(self):
+            return []
+
+        def forward_logprobs(self, samples, temperature):
+            out = []
+            for s in samples:
+                ids = torch.tensor([s.prompt_ids + s.response_ids])
+                with torch.no_grad():
+                    logits = engine.model(ids).logits[0, len(s.prompt_ids) - 1 : -1]
+                lp = torch.log_softmax(logits.float() / temperature, -1)
+                out.append(lp.gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0].tolist())
+            return out
+
+    class Local:  # node 0's servers (only shut down here)
+        def shutdown(self):
+            pass
+
+    servers = [StandinServer(engine, model_path=tiny_model_dir).start_in_thread()
+               for _ in range(2)]
+    client = ClusterClient([s.url for s in servers], backoff_s=0.01)
+    client._started = True
+    eng = MultiNodeEngine(Local(), client)
+    cfg = load_config(None, ["model.dtype=float32", "rollout.temperature=0.8"])
+    try:
+        assert verify_sync(Learner(), eng, cfg, 0) < 1e-4
+        assert all(s.stats["generate_calls"] == 1 for s in servers)
+    finally:
+        eng.shutdown()
         for s in servers:
             s.stop_thread()

@@ -168,6 +168,9 @@ def test_sync_probe_catches_a_sync_that_changed_nothing(engine, tiny_model_dir):
     learner_side = EmbeddedEngine(tiny_model_dir)
 
     class Learner:  # the learner's recompute of the probe (`Learner.forward_logprobs`)
+        def offloaded_parts(self):
+            return []
+
         def forward_logprobs(self, samples, temperature):
             out = []
             for s in samples:
@@ -184,6 +187,30 @@ def test_sync_probe_catches_a_sync_that_changed_nothing(engine, tiny_model_dir):
     try:
         eng.update_weights([new], version=1)
         assert verify_sync(Learner(), eng, cfg, 1) < 1e-4
+
+        class Offloaded(Learner):  # rollout.offload_learner: weights and grads away after a sync
+            def __init__(self):
+                self.away, self.calls = ["grads", "weights"], []
+
+            def offloaded_parts(self):
+                return list(self.away)
+
+            def onload(self, parts=None):
+                self.calls.append("on")
+                self.away = [p for p in self.away if p not in parts]
+
+            def offload(self, parts):
+                self.calls.append("off")
+                self.away = sorted(set(self.away) | set(parts))
+
+            def forward_logprobs(self, samples, temperature):
+                if self.away:  # as learner_state._require_resident
+                    raise RuntimeError(f"learner {', '.join(self.away)} offloaded")
+                return super().forward_logprobs(samples, temperature)
+
+        off = Offloaded()
+        assert verify_sync(off, eng, cfg, 1) < 1e-4
+        assert off.away == ["grads", "weights"] and off.calls == ["on", "off"]
         newer = [(k, v + 0.1) for k, v in new]
         learner_side.load_buckets([newer], 2)
         eng.update_weights([[(f"unknown_{i}", v) for i, (_, v) in enumerate(newer)]],

@@ -110,7 +110,8 @@ def test_kill_9_leaves_no_server_and_the_run_resumes(tmp_path):
 def test_async_mode_on_a_real_server(tmp_path):
     run, tag = tmp_path / "run", uuid.uuid4().hex
     out = subprocess.run(_cmd(run, "train.max_steps=4", "checkpoint.interval=0",
-                              "rollout.mode=async", "rollout.max_staleness=1"),
+                              "rollout.mode=async", "rollout.max_staleness=1",
+                              "rollout.colocate=false"),
                          cwd=tier.ROOT, env=_env(tag), capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]

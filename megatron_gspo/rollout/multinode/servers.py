@@ -266,6 +266,14 @@ class MultiNodeEngine(RolloutEngine):
         raise RolloutError("colocated servers on several nodes take weights through the "
                            "collective multi-node sync (every rank takes part)")
 
+    async def aprobe_servers(self, *args: Any, **kw: Any) -> list:
+        """The sync probe on every node's servers (`SGLangEngine.aprobe_servers`)."""
+        return await self.client.aprobe_servers(*args, **kw)
+
+    def sync(self, coro: Any) -> Any:
+        """Run one of this engine's coroutines synchronously (in its loop, as generation)."""
+        return self._run(coro)
+
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         self.local.release_memory(tags)
 
