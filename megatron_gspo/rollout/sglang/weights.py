@@ -119,7 +119,41 @@ class SGLangWeightSync:
         await self._all("/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
+        """Let generation go on; a weight-update session a failed update left open is closed
+        first (best effort: the next update could not open one)."""
+        if getattr(self, "_sessions", None):
+            try:
+                await self.aend_update_sessions()
+            except RolloutError:
+                pass
         await self._all("/continue_generation")
+
+    async def abegin_update_sessions(self) -> None:
+        """Open a weight-update session on every server that has them. SGLang 0.5.23 takes
+        tensor and distributed updates only between /begin_weight_update and
+        /end_weight_update (managers/scheduler_components/weight_updater.py); 0.5.12 has no such
+        endpoint (404), remembered per server."""
+        known = self.__dict__.setdefault("_session_support", {})
+
+        async def begin(u: str) -> str | None:
+            if known.get(u) is False:
+                return None
+            try:
+                await self._post(u, "/begin_weight_update", {"selector": "all"})
+            except RolloutError as e:
+                if "answered HTTP 404" not in str(e):
+                    raise
+                known[u] = False
+                return None
+            known[u] = True
+            return u
+
+        self._sessions = [u for u in await asyncio.gather(*map(begin, self.urls)) if u]
+
+    async def aend_update_sessions(self) -> None:
+        """Close the sessions `abegin_update_sessions` opened (SGLang finalizes the weights)."""
+        opened, self._sessions = getattr(self, "_sessions", []), []
+        await asyncio.gather(*(self._post(u, "/end_weight_update", {}) for u in opened))
 
     async def flush_cache(self) -> None:
         await self._all("/flush_cache")
@@ -139,9 +173,10 @@ class SGLangWeightSync:
                            "peak_live_bucket_bytes": 0.0, "max_bucket_bytes": 0.0}
 
     async def abegin_tensor_update(self) -> None:
-        """Reset `sync_stats`, pause generation."""
+        """Reset `sync_stats`, pause generation, open the servers' weight-update sessions."""
         self._reset_sync_stats()
         await self.pause_generation()
+        await self.abegin_update_sessions()
 
     async def apost_tensor_update(
         self, entries: Sequence[Sequence[str]], load_format: str | None, version: int
@@ -170,7 +205,9 @@ class SGLangWeightSync:
         st["peak_live_bucket_bytes"] = max(st["peak_live_bucket_bytes"], float(live_bytes))
 
     async def afinish_tensor_update(self, version: int) -> None:
-        """Flush the prefix cache and switch to `version` (generation continues after)."""
+        """Close the update sessions, flush the prefix cache and switch to `version`
+        (generation continues after)."""
+        await self.aend_update_sessions()
         await self.flush_cache()
         self._version = int(version)
 
@@ -277,6 +314,7 @@ class SGLangWeightSync:
             raise RolloutError("call aconnect_distributed() before a distributed weight update")
         await self.pause_generation()
         try:
+            await self.abegin_update_sessions()
             for bucket in buckets:
                 named = list(bucket)
                 self.check_shapes(named, version)
@@ -295,6 +333,7 @@ class SGLangWeightSync:
 
                 await asyncio.to_thread(send)
                 await calls
+            await self.aend_update_sessions()
             await self.flush_cache()
             self._version = int(version)
         finally:

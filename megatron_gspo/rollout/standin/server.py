@@ -66,6 +66,8 @@ class StandinServer(GenerationEndpoints, WeightEndpoints):
             with `return_routed_experts` get `meta_info.routed_experts`.
         device: `--device` (cuda | cpu): a cpu server ends on input-token log-probs, as
             SGLang 0.5.12's CPU engine does.
+        weight_update_sessions: behave as SGLang 0.5.23: tensor and distributed updates only
+            between /begin_weight_update and /end_weight_update.
     """
 
     def __init__(
@@ -73,9 +75,10 @@ class StandinServer(GenerationEndpoints, WeightEndpoints):
         model_path: str = "", exit_on_crash: bool = False, weights_cpu_backup: bool = False,
         dp_size: int = 1, context_length: int | None = None, api_key: str | None = None,
         health_generation: bool | None = None, enable_return_routed_experts: bool = False,
-        device: str = "cuda",
+        device: str = "cuda", weight_update_sessions: bool = False,
     ) -> None:
-        self.device = device
+        self.device, self.weight_update_sessions = device, weight_update_sessions
+        self.session_open = False
         self.engine, self.host, self.port, self.tp_size = engine, host, port, tp_size
         self.model_path, self.exit_on_crash = model_path, exit_on_crash
         self.faults = Faults()
@@ -126,6 +129,9 @@ class StandinServer(GenerationEndpoints, WeightEndpoints):
         r.add_post("/pause_generation", self.pause)
         r.add_post("/continue_generation", self.cont)
         r.add_post("/abort_request", self.abort)
+        if self.weight_update_sessions:  # SGLang 0.5.23's; 0.5.12 answers 404
+            r.add_post("/begin_weight_update", self.begin_session)
+            r.add_post("/end_weight_update", self.end_session)
         r.add_post("/standin/faults", self.set_faults)
         r.add_get("/standin/weights_digest", self.weights_digest)
         app.on_startup.append(self._on_startup)
@@ -218,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--enable-return-routed-experts", action="store_true")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--weight-update-sessions", action="store_true")  # as SGLang 0.5.23
     args, _unknown = ap.parse_known_args(argv)
     port_error = grpc_port_error(args.port, os.environ)
     if port_error:  # SGLang refuses the port before loading anything
@@ -231,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
                            dp_size=args.dp_size, context_length=args.context_length,
                            api_key=args.api_key,
                            enable_return_routed_experts=args.enable_return_routed_experts,
-                           device=args.device)
+                           device=args.device,
+                           weight_update_sessions=args.weight_update_sessions)
 
     async def run() -> None:
         await server.start()

@@ -46,12 +46,36 @@ class WeightEndpoints:
         if version is not None:
             self.weight_version = str(version)
 
+    def _outside_session(self, what: str) -> web.Response | None:
+        """SGLang 0.5.23's refusal of an update outside a weight-update session
+        (managers/scheduler_components/weight_updater.py), or None."""
+        if getattr(self, "weight_update_sessions", False) and not self.session_open:
+            return _fail(f"{what} must run between begin_weight_update() and "
+                         "end_weight_update()")
+        return None
+
+    async def begin_session(self, request: web.Request) -> web.Response:
+        if self.session_open:
+            return _fail("a weight-update session is already open; call end_weight_update() "
+                         "first")
+        self.session_open = True
+        return _ok("Success")
+
+    async def end_session(self, request: web.Request) -> web.Response:
+        if not self.session_open:
+            return _fail("no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        return _ok("Success")
+
     async def update_from_tensor(self, request: web.Request) -> web.StreamResponse:
         """As SGLang 0.5.12: an entry that does not decode (bad base64, a class outside the
         unpickler's allow-list: utils/common.py SafeUnpickler) or a tensor of the wrong shape
         (model_loader/weight_utils.py default_weight_loader asserts the shape) raises in the
         scheduler, which ends the server; an unknown parameter name is skipped (the model's
         load_weights ignores it) and the update answers success."""
+        refused = self._outside_session("update_weights_from_tensor")
+        if refused is not None:
+            return refused
         body = await request.json()
         try:  # every TP rank deserializes its own entry (SGLang tp_worker.py)
             ranks = [decode_tensor_update(body, tp_rank=k) for k in range(self.tp_size)]
@@ -127,6 +151,9 @@ class WeightEndpoints:
         import torch
         import torch.distributed as dist
 
+        refused = self._outside_session("update_weights_from_distributed")
+        if refused is not None:
+            return refused
         b = await request.json()
         name = b.get("group_name", "weight_update_group")
         if name not in self._groups:
