@@ -23,6 +23,16 @@ def python() -> str:
     return str(install_dir() / "venv" / "bin" / "python")
 
 
+def version() -> str:
+    """The installed SGLang release ("0.5.12"; "" when not installed)."""
+    found = sorted(install_dir().glob("venv/lib/python3*/site-packages/sglang-*.dist-info"))
+    return found[0].name[len("sglang-"):-len(".dist-info")] if found else ""
+
+
+#: The release the stand-in copies (its answers are compared key for key with this one's).
+PINNED = "0.5.12"
+
+
 def require_tier() -> None:
     """Skip (one line) unless scripts/sglang_cpu.sh finished its install."""
     d = install_dir()

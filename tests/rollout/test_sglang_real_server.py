@@ -244,8 +244,12 @@ def test_standin_answers_like_the_real_server(fp32, model_dir):
         assert [g["meta_info"]["id"] for g in gen] == ["abc_0", "abc_1"]
         assert all(g["text"] == tok.decode(g["output_ids"], skip_special_tokens=True)
                    for g in gen)
-    keys = [sorted(json.loads(a["gen"][1])[0]["meta_info"]) for a in (real, ours)]
-    assert keys[0] == keys[1]
+    keys = [set(json.loads(a["gen"][1])[0]["meta_info"]) for a in (real, ours)]
+    if tier.version() == tier.PINNED:
+        assert keys[0] == keys[1]
+    else:  # a newer release may add keys (0.5.23: weight_versions); none may go missing
+        assert keys[1] <= keys[0], keys[1] - keys[0]
+        print(f"SGLang {tier.version()} adds meta_info keys {sorted(keys[0] - keys[1])}")
     assert real["flush"] == ours["flush"]
     for name in ("404", "tensor", "disk"):
         assert (real[name][0], json.loads(real[name][1])) == (
