@@ -25,6 +25,7 @@ pytestmark = pytest.mark.sglang_real
 STEPS = 3
 
 
+@pytest.mark.timeout(1800)
 def test_two_nodes_train_on_real_servers_with_every_sync_verified(tmp_path):
     from megatron_gspo.megatron.parallel import free_port
     from megatron_gspo.rollout.sglang.launch import pick_ports

@@ -60,6 +60,7 @@ def _metrics(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.timeout(1500)
 def test_tiny_demo_trains_20_steps_on_a_real_server(tmp_path):
     run, tag = tmp_path / "run", uuid.uuid4().hex
     t0 = time.monotonic()
