@@ -96,6 +96,8 @@ def model_param_entries(
                 num_local_experts[i] = experts.num_local_experts
     out = []
     for local, p in model.named_parameters():
+        if local.endswith((".lora_a", ".lora_b")):
+            continue  # LoRA factors (megatron.lora): exported merged into their weight
         name = from_te_name(local)
         li = layer_index(name)
         if li is not None:
