@@ -32,16 +32,12 @@ LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts")  # megatron/lora.py
 
 @dataclass
 class LoraConfig:
-    rank: int = option(0, "LoRA rank r; 0 = off (full fine-tuning). On: every base weight is "
-                       "frozen and only the adapters are trained, synced merged, checkpointed",
-                       ge=0)
-    alpha: float = option(16.0, "LoRA alpha; the adapter's output is scaled by alpha / rank",
-                          gt=0)
-    dropout: float = option(0.0, "dropout on the adapters' input (training forwards only)",
-                            ge=0, lt=1)
-    targets: list[str] = option(["qkv", "proj", "fc1", "fc2"], "adapted layers: qkv "
-                                "(attention QKV), proj (attention output), fc1 / fc2 (dense "
-                                "MLP), experts (routed experts' fc1 and fc2)")
+    rank: int = option(0, "LoRA rank r; 0 = off. On: base weights frozen, adapters trained, "
+                       "synced merged and checkpointed alone (docs/lora.md)", ge=0)
+    alpha: float = option(16.0, "LoRA alpha; adapter output scaled by alpha / rank", gt=0)
+    dropout: float = option(0.0, "dropout on the adapters' input (training)", ge=0, lt=1)
+    targets: list[str] = option(["qkv", "proj", "fc1", "fc2"], "adapted layers: qkv, proj "
+                                "(attention out), fc1 / fc2 (dense MLP), experts (routed)")
 
 
 @dataclass

@@ -10,8 +10,11 @@ Cases:
                   layers and serves the learner's log-probs through transformers; KL reference
                   = adapters off (no second model); adapter-only checkpoint and bit-identical
                   resume; the PEFT adapter loaded by `peft` gives the learner's log-probs.
-  lora2 (2 ranks) TP2, TP2+SP, PP2, DP2 (dense) and EP2, TP2+SP+EP2 with ETP1 (MoE) against lora1
-                  (log-probs, loss, adapter gradients and post-step adapters within 1e-6).
+  lora2 (2 ranks) TP2, TP2+SP, PP2, DP2, DP2 + distributed optimizer (dense) and EP2 (MoE)
+                  against lora1: log-probs, loss, adapter gradients and post-step adapters
+                  within 1e-6 (MoE TP2+SP+EP2: 1e-5 / 1e-4); the TP2 adapter checkpoint
+                  loaded under PP2 gives the same adapters bit for bit. Also bf16 LoRA steps
+                  (lora1).
 Each rank writes `<case>.rank<r>.json` = {"failures": [...], "info": {...}}.
 """
 
@@ -36,7 +39,7 @@ MODELS = {"dense": DENSE, "moe": MOE}
 
 
 def _learner(model, layout=None, *, targets=None, loss=None, reference=False, seed=7,
-             lora=True):
+             lora=True, dtype=torch.float32, distopt=False):
     from megatron_gspo.megatron.learner import BatchSettings, Learner
     from megatron_gspo.megatron.lora import LoraSettings
     from megatron_gspo.megatron.optimizer import OptimSettings
@@ -47,7 +50,8 @@ def _learner(model, layout=None, *, targets=None, loss=None, reference=False, se
     # adam_eps well above the smallest adapter gradients (~1e-8 here): Adam's first update
     # lr * g / (|g| + eps) would otherwise amplify float32 reduction-order noise in them
     return Learner(MODELS[model], layout=layout, seed=seed,
-                   optim=OptimSettings(lr=1e-2, adam_eps=1e-4),
+                   optim=OptimSettings(lr=1e-2, adam_eps=1e-4, use_distributed_optimizer=distopt),
+                   params_dtype=dtype,
                    loss=loss or LossSettings(), batching=BatchSettings(num_microbatches=2),
                    reference=reference, lora=settings)
 
@@ -231,8 +235,9 @@ def _sync_check(chk: Checker, samples, info: dict):
 def _steps_and_kl(chk: Checker, samples, info: dict):
     from megatron_gspo.megatron.step import LossSettings
 
-    for kind in ("gspo", "gspo_token"):
-        L = _learner("dense", loss=LossSettings(kind=kind), seed=5)
+    for kind, dtype in (("gspo", torch.float32), ("gspo_token", torch.float32),
+                        ("gspo-bf16", torch.bfloat16)):
+        L = _learner("dense", loss=LossSettings(kind=kind.split("-")[0]), seed=5, dtype=dtype)
         full = L.full_state_dict()
         lps = L.forward_logprobs(samples)
         ms = [L.train_step(samples, old_logprobs(lps, seed=s)) for s in range(3)]
@@ -342,12 +347,13 @@ def case_lora2(outdir: Path, chk: Checker, info: dict):
     layouts = (("dense", "tp2", PL(tensor=2)),
                ("dense", "tp2sp", PL(tensor=2, sequence_parallel=True)),
                ("dense", "pp2", PL(pipeline=2)), ("dense", "dp2", PL()),
+               ("dense", "dp2-distopt", PL()),
                ("moe", "ep2", PL(expert=2)),
                ("moe", "tp2sp-ep2", PL(tensor=2, expert=2, expert_tensor=1,
                                        sequence_parallel=True)))
     for model, name, layout in layouts:
         r = R[model]
-        L = _learner(model, layout, seed=99)
+        L = _learner(model, layout, seed=99, distopt=name.endswith("distopt"))
         L.load_full_state_dict(r["full"])
         tag = f"{model}.{name}"
         chk.close(f"{tag}.logprobs", _flat(L.forward_logprobs(samples)), _flat(r["lps"]),
@@ -357,10 +363,22 @@ def case_lora2(outdir: Path, chk: Checker, info: dict):
         # MoE under TP + SP + EP: the dispatcher's all-to-all and sequence shards reorder the
         # float32 sums (gradients ~5e-6 apart; Adam's first update lr * g / |g| amplifies it)
         gtol, atol = (1e-5, 1e-4) if name == "tp2sp-ep2" else (1e-6, 1e-6)
-        chk.dicts(f"{tag}.grad", _adapters(L.full_grads()), r["grads"], rtol=gtol)
+        if not name.endswith("distopt"):  # (gradients are reduce-scattered there)
+            chk.dicts(f"{tag}.grad", _adapters(L.full_grads()), r["grads"], rtol=gtol)
         L.optimizer_step()
         chk.dicts(f"{tag}.after", _adapters(L.full_state_dict()), r["after"], rtol=atol)
+        if name == "tp2":
+            L.save_checkpoint(str(outdir / "ckpt-tp2"))
+            saved = _adapters(L.full_state_dict())
         info[tag] = m["loss"]
+        if name == "pp2":  # the TP2 checkpoint, resharded: the same adapters bit for bit
+            L2 = _learner(model, layout, seed=98)
+            L2.load_full_state_dict(_base(r["full"]))
+            L2.load_checkpoint(str(outdir / "ckpt-tp2"))
+            got = _adapters(L2.full_state_dict())
+            if any(not torch.equal(got[k], saved[k]) for k in saved):
+                chk.failures.append("TP2 LoRA checkpoint loaded under PP2 differs")
+            del L2
 
 
 def main():

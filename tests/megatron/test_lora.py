@@ -52,5 +52,5 @@ def test_lora_parallel_layouts_match_single_process(single, workdir):
         mp.undo()
     for rank, rep in enumerate(reps):
         assert rep["failures"] == [], f"rank {rank}"
-    assert {"dense.tp2", "dense.tp2sp", "dense.pp2", "dense.dp2", "moe.ep2",
+    assert {"dense.tp2", "dense.tp2sp", "dense.pp2", "dense.dp2", "dense.dp2-distopt", "moe.ep2",
             "moe.tp2sp-ep2"} <= set(reps[0]["info"])
