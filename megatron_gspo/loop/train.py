@@ -106,7 +106,10 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         fallbacks = fallback_summary()  # replaces Megatron-Core's TE / apex import warnings
         if fallbacks:
             log.event(fallbacks)
-        if cfg.algorithm.kl_coef > 0:
+        if cfg.algorithm.kl_coef > 0 and cfg.model.lora.rank:
+            log.event("KL reference: the base model, the learner with its LoRA adapters off "
+                      "(no second model)")
+        elif cfg.algorithm.kl_coef > 0:
             where = "CPU between uses" if cfg.model.reference_offload else str(learner.device)
             log.event(f"KL reference ({cfg.model.reference_path or 'initial weights'}, frozen): "
                       f"{ref_bytes / 2**20:.1f} MiB of parameters on rank 0, kept on {where}")
