@@ -20,7 +20,8 @@ Tensor parallelism (the factors are sharded like their base layer):
     partial h = A_i x_i is reduced like the base's output (all-reduce, or reduce-scatter along
     the sequence under sequence parallelism, where dB is then all-reduced like above);
   - routed experts: expert-tensor parallelism 1 (the dispatcher's communication wraps the
-    expert layers); adapter parameters are expert parameters (`allreduce=False`).
+    expert layers); adapter gradients are reduced like their weight's (`allreduce`: False,
+    over the expert-data-parallel group, for expert weights under EP > 1).
 Adapter parameters carry Megatron's `tensor_model_parallel` / `partition_dim` attributes, so
 the learner's full-state-dict gather / load and Megatron's grad-norm treat them like weights.
 
@@ -197,8 +198,9 @@ def attach(chunks: list, settings: LoraSettings, seed: int = 1234) -> int:
             set_tensor_model_parallel_attributes(other, False, -1, 1)
             sp = bool(cfg.sequence_parallel) and not expert and size > 1
             for p in (m.lora_a, m.lora_b):
-                if expert:
-                    p.allreduce = False
+                # reduced like the base weight: expert weights under EP > 1 over the
+                # expert-data-parallel group (`allreduce=False`), all others over DP
+                p.allreduce = getattr(w, "allreduce", True)
                 p.sequence_parallel = sp and p is other  # grads partial over the sequence
             norm_eps = None
             if hasattr(m, "layer_norm_weight"):  # TELayerNormColumnParallelLinear
