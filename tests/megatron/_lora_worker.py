@@ -286,8 +286,15 @@ def _checkpoint_check(chk: Checker, samples, outdir: Path, info: dict):
     base_keys = [k for k in keys if k.endswith(".weight") or "embedding" in k]
     if base_keys or not any("lora_a" in k for k in keys):
         chk.failures.append(f"LoRA checkpoint keys: base {base_keys[:3]}, all {sorted(keys)[:3]}")
+    from megatron_gspo.megatron import checkpoint_io
+
+    B = _learner("dense", lora=False, seed=78)  # a base Megatron checkpoint (model.load_checkpoint)
+    B.load_full_state_dict(base)
+    checkpoint_io.save_checkpoint(B.chunks, outdir / "base-ckpt", metadata={})
     L2 = _learner("dense", seed=77)  # other adapter init: all of it must come from the file
-    L2.load_full_state_dict(base)
+    checkpoint_io.load_checkpoint(L2.chunks, outdir / "base-ckpt")
+    if any(not torch.equal(v, L2.full_state_dict()[k]) for k, v in base.items()):
+        chk.failures.append("a base Megatron checkpoint did not load into the LoRA learner")
     L2.load_checkpoint(str(path))
     got = L2.full_state_dict()
     if any(not torch.equal(got[k], saved[k]) for k in saved):
