@@ -3,7 +3,8 @@
 gradients, GSPO / GSPO-token steps that move only the adapters, partial weight sync, KL to the
 adapters-off base, adapter-only checkpoints with bit-identical resume, the PEFT export loaded
 by `peft`) and, in the slow tier, TP2 / TP2+SP / PP2 / DP2 / EP2 against them. The cases live
-in `_lora_worker.py` (the single-process one takes about 15 s on 2 cores)."""
+in `_lora_worker.py` (the single-process one: about 10 s of CPU time, 13-24 s wall on
+2 busy cores)."""
 
 from __future__ import annotations
 
