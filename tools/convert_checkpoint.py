@@ -3,6 +3,7 @@
   hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N --dtype fp32|bf16|fp16] [--force]
   mcore-to-hf --ckpt DIR [--hf-config DIR] --out DIR [--dtype ...] [--max-shard-size GB]
               [--tp N --pp N --ep N] [--force]
+  lora-to-peft --ckpt DIR [--base DIR] [--out DIR] [--merged DIR] [--dtype ...] [--force]
 
 Thin wrapper over `megatron_gspo.cli.convert` (also `megatron-gspo convert ...`).
 """

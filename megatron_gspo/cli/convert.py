@@ -3,6 +3,7 @@
   hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N --dtype fp32|bf16|fp16] [--force]
   mcore-to-hf --ckpt DIR [--hf-config DIR] --out DIR [--dtype ...] [--max-shard-size GB]
               [--tp N --pp N --ep N] [--force]
+  lora-to-peft --ckpt DIR [--base DIR] [--out DIR] [--merged DIR] [--dtype ...] [--force]
 
 Without torchrun the needed local processes are started here; under torchrun the launcher's
 ranks are used (WORLD_SIZE must be a multiple of what the layout needs). Exit code 0 on
@@ -46,6 +47,16 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, help="HF directory to create")
     b.add_argument("--dtype", default=None, help="output dtype (default: checkpoint's)")
     b.add_argument("--max-shard-size", type=float, default=5.0, help="GB per safetensors shard")
+    c = sub.add_parser("lora-to-peft", help="LoRA run checkpoint -> PEFT adapter directory "
+                       "(adapter_config.json + adapter_model.safetensors) and/or merged HF model")
+    c.add_argument("--ckpt", required=True, help="a LoRA run checkpoint (as for mcore-to-hf)")
+    c.add_argument("--base", default=None, help="HF base model directory (default: the base "
+                   "named in the checkpoint's lora.json)")
+    c.add_argument("--out", default=None, help="PEFT adapter directory to create")
+    c.add_argument("--merged", default=None, help="HF directory for the merged model "
+                   "(base + scale * B A)")
+    c.add_argument("--dtype", default=None, help="output dtype (default fp32)")
+    c.add_argument("--force", action="store_true", help="replace existing output directories")
     for s in (a, b):
         s.add_argument("--tp", type=int, default=1, help="tensor parallel size")
         s.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
@@ -89,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_gspo.convert.guards import check_out_writable
 
     try:
+        if args.cmd == "lora-to-peft":
+            return _lora_to_peft(args)
         check_out_writable(args.out)  # before anything is read or loaded
         from megatron_gspo.megatron import conversion as conv
 
@@ -110,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_shard_size <= 0:
                 raise ConversionError(f"--max-shard-size must be > 0, got {args.max_shard_size}")
             with _held(args.ckpt) as ckpt:  # a training run cannot rotate it away meanwhile
+                _refuse_lora(ckpt)
                 plan = conv.check_mcore_to_hf(ckpt, args.hf_config, args.out, args.force)
                 conv.launch(
                     conv.mcore_to_hf,
@@ -127,3 +141,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+
+
+def _refuse_lora(ckpt: str) -> None:
+    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.sources import resolve_checkpoint
+    from megatron_gspo.megatron.lora_io import read_adapter_info
+
+    if read_adapter_info(resolve_checkpoint(ckpt).dist_dir) is not None:
+        raise ConversionError(f"--ckpt {ckpt}: a LoRA checkpoint (adapters only); use "
+                              "`convert lora-to-peft` (PEFT adapter and/or --merged model)")
+
+
+def _lora_to_peft(args) -> int:
+    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.guards import check_out_writable
+    from megatron_gspo.megatron import conversion as conv
+    from megatron_gspo.megatron.lora_export import check_lora_to_peft, lora_to_peft
+
+    if args.out is None and args.merged is None:
+        raise ConversionError("lora-to-peft: pass --out (PEFT adapter) and/or --merged")
+    for path in (args.out, args.merged):
+        if path is not None:
+            check_out_writable(path)
+    with _held(args.ckpt) as ckpt:
+        plan = check_lora_to_peft(ckpt, args.base, args.out, args.merged, args.force)
+        conv.launch(lora_to_peft, 1, **plan, out=args.out, merged=args.merged,
+                    dtype=conv.parse_dtype(args.dtype), force=args.force)
+    print(f"convert_checkpoint: wrote {', '.join(p for p in (args.out, args.merged) if p)}")
+    return 0

@@ -17,6 +17,7 @@ import yaml
 
 from megatron_gspo.config.schema import ConfigError, apply_overrides, from_dict, to_dict
 from megatron_gspo.config.sections import (
+    LORA_TARGETS,
     TOKEN_ADVANTAGE_LOSSES,
     AgentConfig,
     AlgorithmConfig,
@@ -90,6 +91,7 @@ class Config:
         if a.kl_coef == 0 and unused:
             raise ConfigError(f"{unused[0]}: set while algorithm.kl_coef is 0 (KL off, no "
                               "reference model is built); set kl_coef > 0 or drop it")
+        self._validate_lora()
         if self.reward.url is not None and not self.reward.url.startswith(("http://",
                                                                             "https://")):
             raise ConfigError(f"reward.url: expected an http:// or https:// URL, got "
@@ -128,6 +130,28 @@ class Config:
             raise ConfigError("algorithm.kl_in: 'reward' is not used by turn-level advantages "
                               "(agent.advantage 'turn'); use kl_in 'loss'")
         return self
+
+    def _validate_lora(self) -> None:
+        """`model.lora`: known targets; no setting that LoRA off (rank 0) or on would ignore."""
+        lo, m = self.model.lora, self.model
+        bad = [t for t in lo.targets if t not in LORA_TARGETS]
+        if bad:
+            raise ConfigError(f"model.lora.targets: unknown target {bad[0]!r}; known: "
+                              f"{', '.join(LORA_TARGETS)}")
+        if lo.rank == 0:
+            changed = [n for n, on in (("alpha", lo.alpha != 16.0), ("dropout", lo.dropout != 0),
+                                       ("targets", lo.targets != ["qkv", "proj", "fc1", "fc2"]))
+                       if on]
+            if changed:
+                raise ConfigError(f"model.lora.{changed[0]}: set while model.lora.rank is 0 "
+                                  "(LoRA off); set a rank or drop it")
+            return
+        if not lo.targets or len(set(lo.targets)) != len(lo.targets):
+            raise ConfigError("model.lora.targets: needs at least one target, each once")
+        if m.reference_path is not None or m.reference_offload:
+            which = "reference_path" if m.reference_path else "reference_offload"
+            raise ConfigError(f"model.{which}: not used with model.lora (the KL reference is "
+                              "the base model, the learner with its adapters off); drop it")
 
     def _validate_family(self) -> None:
         """A setting the chosen loss, correction or reward option would ignore is an error."""

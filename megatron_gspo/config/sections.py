@@ -27,6 +27,19 @@ DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 
 TOKEN_ADVANTAGE_LOSSES = ("gspo_token", "grpo", "sapo", "cispo")
 
 
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts")  # megatron/lora.py
+
+
+@dataclass
+class LoraConfig:
+    rank: int = option(0, "LoRA rank r; 0 = off. On: base weights frozen, adapters trained, "
+                       "synced merged and checkpointed alone (docs/lora.md)", ge=0)
+    alpha: float = option(16.0, "LoRA alpha; adapter output scaled by alpha / rank", gt=0)
+    dropout: float = option(0.0, "dropout on the adapters' input (training)", ge=0, lt=1)
+    targets: list[str] = option(["qkv", "proj", "fc1", "fc2"], "adapted layers: qkv, proj "
+                                "(attention out), fc1 / fc2 (dense MLP), experts (routed)")
+
+
 @dataclass
 class ModelConfig:
     path: str | None = option(None, "Hugging Face model directory (config.json, weights, "
@@ -44,6 +57,8 @@ class ModelConfig:
         "weights (model.load_checkpoint or model.path); needs algorithm.kl_coef > 0")
     reference_offload: bool = option(False, "keep the KL reference's weights in CPU memory "
                                      "between its forward passes")
+    lora: LoraConfig = option(default_factory=LoraConfig, doc="LoRA adapters on the learner "
+                              "(megatron_gspo/megatron/lora.py)")
 
 
 @dataclass

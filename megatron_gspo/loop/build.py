@@ -51,6 +51,7 @@ def read_hf_config(model_path: str | None) -> dict:
 def learner(cfg: Config, hf_config: dict):
     """The Megatron-Core learner of this rank (starts torch.distributed and parallel state)."""
     from megatron_gspo.megatron.learner import BatchSettings, Learner
+    from megatron_gspo.megatron.lora import LoraSettings
     from megatron_gspo.megatron.optimizer import OptimSettings
     from megatron_gspo.megatron.parallel import ParallelLayout, configure_timeouts
     from megatron_gspo.megatron.step import LossSettings
@@ -76,7 +77,10 @@ def learner(cfg: Config, hf_config: dict):
                         offpolicy_mask_delta=cfg.precision.offpolicy_mask_delta,
                         norm_length=float(cfg.rollout.max_new_tokens))
     use_te = {"auto": None, "local": False, "transformer_engine": True}[cfg.model.transformer_impl]
-    return Learner(hf_config, layout=layout, optim=optim, loss=loss,
+    lo = cfg.model.lora
+    lora = LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
+                        targets=tuple(lo.targets)) if lo.rank else None
+    learner_ = Learner(hf_config, layout=layout, optim=optim, loss=loss,
                    model_kwargs=deterministic_switches(cfg.train.deterministic),
                    batching=BatchSettings(max_tokens_per_microbatch=a.micro_batch_tokens,
                                           pad_id=int(hf_config.get("pad_token_id") or 0)),
@@ -84,7 +88,10 @@ def learner(cfg: Config, hf_config: dict):
                    recompute=cfg.model.recompute_activations, reference=a.kl_coef > 0,
                    reference_offload=cfg.model.reference_offload,
                    routing_replay=cfg.moe.routing_replay,
-                   offload_outside_step=o.offload_outside_step)
+                   offload_outside_step=o.offload_outside_step, lora=lora)
+    if lora is not None:  # the base named in LoRA checkpoints
+        learner_.lora_base = cfg.model.load_checkpoint or cfg.model.path
+    return learner_
 
 
 def deterministic_switches(on: bool) -> dict:

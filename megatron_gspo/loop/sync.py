@@ -47,8 +47,11 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
         from megatron_gspo.rollout.multinode.colocated import offload_around_stream
 
         learner.onload(["weights"] if "weights" in learner.offloaded_parts() else [])
+    # LoRA: the frozen weights reach the engine once (this process's first sync); after that
+    # only the adapted layers' merged weights change, so only they are sent
+    only = getattr(learner, "lora", None) is not None and getattr(learner, "synced_base", False)
     buckets = _finite(export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
-                                        dtype=dtype), version)
+                                        dtype=dtype, only_adapted=only), version)
     if offload:
         buckets = offload_around_stream(learner, buckets)
     if _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
@@ -90,6 +93,7 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
         peak = (f"; peak live bucket bytes {int(st['peak_live_bucket_bytes'])} (largest bucket "
                 f"{int(st['max_bucket_bytes'])}, bound {r.bucket_bytes})") if st else ""
         event(f"weight sync v{version}: " + " -> ".join(order) + peak)
+    learner.synced_base = True
     out = {f"weight_sync/{k}": float(v) for k, v in st.items()}
     if offload:  # what this rank's learner gave back to the servers
         out["memory/learner_offloaded_bytes"] = float(learner.offloaded_bytes())

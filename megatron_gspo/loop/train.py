@@ -68,6 +68,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
 
     start = 0
     latest = ckpt.resume_point() if cfg.train.resume == "auto" else None  # verified
+    if cfg.model.lora.rank:  # LoRA checkpoints hold the adapters: the base comes first
+        build.load_initial_weights(cfg, learner, hf_config)
     if latest is not None:
         state = ckpt.load(latest.path, learner, verified=True)
         early_checks.check_resume_mode(cfg, state, latest.path)  # async groups not skipped
@@ -75,7 +77,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         if rank0:
             prompts.load_state_dict(state["data"])
         controller.load_state_dict(state["precision"])
-    else:
+    elif not cfg.model.lora.rank:
         build.load_initial_weights(cfg, learner, hf_config)
     ref_bytes = build.load_reference(cfg, learner, hf_config)  # initial weights, also on resume
     # Rank 0's engine; with colocated servers on several nodes every node leader also holds its
@@ -104,7 +106,10 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         fallbacks = fallback_summary()  # replaces Megatron-Core's TE / apex import warnings
         if fallbacks:
             log.event(fallbacks)
-        if cfg.algorithm.kl_coef > 0:
+        if cfg.algorithm.kl_coef > 0 and cfg.model.lora.rank:
+            log.event("KL reference: the base model, the learner with its LoRA adapters off "
+                      "(no second model)")
+        elif cfg.algorithm.kl_coef > 0:
             where = "CPU between uses" if cfg.model.reference_offload else str(learner.device)
             log.event(f"KL reference ({cfg.model.reference_path or 'initial weights'}, frozen): "
                       f"{ref_bytes / 2**20:.1f} MiB of parameters on rank 0, kept on {where}")

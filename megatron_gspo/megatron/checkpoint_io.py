@@ -96,6 +96,8 @@ def model_param_entries(
                 num_local_experts[i] = experts.num_local_experts
     out = []
     for local, p in model.named_parameters():
+        if local.endswith((".lora_a", ".lora_b")):
+            continue  # LoRA factors (megatron.lora): exported merged into their weight
         name = from_te_name(local)
         li = layer_index(name)
         if li is not None:
@@ -196,6 +198,8 @@ def _sharded_state_dict(models: list[torch.nn.Module]) -> dict:
         m = unwrap(m)
         sd = m.sharded_state_dict()
         moe_norm_keys_as_te(sd, m)
+        # LoRA factors (megatron.lora) are not part of a base checkpoint
+        sd = {k: v for k, v in sd.items() if not k.endswith((".lora_a", ".lora_b"))}
         out["model" if len(models) == 1 else f"model{i}"] = sd
     return out
 
@@ -274,7 +278,11 @@ def load_checkpoint(models: list[torch.nn.Module], ckpt_dir: str | os.PathLike) 
     state = dist_checkpointing.load(sharded, str(ckpt_dir))
     keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
     for key, m in zip(keys, models, strict=True):
-        unwrap(m).load_state_dict(state[key], strict=True)
+        missing, unexpected = unwrap(m).load_state_dict(state[key], strict=False)
+        missing = [k for k in missing if not k.endswith((".lora_a", ".lora_b"))]
+        if missing or unexpected:  # strict, except for LoRA adapters (not in a base)
+            raise ConversionError(f"{ckpt_dir}: checkpoint does not match the model: missing "
+                                  f"{missing[:3]}, unexpected {unexpected[:3]}")
 
 
 def build_rank_models(

@@ -26,6 +26,7 @@ from megatron_gspo.megatron.checkpoint_io import (
     model_param_entries,
     normalize_hf_config,
 )
+from megatron_gspo.megatron.lora import effective_weight, is_adapted_weight
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -40,7 +41,7 @@ def _full_tensors(entry: ParamEntry, num_local_experts: int) -> list[tuple[str, 
     """(canonical name, full tensor) for one local parameter; several for gathered experts."""
     from megatron.core import parallel_state as ps
 
-    pm, t = entry.pm, entry.param.detach()
+    pm, t = entry.pm, effective_weight(entry.param)  # LoRA layers: base + scale * B A
     if pm.expert:
         group = ps.get_expert_tensor_parallel_group()
         size = ps.get_expert_tensor_parallel_world_size()
@@ -96,6 +97,7 @@ def export_hf_weights(
     bucket_bytes: int,
     dtype: torch.dtype | None = None,
     gather_pipeline: bool = True,
+    only_adapted: bool = False,
 ) -> Iterator[Bucket]:
     """Yield the model's weights as buckets of (HF name, tensor) (collective).
 
@@ -107,6 +109,8 @@ def export_hf_weights(
         dtype: cast to this dtype (None keeps the parameter dtype).
         gather_pipeline: yield every stage's tensors on every rank (True) or only this
             rank's stage (False).
+        only_adapted: yield only the weights of LoRA-adapted layers (merged), for a
+            receiver that already holds every other (frozen) weight.
     Yields:
         lists of (name, tensor); tensors may share storage with live parameters (copy them
         before the next optimizer step if kept).
@@ -123,7 +127,7 @@ def export_hf_weights(
         e
         for m in models
         for e in model_param_entries(m, maps, dims.tie_embeddings)
-        if e.pm is not None
+        if e.pm is not None and (not only_adapted or is_adapted_weight(e.param))
     ]
     ep_size = ps.get_expert_model_parallel_world_size()
     nle = dims.num_experts // ep_size if dims.num_experts else 0

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_gspo.data.batch import (MicroBatch, pack_microbatch, pad_microbatch,
                                       plan_microbatches)
 from megatron_gspo.data.sample import Sample
+from megatron_gspo.megatron import lora as lora_
 from megatron_gspo.megatron import parallel, router_replay, step
 from megatron_gspo.megatron.learner_state import LearnerState
 from megatron_gspo.megatron.model import build_gpt_model, build_model_config
@@ -59,6 +60,9 @@ class Learner(LearnerState):
             during each optimizer step (`optimizer.offload_outside_step`).
         routing_replay: MoE routing replay, "none" | "r2" | "r3" (`megatron.router_replay`);
             MoE models always record routing for the `moe/*` metrics.
+        lora: LoRA adapters (`megatron.lora.LoraSettings`) on the targeted layers, every other
+            weight frozen and only the adapters in the optimizer; with `reference` the KL
+            reference is this model with its adapters off (no second model is built).
     """
 
     def __init__(self, hf_config: dict, *, layout: parallel.ParallelLayout | None = None,
@@ -67,7 +71,8 @@ class Learner(LearnerState):
                  seed: int = 1234, use_te: bool | None = None, recompute: bool = False,
                  model_kwargs: dict | None = None, reference: bool = False,
                  reference_offload: bool = False, routing_replay: str = "none",
-                 offload_outside_step: bool = False):
+                 offload_outside_step: bool = False,
+                 lora: lora_.LoraSettings | None = None):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.transformer.module import Float16Module
@@ -105,6 +110,9 @@ class Learner(LearnerState):
             return out
 
         self.chunks = model_chunks(self.device)
+        self.lora = lora
+        if lora is not None:  # before DDP and the optimizer: they see the adapters only
+            lora_.attach(self.chunks, lora, seed=seed)
         wrapped = [Float16Module(self.config, m) if params_dtype != torch.float32 else m
                    for m in self.chunks]
         self.model = wrap_ddp(wrapped, use_distributed_optimizer=(
@@ -130,7 +138,8 @@ class Learner(LearnerState):
         self.reference_offload = reference_offload
         self.reference_chunks = None  # frozen KL reference; None = none built
         self.reference_model = None
-        if reference:
+        self.reference_is_base = reference and lora is not None  # adapters off, same model
+        if reference and lora is None:
             self.reference_chunks = model_chunks("cpu" if reference_offload else self.device)
             for m in self.reference_chunks:
                 m.requires_grad_(False)
@@ -215,12 +224,15 @@ class Learner(LearnerState):
             identical on every rank.
         """
         temp = self.loss_settings.temperature if temperature is None else temperature
-        if reference and self.reference_model is None:
+        base = reference and self.reference_is_base  # the policy with its adapters off
+        if reference and self.reference_model is None and not base:
             raise ValueError("no reference model was built (kl_coef is 0)")
-        model = self.reference_model if reference else self.model
+        model = self.reference_model if reference and not base else self.model
         mbs = self._micro_batches(samples, None)
         data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
-        with self._forward_only(policy=not reference, reference=reference):
+        off = lora_.adapters_off(self.chunks) if base else contextlib.nullcontext()
+        with self._forward_only(policy=not reference or base,
+                                reference=reference and not base), off:
             fstep = step.logprob_forward_step_factory(self.ctx, temp)
             out = (self._run(fstep, data, True, model) if reference else
                    self._routed_run(fstep, data, True, samples, mbs, training=False))
@@ -245,9 +257,10 @@ class Learner(LearnerState):
                                                    paired_logprob_forward_step_factory)
 
         temp = self.loss_settings.temperature if temperature is None else temperature
-        if self.reference_model is None:
+        if self.reference_model is None and not self.reference_is_base:
             raise ValueError("no reference model was built (kl_coef is 0)")
-        if getattr(self, "routing", None) is not None:
+        if getattr(self, "routing", None) is not None or self.reference_is_base:
+            # (LoRA: the reference is the same model with its adapters off, a second pass)
             # MoE routing is recorded / replayed around the policy's own schedule
             # (`megatron.router_replay`), so MoE models keep the two passes
             return (self.forward_logprobs(samples, temperature=temp),

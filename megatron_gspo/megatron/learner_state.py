@@ -119,6 +119,10 @@ class LearnerState:
         """Model + optimizer + scheduler state for `megatron.core.dist_checkpointing`."""
         from megatron_gspo.megatron.checkpoint_io import moe_norm_keys_as_te
 
+        if getattr(self, "lora", None) is not None:  # adapters only; the base stays where it is
+            from megatron_gspo.megatron import lora
+
+            return {"lora": lora.sharded_state_dict(self.chunks)}
         sd = {}
         for i, m in enumerate(self.chunks):  # unwrapped GPTModels: no DDP "module." prefix
             key = f"model{i}" if len(self.chunks) > 1 else "model"
@@ -172,6 +176,10 @@ class LearnerState:
             from megatron_gspo.convert.sources import write_model_info
 
             write_model_info(path, self.hf_config, str(self.params_dtype).removeprefix("torch."))
+            if getattr(self, "lora", None) is not None:
+                from megatron_gspo.megatron.lora_io import write_adapter_info
+
+                write_adapter_info(path, self.lora, getattr(self, "lora_base", None))
         self.offload(away)
 
     def load_checkpoint(self, path: str) -> None:
@@ -183,10 +191,18 @@ class LearnerState:
         from megatron.core import dist_checkpointing
 
         self._require_resident()
+        if getattr(self, "lora", None) is not None:
+            from megatron_gspo.megatron.lora_io import check_adapter_info
+
+            check_adapter_info(path, self.lora)  # one line naming a mismatch
         sd = self._full_sharded_sd(True)
         with torch.no_grad():
             loaded = dist_checkpointing.load(sd, path)
-        for i, m in enumerate(self.chunks):
+        if "lora" in loaded:  # adapters only (the base weights were loaded before)
+            from megatron_gspo.megatron import lora
+
+            lora.load_sharded(self.chunks, loaded["lora"])
+        for i, m in enumerate(self.chunks if "lora" not in loaded else []):
             key = f"model{i}" if len(self.chunks) > 1 else "model"
             m.load_state_dict(loaded[key])
         # No main-weight refresh from the bf16 weights here: `dist_checkpointing.load` has

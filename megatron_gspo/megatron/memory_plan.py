@@ -81,12 +81,15 @@ class Param:
     numel: int
     expert: bool = False  # in the expert-parallel buffer (EP > 1)
     shared: bool = False  # `shared_embedding`: a bucket of its own (distributed optimizer)
+    trainable: bool = True  # False: a LoRA-frozen weight (no DDP buffer, no optimizer state)
 
 
 def chunk_params(d: Dims, *, tp: int, pp: int, ep: int, etp: int, vpp: int, pp_rank: int,
-                 vp_stage: int, vocab_multiple: int = 128) -> list[Param]:
+                 vp_stage: int, vocab_multiple: int = 128,
+                 lora: tuple[int, tuple[str, ...]] | None = None) -> list[Param]:
     """This rank's parameters of one model chunk, in module order (local or TE spec: the
-    counts agree, TE fuses each norm into the next linear)."""
+    counts agree, TE fuses each norm into the next linear). `lora` = (rank, targets): every
+    weight frozen, the adapter factors of `megatron.lora` appended as the trainable ones."""
     n_chunks = pp * vpp
     if d.layers % n_chunks:
         raise ValueError(f"{d.layers} layers do not split over PP {pp} x VPP {vpp}")
@@ -112,7 +115,24 @@ def chunk_params(d: Dims, *, tp: int, pp: int, ep: int, etp: int, vpp: int, pp_r
         out.append(Param(h))
         if not d.tied or pp > 1:
             out.append(Param(v * h // tp, shared=d.tied and pp > 1))
-    return out
+    if lora is None:
+        return out
+    r, targets = lora
+    frozen = [Param(p.numel, p.expert, p.shared, trainable=False) for p in out]
+    per_layer: list[Param] = []  # (A, B) per adapted linear: column B / row A split by TP
+    shapes = {"qkv": (h, (d.heads + 2 * d.kv_heads) * hd // tp),
+              "proj": (d.heads * hd // tp, h), "fc1": (h, 2 * d.ffn // tp),
+              "fc2": (d.ffn // tp, h)}
+    for t in ("qkv", "proj") + (() if d.experts else ("fc1", "fc2")):
+        if t in targets:
+            per_layer += [Param(r * shapes[t][0]), Param(shapes[t][1] * r)]
+    if d.experts and "experts" in targets:
+        for _ in range(d.experts // ep):
+            per_layer += [Param(r * h, expert=ep > 1),
+                          Param(2 * d.expert_ffn // etp * r, expert=ep > 1),
+                          Param(r * d.expert_ffn // etp, expert=ep > 1),
+                          Param(h * r, expert=ep > 1)]
+    return frozen + per_layer * (d.layers // n_chunks)
 
 
 def buffer_ranges(numels: list[int], shared: list[bool], dp: int,
@@ -187,12 +207,15 @@ def learner_bytes(d: Dims, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | 
                   vpp: int = 1, dp: int = 1, cp: int = 1, distributed: bool = False,
                   param_bytes: int = 2, pp_rank: int = 0, dp_rank: int = 0,
                   edp_rank: int = 0, reference: bool = False,
-                  vocab_multiple: int = 128) -> LearnerBytes:
+                  vocab_multiple: int = 128,
+                  lora: tuple[int, tuple[str, ...]] | None = None) -> LearnerBytes:
     """Bytes of one rank's weights, fp32 gradient buffer, main weights, Adam moments and (when
     `reference`) the frozen KL reference (same layout, `param_bytes`, no DDP buffer).
 
     `dp` is the data-parallel size without CP; DDP shards over DP x CP ranks (`dp_rank` is this
-    rank's index there, `edp_rank` its index in the expert-data-parallel group).
+    rank's index there, `edp_rank` its index in the expert-data-parallel group). With `lora`
+    (rank, targets) the frozen weights keep plain tensors and the DDP buffer, main weights
+    and moments cover the adapters only; the KL reference is the base itself (0 bytes).
     """
     etp = tp if etp is None else etp
     dense_dp = dp * cp
@@ -201,10 +224,11 @@ def learner_bytes(d: Dims, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | 
     main_bytes = 4 if param_bytes != 4 else 0
     for vp in range(vpp):
         ps = chunk_params(d, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, pp_rank=pp_rank,
-                          vp_stage=vp, vocab_multiple=vocab_multiple)
-        ref += sum(p.numel for p in ps) * param_bytes
+                          vp_stage=vp, vocab_multiple=vocab_multiple, lora=lora)
+        ref += 0 if lora else sum(p.numel for p in ps) * param_bytes
+        weights += sum(p.numel for p in ps if not p.trainable) * param_bytes
         for expert, group, rank in ((False, dense_dp, dp_rank), (True, expert_dp, edp_rank)):
-            sel = [p for p in ps if p.expert == expert]
+            sel = [p for p in ps if p.expert == expert and p.trainable]
             if not sel:
                 continue
             numel, spans, buckets = buffer_ranges([p.numel for p in sel],

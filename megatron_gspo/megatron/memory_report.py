@@ -50,6 +50,7 @@ class PlanInputs:
     kv_tokens_needed: int = 0
     bucket_bytes: int = 512 * 2**20
     vocab_multiple: int = 128
+    lora: tuple | None = None  # (rank, targets) of model.lora; None = full fine-tuning
 
     @property
     def dp(self) -> int:
@@ -84,7 +85,9 @@ def inputs_from_config(cfg, hf_config: dict, *, gpu_bytes: int, gpus_per_node: i
         offload_learner=offload_learner_enabled(cfg), server_tp=r.tp_size,
         mem_fraction=r.mem_fraction,
         kv_tokens_needed=cfg.data.max_prompt_length + r.max_new_tokens,
-        bucket_bytes=r.bucket_bytes, vocab_multiple=VOCAB_PAD_MULTIPLE)
+        bucket_bytes=r.bucket_bytes, vocab_multiple=VOCAB_PAD_MULTIPLE,
+        lora=(cfg.model.lora.rank, tuple(cfg.model.lora.targets)) if cfg.model.lora.rank
+        else None)
 
 
 def _worst_learner(x: PlanInputs) -> mp.LearnerBytes:
@@ -94,7 +97,8 @@ def _worst_learner(x: PlanInputs) -> mp.LearnerBytes:
         b = mp.learner_bytes(x.dims, tp=x.tp, pp=x.pp, ep=x.ep, etp=x.etp, vpp=x.vpp,
                              dp=x.dp, cp=x.cp, distributed=x.distributed_optimizer,
                              param_bytes=x.param_bytes, pp_rank=pp_rank,
-                             reference=x.reference, vocab_multiple=x.vocab_multiple)
+                             reference=x.reference, vocab_multiple=x.vocab_multiple,
+                             lora=x.lora)
         if best is None or b.total > best.total:
             best = b
     return best
@@ -121,14 +125,15 @@ def build_plan(x: PlanInputs) -> Plan:
     rows = [
         ("learner weights", lb.weights, f"{x.param_bytes} B/param, TP{x.tp} PP{x.pp} EP{x.ep}"
          + (", padded buffer" if x.distributed_optimizer else "")),
-        ("gradient buffer", lb.grads, f"{grad_dtype} (grad_reduce_in_fp32)"),
+        ("gradient buffer", lb.grads, f"{grad_dtype} (grad_reduce_in_fp32)"
+         + (f", LoRA r={x.lora[0]} adapters only" if x.lora else "")),
         ("main weights", lb.main, "fp32, " + (shard if x.distributed_optimizer else
                                               "not sharded") if lb.main else
          "none (fp32 parameters)"),
         ("optimizer moments", lb.moments, "Adam fp32 x2, " + (
             shard if x.distributed_optimizer else "not sharded")),
-        ("KL reference", ref_dev, "off" if not x.reference else
-         ("in CPU memory" if x.reference_offload else f"{x.param_bytes} B/param")),
+        ("KL reference", ref_dev, "off" if not x.reference else "the base (LoRA off)"
+         if x.lora else ("in CPU memory" if x.reference_offload else f"{x.param_bytes} B/param")),
         ("activations", act, f"{x.micro_batch_tokens} tokens/micro-batch, "
          + ("full recompute" if x.recompute else "no recompute")
          + (f", {in_flight} in flight (PP)" if in_flight > 1 else "") + " (estimate)"),

@@ -68,7 +68,9 @@ def canonical_name(name: str) -> str:
 
 
 def _is_gated_fc1(name: str, config) -> bool:
-    return config.gated_linear_unit and ("linear_fc1.weight" in name)
+    # a LoRA B factor of a gated fc1 has the weight's rows ([gate_r; up_r] per rank)
+    return config.gated_linear_unit and ("linear_fc1.weight" in name
+                                         or name.endswith("linear_fc1.lora_b"))
 
 
 def shard_tensor(full: torch.Tensor, param, name: str, config) -> torch.Tensor:
@@ -135,6 +137,8 @@ def load_full_state_dict(chunks: list, full: dict[str, torch.Tensor], tied: bool
             key = gname
             if key not in full and tied and gname == "output_layer.weight":
                 key = "embedding.word_embeddings.weight"
+            if key not in full and key.endswith((".lora_a", ".lora_b")):
+                continue  # LoRA adapters keep their values when a base state dict is loaded
             if key not in full:
                 raise KeyError(f"full state dict has no tensor {key!r} (for local {local!r})")
             shard = shard_tensor(full[key], p, local, cfg)

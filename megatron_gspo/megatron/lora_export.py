@@ -1,0 +1,96 @@
+"""`convert lora-to-peft`: a LoRA run checkpoint (adapters only, `megatron.lora_io`) plus its
+Hugging Face base -> a PEFT adapter directory and, optionally, a merged Hugging Face model.
+
+One process: the base is built at TP = PP = EP = 1 on the CPU (or the current GPU), its weights
+read from the base directory, the adapters loaded from the checkpoint (resharded from whatever
+layout trained them), then
+  - the adapters are gathered and written with PEFT's names (`lora_io.write_peft_adapter`);
+  - the merged model (base + scale * B A in every adapted layer) streams through the same
+    `export_hf_weights` as the weight sync into sharded safetensors with the base's config and
+    tokenizer files.
+PEFT's LoRA wraps `nn.Linear` modules: transformers 5 stores Qwen3-MoE experts as fused 3-D
+parameters, so expert adapters are exported merged only (the PEFT writer refuses them).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_gspo.convert.base import ConversionError
+
+
+def check_lora_to_peft(ckpt: str, base: str | None, out: str, merged: str | None,
+                       force: bool) -> dict:
+    """Validate the inputs without torch.distributed; returns `lora_to_peft`'s arguments."""
+    from megatron_gspo.convert.hf_io import read_config
+    from megatron_gspo.convert.sources import resolve_checkpoint
+    from megatron_gspo.megatron.lora_io import read_adapter_info
+
+    src = resolve_checkpoint(ckpt)
+    info = read_adapter_info(src.dist_dir)
+    if info is None:
+        raise ConversionError(f"--ckpt {ckpt}: not a LoRA checkpoint (no lora.json in "
+                              f"{src.dist_dir}); use `convert mcore-to-hf`")
+    base = base or info.get("base")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise ConversionError(f"--ckpt {ckpt}: its base {base!r} is not a Hugging Face model "
+                              "directory reachable from here; pass --base DIR")
+    for path, flag in ((out, "--out"), (merged, "--merged")):
+        if path is not None and Path(path).exists() and not force:
+            raise ConversionError(f"{flag} {path} exists (pass --force to overwrite)")
+    if "experts" in info["targets"] and out is not None:
+        raise ConversionError("the checkpoint adapts routed experts, which PEFT cannot load "
+                              "onto transformers' fused experts; export --merged only")
+    return {"ckpt": str(src.dist_dir), "base": str(base), "info": info,
+            "hf_config": read_config(base)}
+
+
+def lora_to_peft(ckpt: str, base: str, info: dict, hf_config: dict, out: str | None,
+                 merged: str | None = None, dtype: torch.dtype | None = None,
+                 force: bool = False, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write the PEFT adapter (`out`) and/or the merged model (`merged`)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_gspo.convert.hf_io import HFCheckpointReader, save_hf_checkpoint
+    from megatron_gspo.convert.registry import get_adapter
+    from megatron_gspo.megatron import checkpoint_io as cio
+    from megatron_gspo.megatron import lora, weights
+    from megatron_gspo.megatron.export import export_hf_weights
+    from megatron_gspo.megatron.lora_io import write_peft_adapter
+    from megatron_gspo.megatron.parallel import ParallelLayout, initialize, shutdown
+
+    cfg = cio.normalize_hf_config(hf_config)
+    adapter = get_adapter(cfg)
+    dims = adapter.dims(cfg)
+    settings = lora.LoraSettings(rank=int(info["rank"]), alpha=float(info["alpha"]),
+                                 dropout=float(info["dropout"]), targets=tuple(info["targets"]))
+    initialize(ParallelLayout(), hf_config=cfg)
+    try:
+        models = cio.build_rank_models(cfg, params_dtype=torch.float32,
+                                       perform_initialization=False)
+        reader = HFCheckpointReader(base)
+        try:
+            with torch.no_grad():
+                cio.load_hf_weights(models, reader, adapter, dims)
+        finally:
+            reader.close()
+        lora.attach(models, settings)
+        with torch.no_grad():
+            loaded = dist_checkpointing.load({"lora": lora.sharded_state_dict(models)}, ckpt)
+        lora.load_sharded(models, loaded["lora"])
+        if out is not None:
+            full = {k: v for k, v in weights.gather_full(models, dims.tie_embeddings).items()
+                    if lora.is_adapter_name(k)}
+            write_peft_adapter(out, full, dims, settings, base, dtype or torch.float32)
+            print(f"convert_checkpoint: wrote PEFT adapter {out}", file=sys.stderr)
+        if merged is not None:
+            buckets = export_hf_weights(models, cfg, bucket_bytes=256 * 2**20, dtype=dtype)
+            save_hf_checkpoint(((n, t) for b in buckets for n, t in b), merged,
+                               side_files_from=base, max_shard_bytes=max_shard_bytes,
+                               dtype=dtype or torch.float32, force=force)
+            print(f"convert_checkpoint: wrote merged model {merged}", file=sys.stderr)
+    finally:
+        shutdown()
