@@ -57,6 +57,13 @@ def _req(cfg: Mapping, key: str):
     return cfg[key]
 
 
+def num_routed_experts(cfg: Mapping) -> int:
+    """Routed experts per MoE layer of an HF config (0 = dense): ``num_experts`` (Qwen3-MoE),
+    ``num_local_experts`` (transformers 5, gpt-oss) or ``n_routed_experts`` (DeepSeek, GLM)."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts")
+               or cfg.get("n_routed_experts") or 0)
+
+
 def dims_from_hf_config(cfg: Mapping) -> ModelDims:
     """Read layout-relevant sizes from a Hugging Face config dict.
 
@@ -73,7 +80,7 @@ def dims_from_hf_config(cfg: Mapping) -> ModelDims:
         raise ConversionError(
             f"config.json: num_attention_heads={heads} not divisible by num_key_value_heads={kv}"
         )
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    experts = num_routed_experts(cfg)
     return ModelDims(
         num_layers=int(_req(cfg, "num_hidden_layers")),
         hidden_size=hidden,
@@ -197,7 +204,9 @@ _TE_RULES = [
     (r"(layers\.\d+)\.pre_mlp_layernorm\.(weight|bias)$", r"\1.mlp.linear_fc1.layer_norm_\2"),
     (r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$", r".experts.\2.\3\1"),
 ]
-_TE_BACK = [
+_TE_BACK = [  # (+ multi-latent attention's q / kv latent norms, fused into the up projections)
+    (r"\.self_attention\.linear_(q|kv)_up_proj\.layer_norm_weight$",
+     r".self_attention.\1_layernorm.weight"),
     (r"\.self_attention\.linear_qkv\.layer_norm_(weight|bias)$", r".input_layernorm.\1"),
     (r"\.mlp\.linear_fc1\.layer_norm_(weight|bias)$", r".pre_mlp_layernorm.\1"),
     (r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$", r".experts.local_experts.\3.\1.\2"),

@@ -40,6 +40,14 @@ class PackedDotProductAttention(DotProductAttention):
     block-diagonal causal mask.
     """
 
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None,
+                 **kwargs):
+        # multi-latent attention passes its query/key and value head dims (Megatron-Core's local
+        # attention takes neither): the context is heads * v_channels wide
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **kwargs):
         if packed_seq_params is None:
@@ -62,14 +70,15 @@ class PackedDotProductAttention(DotProductAttention):
         """Causal attention inside each packed segment.
 
         Args:
-            query: [t, np, hn]; key, value: [t, ng, hn] (ng query groups, np % ng == 0).
+            query, key: [t, np | ng, hn]; value: [t, ng, hv] (ng query groups, np % ng == 0;
+                hv may differ from hn, as in multi-latent attention).
             plan: `_segment_plan` output.
         Returns:
-            [t, 1, np * hn] context, like Megatron-Core's DotProductAttention.
+            [t, 1, np * hv] context, like Megatron-Core's DotProductAttention.
         """
         buckets, inverse = plan
         t, heads, dim = query.shape
-        groups = key.shape[1]
+        groups, vdim = key.shape[1], value.shape[-1]
         half = query.dtype in (torch.float16, torch.bfloat16)  # softmax in fp32 for half inputs
         in_fp32 = half and (self.config.attention_softmax_in_fp32
                             or self.config.apply_query_key_layer_scaling)
@@ -77,7 +86,7 @@ class PackedDotProductAttention(DotProductAttention):
         for index, n, length, causal in buckets:
             q = query[index].view(n, length, heads, dim).transpose(1, 2)  # [n, np, l, hn]
             k = key[index].view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
-            v = value[index].view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
+            v = value[index].view(n, length, groups, vdim).transpose(1, 2)  # [n, ng, l, hv]
             if groups != heads:
                 k = k.repeat_interleave(heads // groups, dim=1)  # [n, np, l, hn]
                 v = v.repeat_interleave(heads // groups, dim=1)
@@ -88,10 +97,10 @@ class PackedDotProductAttention(DotProductAttention):
                 scores = scores * self.layer_number
             scores = scores.masked_fill(~causal, float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [n, np, l, l]
-            context = torch.matmul(probs, v)  # [n, np, l, hn]
-            outs.append(context.transpose(1, 2).reshape(n * length, heads * dim))
-        context = torch.cat(outs) if len(outs) > 1 else outs[0]  # [t, np*hn], bucket order
-        return context[inverse].view(t, 1, heads * dim)
+            context = torch.matmul(probs, v)  # [n, np, l, hv]
+            outs.append(context.transpose(1, 2).reshape(n * length, heads * vdim))
+        context = torch.cat(outs) if len(outs) > 1 else outs[0]  # [t, np*hv], bucket order
+        return context[inverse].view(t, 1, heads * vdim)
 
 
 def _segment_plan(cu_seqlens: torch.Tensor, device):

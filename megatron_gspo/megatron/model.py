@@ -59,6 +59,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_gspo.megatron import deepseek_v3
 from megatron_gspo.megatron.fallbacks import bind_missing_te_names
 from megatron_gspo.megatron.local_layers import PackedDotProductAttention, SequenceParallelRMSNorm
 
@@ -69,7 +70,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    deepseek_v3.ARCHITECTURE,
 )
+# families whose config fields and layer specs live in a module of their own
+_FAMILIES = {deepseek_v3.ARCHITECTURE: deepseek_v3}
 _MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 VOCAB_PAD_MULTIPLE = 128
 
@@ -163,7 +167,9 @@ def build_model_config(
         TransformerConfig.
     """
     arch = architecture_of(hf_config)
-    _rope_settings(hf_config)  # validate early; used by build_gpt_model
+    family = _FAMILIES.get(arch)
+    if family is None:
+        _rope_settings(hf_config)  # validate early; used by build_gpt_model
     use_te = te_available() if use_te is None else use_te
     hidden = int(_need(hf_config, "hidden_size"))
     heads = int(_need(hf_config, "num_attention_heads"))
@@ -247,8 +253,18 @@ def build_model_config(
             moe_grouped_gemm=use_te,
             moe_router_dtype="fp32",
         )
+    config_cls = TransformerConfig
+    if family is not None:
+        try:
+            kw.update(family.config_fields(hf_config, use_te))
+        except ValueError as e:
+            raise ModelConfigError(str(e)) from None
+        config_cls = family.CONFIG_CLASS
+        if kw.get("num_moe_experts"):
+            kw.update(moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0
+                      else "none", moe_aux_loss_coeff=moe_aux_loss_coeff)
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    return config_cls(**kw)
 
 
 def _layer_spec(config: TransformerConfig, use_te: bool) -> ModuleSpec:
@@ -260,14 +276,22 @@ def _layer_spec(config: TransformerConfig, use_te: bool) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
         normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return _patch_local(spec, config)
+
+
+def _patch_local(spec: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
+    """Put this package's local modules into a local layer spec: packed-sequence attention,
+    and sequence-parallel-aware RMSNorms (norms of MLA's q / kv latents included)."""
+    attn = spec.submodules.self_attention.submodules
+    attn.core_attention = PackedDotProductAttention
     if config.sequence_parallel:
         sub = spec.submodules
         sub.input_layernorm = SequenceParallelRMSNorm
         sub.pre_mlp_layernorm = SequenceParallelRMSNorm
-        if config.qk_layernorm:  # the torch norm refuses SP even where it sees whole heads
-            sub.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
-            sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+        for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+            # the torch norm refuses SP even where it sees whole heads / latents
+            if config.qk_layernorm and hasattr(attn, name):
+                setattr(attn, name, SequenceParallelRMSNorm)
     return spec
 
 
@@ -300,9 +324,14 @@ def build_gpt_model(
     use_te = te_available() if use_te is None else use_te
     if config is None:
         config = build_model_config(hf_config, use_te=use_te, **config_kwargs)
-    theta, rope_scaling, rope_factor = _rope_settings(hf_config)
-    spec = _layer_spec(config, use_te)
-    if config.sequence_parallel and not use_te:
+    family = _FAMILIES.get(architecture_of(hf_config))
+    theta, rope_scaling, rope_factor = (
+        _rope_settings(hf_config) if family is None else (10000.0, False, 1.0))  # MLA: own rope
+    if family is not None:
+        spec = family.block_spec(config, use_te, vp_stage, _patch_local)
+    else:
+        spec = _layer_spec(config, use_te)
+    if family is None and config.sequence_parallel and not use_te:
         # final layernorm comes from the block spec; route it through the SP-aware norm too.
         from megatron.core.transformer.transformer_block import (
             TransformerBlockSubmodules,

@@ -130,7 +130,9 @@ def _model_errors(lay: ParallelLayout, hf: dict) -> list[str]:
     if layers % chunks:
         errs.append(f"num_hidden_layers={layers} not divisible by pipeline*virtual_pipeline "
                     f"= {chunks}")
-    experts = hf.get("num_experts")
+    from megatron_gspo.convert.base import num_routed_experts
+
+    experts = num_routed_experts(hf) or None
     if experts is not None and lay.tensor > 1 and not lay.sequence_parallel:
         errs.append("an MoE model with parallel.tensor > 1 needs parallel.sequence_parallel=true "
                     "(Megatron-Core requirement)")

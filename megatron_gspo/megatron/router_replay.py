@@ -39,6 +39,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.convert.base import num_routed_experts
 from megatron_gspo.data.batch import MicroBatch, cp_local_index
 from megatron_gspo.megatron.routing_exchange import exchange_rows
 
@@ -52,7 +53,7 @@ class RoutingReplayError(RuntimeError):
 def with_replay_enabled(hf_config: dict, model_kwargs: dict | None) -> dict:
     """`build_model_config` extras with Megatron's routing replay on for MoE models."""
     out = dict(model_kwargs or {})
-    if hf_config.get("num_experts") or hf_config.get("num_local_experts"):
+    if num_routed_experts(hf_config):
         out.setdefault("moe_enable_routing_replay", True)
     return out
 

@@ -52,6 +52,8 @@ def global_name(local_name: str, layer_offset: int, expert_offset: int) -> str:
 
 
 _TE_TO_LOCAL = (
+    (re.compile(r"self_attention\.linear_(q|kv)_up_proj\.layer_norm_weight$"),
+     r"self_attention.\1_layernorm.weight"),  # multi-latent attention's latent norms
     (re.compile(r"self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
     (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
     (re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$"),

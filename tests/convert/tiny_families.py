@@ -1,0 +1,82 @@
+"""Tiny random models of the families beyond Llama / Qwen, built from the real models'
+config.json (field names, layer pattern, head-dim ratios, rope and routing settings kept; sizes
+shrunk), as transformers' own classes saved to safetensors.
+
+Each entry: the real config's fields (as released) next to the shrunk values used here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+# deepseek-ai/DeepSeek-V3 config.json (real values in the comments)
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 160,  # 129280
+    "hidden_size": 64,  # 7168
+    "intermediate_size": 96,  # 18432 (dense layers)
+    "moe_intermediate_size": 16,  # 2048
+    "num_hidden_layers": 4,  # 61
+    "first_k_dense_replace": 1,  # 3 (leading dense layers)
+    "num_attention_heads": 4,  # 128
+    "num_key_value_heads": 4,  # 128
+    "q_lora_rank": 24,  # 1536
+    "kv_lora_rank": 16,  # 512
+    "qk_nope_head_dim": 8,  # 128
+    "qk_rope_head_dim": 4,  # 64
+    "v_head_dim": 12,  # 128 (kept different from qk head dim 12 -> 8+4 to test the split)
+    "n_routed_experts": 8,  # 256
+    "n_shared_experts": 1,  # 1
+    "num_experts_per_tok": 4,  # 8
+    "n_group": 4,  # 8
+    "topk_group": 2,  # 4 (num_experts_per_tok / topk_group = 2, as in the real model)
+    "routed_scaling_factor": 2.5,  # 2.5
+    "norm_topk_prob": True,  # true
+    "scoring_func": "sigmoid",  # sigmoid
+    "topk_method": "noaux_tc",  # noaux_tc
+    "rope_scaling": {  # as released
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+
+FAMILIES = {
+    "DeepseekV3ForCausalLM": (transformers.DeepseekV3Config, DEEPSEEK_V3),
+}
+
+
+def _perturb(model: torch.nn.Module) -> None:
+    """Norm weights and biases away from their init, routers sharp enough that routing matters
+    (group choice, expert bias), expert biases spread so they change some choices."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
+
+
+def make_family_model(arch: str, out_dir: Path, seed: int = 0) -> torch.nn.Module:
+    """Build, perturb and save a tiny random `arch` model; returns it (fp32, eval mode)."""
+    cfg_cls, fields = FAMILIES[arch]
+    cfg = cfg_cls(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")})
+    cfg.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).eval()
+    _perturb(model)
+    model.save_pretrained(out_dir)
+    (Path(out_dir) / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
+    return model
