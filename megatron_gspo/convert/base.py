@@ -403,6 +403,11 @@ class StateDictAdapter:
         mo = re.match(r"decoder\.layers\.(\d+)\.", canonical)
         return to_te_name(canonical, moe=bool(mo) and self.is_moe_layer(int(mo.group(1)), dims))
 
+    def bucket_group(self, hf_name: str, dims: ModelDims) -> tuple[str, int] | None:
+        """(key, size) of the group of HF tensors `hf_name` must share a weight-sync bucket
+        with (the engine's loader fuses them only when they arrive together); None: no group."""
+        return None
+
     def maps_by_mcore(self, dims: ModelDims) -> dict[str, ParamMap]:
         """Canonical Megatron-Core name -> ParamMap."""
         return {pm.mcore: pm for pm in self.param_maps(dims)}

@@ -21,8 +21,8 @@ HF -> Megatron-Core names per layer i (canonical = local spec):
 
 The local spec's down projections are column-parallel (split on dim 0, gathered in the
 forward); the Transformer Engine spec keeps them replicated (``TELinear``, duplicated), which
-`checkpoint_io` reads from the module type. Under TE the q/kv norms are fused into the up projections
-(``linear_q_up_proj.layer_norm_weight``), while ``input_layernorm`` stays a module of its own.
+`checkpoint_io` reads from the module type. Under TE the q/kv norms are fused into the up
+projections (``linear_q_up_proj.layer_norm_weight``); ``input_layernorm`` stays a module.
 The multi-token-prediction layers of the released checkpoint (layer index num_hidden_layers)
 are not part of the model transformers builds and are not converted.
 """
@@ -73,6 +73,9 @@ _MLA_TE = [
     (r"(layers\.\d+)\.pre_mlp_layernorm\.weight$", r"\1.mlp.linear_fc1.layer_norm_weight"),
     (r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", r".experts.\2.weight\1"),
 ]
+
+
+_QKV_A = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight$")
 
 
 class DeepseekV3Adapter(StateDictAdapter):
@@ -161,6 +164,15 @@ class DeepseekV3Adapter(StateDictAdapter):
         if d.shared_ffn:
             maps += _ffn_maps(h + "shared_experts.", m + "shared_experts.", H, d.shared_ffn)
         return maps
+
+    def bucket_group(self, hf_name: str, dims: ModelDims) -> tuple[str, int] | None:
+        """SGLang 0.5.12's DeepseekV2ForCausalLM.load_weights concatenates ``q_a_proj`` and
+        ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj_with_mqa`` from tensors cached within one
+        call: a layer's two must travel in one bucket, or neither is loaded."""
+        mo = _QKV_A.match(hf_name)
+        if mo is None or not dims.q_lora_rank:
+            return None
+        return f"qkv_a.{mo.group(1)}", 2
 
     def spell(self, canonical: str, dims: ModelDims, spec: str) -> str:
         if spec == "local":

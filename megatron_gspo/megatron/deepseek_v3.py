@@ -21,11 +21,12 @@ Refused with a one-line error (what Megatron-Core 0.16.1 cannot express, and why
 - `num_experts_per_tok / topk_group != 2`: its group score is the sum of the top
   (topk / group_topk) scores of a group, transformers' the sum of the top 2;
 - `rope_interleave=false`: its MLA rope always de-interleaves;
-- rope types other than default and yarn (MLA builds only `RotaryEmbedding` / `YarnRotaryEmbedding`);
+- rope types other than default and yarn (MLA builds only `RotaryEmbedding` and
+  `YarnRotaryEmbedding`);
 - `scoring_func` other than sigmoid, `topk_method` other than noaux_tc.
-The expert bias is kept frozen during training (`moe_router_bias_update_rate=0`): the aux-loss-free
-balancing update is a pre-training device, and the bias the rollout engine routes with is the
-one exported from the learner.
+The expert bias is kept frozen during training (`moe_router_bias_update_rate=0`): the
+aux-loss-free balancing update is a pre-training device, and the bias the rollout engine
+routes with is the one exported from the learner.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def config_fields(cfg: dict, use_te: bool) -> dict:
 CONFIG_CLASS = MLATransformerConfig
 
 
-def block_spec(config, use_te: bool, vp_stage: int | None, patch_local) -> TransformerBlockSubmodules:
+def block_spec(config, use_te: bool, vp_stage: int | None,
+               patch_local) -> TransformerBlockSubmodules:
     """This stage's layer specs: dense layers first, MoE layers after.
 
     Args:

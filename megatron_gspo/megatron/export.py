@@ -153,32 +153,53 @@ def export_hf_weights(
                     dist.broadcast(t, src=ranks[stage], group=group)
                     yield name, t
 
-    yield from bucketize(stream(), bucket_bytes)
+    yield from bucketize(stream(), bucket_bytes,
+                         together=lambda name: adapter.bucket_group(name, dims))
+
+
+def _units(named, together):
+    """The stream as units: one (name, tensor) each, except names `together` groups (key,
+    size), which are held until the group is complete and travel as one unit."""
+    pending: dict = {}
+    for name, t in named:
+        group = together(name) if together is not None else None
+        if group is None:
+            yield ((name, t),)
+            continue
+        key, size = group
+        pending.setdefault(key, []).append((name, t))
+        if len(pending[key]) == size:
+            yield tuple(pending.pop(key))
+    for unit in pending.values():  # incomplete groups (a stage-local stream)
+        yield tuple(unit)
 
 
 def bucketize(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, together=None
 ) -> Iterator[Bucket]:
     """Group a stream of (name, tensor) into buckets of at most `bucket_bytes`, in order; a
-    tensor larger than the bound travels alone in a bucket of its own.
+    tensor (or group) larger than the bound travels alone in a bucket of its own.
 
     Args:
         named: the stream (consumed lazily: one bucket's tensors are held at a time).
         bucket_bytes: the bound (> 0).
+        together: name -> (group key, group size) or None: tensors of one group always share
+            a bucket (SGLang's DeepSeek loader fuses `q_a_proj` and `kv_a_proj_with_mqa` only
+            when both arrive in one weight update).
     Yields:
         lists of (name, tensor).
     """
     held: list[Bucket] = [[]]  # the generator keeps no reference to a yielded bucket
     size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
+    for unit in _units(named, together):
+        nbytes = sum(t.numel() * t.element_size() for _, t in unit)
         if held[0] and size + nbytes > bucket_bytes:
             yield held.pop()
             held.append([])
             size = 0
-        held[0].append((name, t))
+        held[0].extend(unit)
         size += nbytes
-        del t
+        del unit
         if size >= bucket_bytes:
             yield held.pop()
             held.append([])

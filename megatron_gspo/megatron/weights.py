@@ -115,10 +115,15 @@ def _offsets(chunk, vp_stage):
     return layer_offset(cfg, vp_stage), eo
 
 
-def _named_params(chunks):
+def _named_params(chunks, buffers: bool = True):
+    """(local name, full name, tensor, config) of every parameter and, with `buffers`, of the
+    buffers that are model weights (the sigmoid router's `expert_bias`, DeepSeek-V3)."""
     for vp, chunk in enumerate(chunks):
         lo, eo = _offsets(chunk, vp if len(chunks) > 1 else None)
-        for name, p in chunk.named_parameters():
+        named = list(chunk.named_parameters())
+        if buffers:
+            named += [(n, b) for n, b in chunk.named_buffers() if n.endswith(".expert_bias")]
+        for name, p in named:
             yield name, canonical_name(global_name(name, lo, eo)), p, chunk.config
 
 
@@ -160,7 +165,7 @@ def gather_full(chunks: list, tied: bool, *, grads: bool = False) -> dict[str, t
     from megatron.core import parallel_state as ps
 
     mine: dict[str, torch.Tensor] = {}
-    for local, gname, p, cfg in _named_params(chunks):
+    for local, gname, p, cfg in _named_params(chunks, buffers=not grads):
         if tied and gname == "output_layer.weight":
             continue
         t = p.detach()

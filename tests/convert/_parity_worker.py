@@ -45,6 +45,22 @@ def _err(models, ref) -> float | None:
     return float((got[..., : want.shape[-1]] - want).abs().max())
 
 
+def _check_groups(models, cfg, adapter, dims, what) -> int:
+    """With buckets smaller than any pair, the adapter's bucket groups (DeepSeek-V3:
+    q_a_proj + kv_a_proj_with_mqa of a layer) still share one bucket; returns groups seen."""
+    from megatron_gspo.megatron.export import export_hf_weights
+
+    where: dict = {}
+    for b, bucket in enumerate(export_hf_weights(models, cfg, bucket_bytes=1024)):
+        for name, _ in bucket:
+            group = adapter.bucket_group(name, dims)
+            if group is not None:
+                where.setdefault(group[0], set()).add(b)
+    split = sorted(k for k, v in where.items() if len(v) > 1)
+    assert not split, f"{what}: bucket groups split over buckets: {split}"
+    return len(where)
+
+
 def run(hf_dir: str, refs_path: str, work: str, layouts: list[str], tag: str) -> None:
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
@@ -72,6 +88,7 @@ def run(hf_dir: str, refs_path: str, work: str, layouts: list[str], tag: str) ->
             cio.load_hf_weights(models, reader, adapter, dims)
             out[name] = _err(models, ref)
             _check_export(models, cfg, reader, bucket, f"{name} export")
+            out[f"{name}_bucket_groups"] = _check_groups(models, cfg, adapter, dims, name)
             if layout.pipeline > 1:
                 _check_stage_export(models, cfg, reader, bucket, f"{name} per-stage export")
             if name in ("tp2", "ep2"):

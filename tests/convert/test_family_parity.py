@@ -34,7 +34,9 @@ def _launch(work: Path, hf_dir: Path, world: int, layouts: list[str], tag: str) 
     merged: dict = {}
     for r in range(world):
         for k, v in json.loads((work / f"parity.{tag}.rank{r}.json").read_text()).items():
-            if v is not None:
+            if v is not None and k.endswith("_bucket_groups"):
+                merged.setdefault("bucket_groups", {})[k.split("_")[0]] = v
+            elif v is not None:
                 merged[k] = max(v, merged.get(k, 0.0))
     return merged
 
@@ -59,6 +61,27 @@ def _family_run(arch: str, tmp: Path, multi: bool) -> dict:
 def test_single_process_logits_match_transformers(arch, tmp_path):
     errs = _family_run(arch, tmp_path, multi=False)
     assert errs["single"] <= TOL, errs
+    if arch == "DeepseekV3ForCausalLM":  # q_a_proj + kv_a_proj_with_mqa of every layer
+        assert errs["bucket_groups"]["single"] == FAMILIES[arch][1]["num_hidden_layers"]
+
+
+def test_deepseek_tiny_model_routing_depends_on_bias_and_groups(tmp_path):
+    """The tiny DeepSeek-V3 is shaped so that the expert bias and the group limit change its
+    logits: parity on it covers both."""
+    model = make_family_model("DeepseekV3ForCausalLM", tmp_path)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12),
+                           generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(tokens).logits
+        gates = [m for m in model.modules() if type(m).__name__ == "DeepseekV3TopkRouter"]
+        for g in gates:
+            g.num_group = g.topk_group = 1
+        no_groups = model(tokens).logits
+        for g in gates:
+            g.num_group, g.topk_group = 4, 2
+            g.e_score_correction_bias.zero_()
+        no_bias = model(tokens).logits
+    assert (ref - no_groups).abs().max() > 1e-3 and (ref - no_bias).abs().max() > 1e-3
 
 
 @pytest.mark.slow
@@ -70,4 +93,6 @@ def test_tp2_pp2_ep2_logits_match_transformers(arch, tmp_path):
     want = {"single", "tp2", "pp2", "single_from_tp2_ckpt"} | (
         {"ep2", "single_from_ep2_ckpt"} if moe else set())
     assert want <= set(errs), errs
+    groups = errs.pop("bucket_groups")
     assert all(v <= TOL for v in errs.values()), errs
+    assert len(set(groups.values())) == 1, groups  # every layout exports the same groups
