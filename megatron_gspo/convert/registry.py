@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from megatron_gspo.convert.base import ConversionError, StateDictAdapter
 from megatron_gspo.convert.deepseek_v3 import DeepseekV3Adapter
+from megatron_gspo.convert.gemma3 import Gemma3Adapter
 from megatron_gspo.convert.llama import LlamaAdapter
 from megatron_gspo.convert.qwen2 import Qwen2Adapter
 from megatron_gspo.convert.qwen3 import Qwen3Adapter
@@ -17,6 +18,7 @@ _ADAPTERS: tuple[type[StateDictAdapter], ...] = (
     Qwen3Adapter,
     Qwen3MoeAdapter,
     DeepseekV3Adapter,
+    Gemma3Adapter,
 )
 
 

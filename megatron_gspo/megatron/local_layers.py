@@ -35,9 +35,9 @@ class PackedDotProductAttention(DotProductAttention):
     Default: segments of equal length are stacked into `[n_l, l]` batches that attend causally
     within themselves: cost sum(l^2) instead of t^2 for a row of t positions, and a sequence's
     numbers do not depend on what else is packed in its row (pipeline padding, neighbours).
-    Fallback, when attention dropout is active or a softmax offset, a sliding window or an
-    attention bias is configured: Megatron-Core's attention over the whole row with a
-    block-diagonal causal mask.
+    A sliding window (Gemma 3's local layers) narrows each segment's causal mask. Fallback, when
+    attention dropout is active or a softmax offset or an attention bias is configured:
+    Megatron-Core's attention over the whole row with a block-diagonal causal mask.
     """
 
     def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None,
@@ -57,22 +57,26 @@ class PackedDotProductAttention(DotProductAttention):
             raise ValueError(f"packed qkv_format {packed_seq_params.qkv_format!r} unsupported")
         cu = packed_seq_params.cu_seqlens_q
         dropout = self.attention_dropout.p if self.training else 0.0
-        if (dropout == 0.0 and self.softmax_offset is None and attention_bias is None
-                and self.scale_mask_softmax.window_size is None):
-            return self._segment_attention(query, key, value, _segment_plan(cu, query.device))
+        if dropout == 0.0 and self.softmax_offset is None and attention_bias is None:
+            # (sliding windows too: Megatron-Core's torch softmax replaces the given mask by the
+            # window mask, which would let packed sequences see each other)
+            return self._segment_attention(query, key, value, _segment_plan(cu, query.device),
+                                           self.scale_mask_softmax.window_size)
         # [t, np, hn] -> [t, 1, np, hn] (sq, b, np, hn)
         q, k, v = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         mask = _cached_block_causal_mask(cu, q.shape[0], q.device)
         return super().forward(q, k, v, mask, attn_mask_type=attn_mask_type,
                                attention_bias=attention_bias, **kwargs)
 
-    def _segment_attention(self, query, key, value, plan) -> torch.Tensor:
+    def _segment_attention(self, query, key, value, plan, window=None) -> torch.Tensor:
         """Causal attention inside each packed segment.
 
         Args:
             query, key: [t, np | ng, hn]; value: [t, ng, hv] (ng query groups, np % ng == 0;
                 hv may differ from hn, as in multi-latent attention).
             plan: `_segment_plan` output.
+            window: (left, right) sliding window or None: key j is seen from query i when
+                i - left <= j <= i (right must be 0: causal).
         Returns:
             [t, 1, np * hv] context, like Megatron-Core's DotProductAttention.
         """
@@ -82,8 +86,13 @@ class PackedDotProductAttention(DotProductAttention):
         half = query.dtype in (torch.float16, torch.bfloat16)  # softmax in fp32 for half inputs
         in_fp32 = half and (self.config.attention_softmax_in_fp32
                             or self.config.apply_query_key_layer_scaling)
+        if window is not None and window[1] != 0:
+            raise ValueError(f"packed attention: window {window} is not causal (right != 0)")
         outs = []
         for index, n, length, causal in buckets:
+            if window is not None:
+                pos = torch.arange(length, device=causal.device)
+                causal = causal & (pos[:, None] - pos[None, :] <= window[0])
             q = query[index].view(n, length, heads, dim).transpose(1, 2)  # [n, np, l, hn]
             k = key[index].view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
             v = value[index].view(n, length, groups, vdim).transpose(1, 2)  # [n, ng, l, hv]

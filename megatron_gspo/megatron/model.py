@@ -59,7 +59,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_gspo.megatron import deepseek_v3
+from megatron_gspo.megatron import deepseek_v3, gemma3
 from megatron_gspo.megatron.fallbacks import bind_missing_te_names
 from megatron_gspo.megatron.local_layers import PackedDotProductAttention, SequenceParallelRMSNorm
 
@@ -71,9 +71,19 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     deepseek_v3.ARCHITECTURE,
+    gemma3.ARCHITECTURE,
 )
 # families whose config fields and layer specs live in a module of their own
-_FAMILIES = {deepseek_v3.ARCHITECTURE: deepseek_v3}
+_FAMILIES = {m.ARCHITECTURE: m for m in (deepseek_v3, gemma3)}
+
+
+def _resolve_te(hf_config: dict, use_te: bool | None) -> bool:
+    """The spec to build: `use_te`, or (None) TE when importable, except for families that
+    have a local spec only (Gemma 3; forcing TE there is their one-line error)."""
+    if use_te is not None:
+        return use_te
+    family = _FAMILIES.get((hf_config.get("architectures") or [None])[0])
+    return te_available() and not getattr(family, "LOCAL_ONLY", None)
 _MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 VOCAB_PAD_MULTIPLE = 128
 
@@ -170,7 +180,7 @@ def build_model_config(
     family = _FAMILIES.get(arch)
     if family is None:
         _rope_settings(hf_config)  # validate early; used by build_gpt_model
-    use_te = te_available() if use_te is None else use_te
+    use_te = _resolve_te(hf_config, use_te)
     hidden = int(_need(hf_config, "hidden_size"))
     heads = int(_need(hf_config, "num_attention_heads"))
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
@@ -321,12 +331,16 @@ def build_gpt_model(
     Returns:
         GPTModel (unwrapped, fp32/bf16 params as configured).
     """
-    use_te = te_available() if use_te is None else use_te
+    use_te = _resolve_te(hf_config, use_te)
     if config is None:
         config = build_model_config(hf_config, use_te=use_te, **config_kwargs)
     family = _FAMILIES.get(architecture_of(hf_config))
-    theta, rope_scaling, rope_factor = (
-        _rope_settings(hf_config) if family is None else (10000.0, False, 1.0))  # MLA: own rope
+    rope = {}
+    if family is None:
+        theta, rope_scaling, rope_factor = _rope_settings(hf_config)
+        rope = dict(rotary_base=theta, rope_scaling=rope_scaling, rope_scaling_factor=rope_factor)
+    elif hasattr(family, "gpt_model_kwargs"):
+        rope = family.gpt_model_kwargs(hf_config)  # (MLA layers build their own rope)
     if family is not None:
         spec = family.block_spec(config, use_te, vp_stage, _patch_local)
     else:
@@ -342,7 +356,7 @@ def build_gpt_model(
         spec = TransformerBlockSubmodules(
             layer_specs=[spec] * n_local, layer_norm=SequenceParallelRMSNorm)
     tied = bool(hf_config.get("tie_word_embeddings", False))
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(int(_need(hf_config, "vocab_size")), vocab_multiple,
@@ -354,11 +368,12 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
-        rotary_base=theta,
-        rope_scaling=rope_scaling,
-        rope_scaling_factor=rope_factor,
         vp_stage=vp_stage,
+        **rope,
     )
+    if hasattr(family, "post_build"):
+        family.post_build(model, hf_config)
+    return model
 
 
 def config_summary(config: TransformerConfig) -> dict:

@@ -50,8 +50,36 @@ DEEPSEEK_V3 = {
     "attention_bias": False,
 }
 
+# google/gemma-3-1b-it config.json (real values in the comments; the linear scaling of the
+# global layers' rope is the one the 4B / 12B / 27B text configs carry)
+GEMMA3 = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "vocab_size": 160,  # 262144
+    "hidden_size": 64,  # 1152
+    "intermediate_size": 96,  # 6912
+    "num_hidden_layers": 6,  # 26
+    "num_attention_heads": 4,  # 4
+    "num_key_value_heads": 2,  # 1 (2 here so that TP2 splits the KV heads)
+    "head_dim": 16,  # 256
+    "query_pre_attn_scalar": 24,  # 256 (= head_dim in 1B/4B; 27B uses 168 != head_dim)
+    "hidden_activation": "gelu_pytorch_tanh",
+    "sliding_window": 5,  # 512 (shorter than the test sequences, so the window matters)
+    "sliding_window_pattern": 6,  # 6: five sliding layers, then one global
+    "rope_theta": 1000000.0,  # 1e6 (global layers)
+    "rope_local_base_freq": 10000.0,  # 1e4 (sliding layers)
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},  # null in 1B, this in 4B+
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "tie_word_embeddings": True,
+}
+
 FAMILIES = {
     "DeepseekV3ForCausalLM": (transformers.DeepseekV3Config, DEEPSEEK_V3),
+    "Gemma3ForCausalLM": (transformers.Gemma3TextConfig, GEMMA3),
 }
 
 
