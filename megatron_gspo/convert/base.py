@@ -24,7 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("copy", "qkv", "qkv_bias", "glu", "vocab")
+from megatron_gspo.convert.te_names import from_te_name, to_te_name  # noqa: F401 (re-exported)
+
+# slices of one HF tensor holding every expert ([E, ...], gpt-oss): `ParamMap.index` is the
+# expert; "fused_fc1*" are [E, H, 2F] / [E, 2F] with gate / up interleaved, "fused_fc2" [E, F, H]
+SLICE_KINDS = ("fused_fc1", "fused_fc1_bias", "fused_fc2", "slice")
+GLU_KINDS = ("glu", "fused_fc1", "fused_fc1_bias")  # [gate; up] in Megatron: split per half
+KINDS = ("copy", "qkv", "qkv_bias", "glu", "vocab", *SLICE_KINDS)
 
 
 class ConversionError(ValueError):
@@ -120,6 +126,7 @@ class ParamMap:
     tp_dim: int | None = None
     expert: bool = False
     shapes: tuple[tuple[int, ...], ...] = ()
+    index: int | None = None  # expert index into an [E, ...] HF tensor (SLICE_KINDS)
 
 
 # ---------------------------------------------------------------- layout transforms
@@ -167,6 +174,13 @@ def to_mcore_tensor(
             )
     if pm.kind in ("qkv", "qkv_bias"):
         return _qkv_to_mcore(*tensors, dims)
+    if pm.kind in SLICE_KINDS:
+        t = tensors[0][pm.index]
+        if pm.kind == "fused_fc1":  # [H, 2F] interleaved columns -> [gate; up] rows [2F, H]
+            t = t.t()
+        if pm.kind in ("fused_fc1", "fused_fc1_bias"):
+            return torch.cat([t[0::2], t[1::2]], dim=0).contiguous()
+        return (t.t() if pm.kind == "fused_fc2" else t).contiguous()
     if pm.kind == "glu":
         gate, up = tensors
         if gate.shape != up.shape:
@@ -188,6 +202,11 @@ def to_hf_tensors(pm: ParamMap, full: torch.Tensor, dims: ModelDims) -> list[tor
     """Split a full Megatron-Core tensor back into its HF tensors (same order as ``pm.hf``)."""
     if pm.kind in ("qkv", "qkv_bias"):
         return _qkv_to_hf(full, dims)
+    if pm.kind in SLICE_KINDS:  # this expert's piece, in the HF layout (`ExpertSlices` stacks)
+        if pm.kind in ("fused_fc1", "fused_fc1_bias"):
+            gate, up = torch.chunk(full, 2, dim=0)
+            full = torch.stack([gate, up], dim=1).reshape(full.shape)  # re-interleave rows
+        return [(full.t() if pm.kind in ("fused_fc1", "fused_fc2") else full).contiguous()]
     if pm.kind == "glu":
         if full.shape[0] % 2:
             raise ConversionError(f"{pm.mcore} has an odd number of rows {full.shape[0]}")
@@ -197,41 +216,25 @@ def to_hf_tensors(pm: ParamMap, full: torch.Tensor, dims: ModelDims) -> list[tor
     return [full]
 
 
-# ---------------------------------------------------------------- TE spec spelling
+class ExpertSlices:
+    """Collects the per-expert pieces of [E, ...] HF tensors (SLICE_KINDS) and hands each tensor
+    out, stacked in expert order, once its last piece arrived."""
 
-_TE_RULES = [
-    (r"\.input_layernorm\.(weight|bias)$", r".self_attention.linear_qkv.layer_norm_\1"),
-    (r"(layers\.\d+)\.pre_mlp_layernorm\.(weight|bias)$", r"\1.mlp.linear_fc1.layer_norm_\2"),
-    (r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$", r".experts.\2.\3\1"),
-]
-_TE_BACK = [  # (+ multi-latent attention's q / kv latent norms, fused into the up projections)
-    (r"\.self_attention\.linear_(q|kv)_up_proj\.layer_norm_weight$",
-     r".self_attention.\1_layernorm.weight"),
-    (r"\.self_attention\.linear_qkv\.layer_norm_(weight|bias)$", r".input_layernorm.\1"),
-    (r"\.mlp\.linear_fc1\.layer_norm_(weight|bias)$", r".pre_mlp_layernorm.\1"),
-    (r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$", r".experts.local_experts.\3.\1.\2"),
-]
+    def __init__(self) -> None:
+        self.parts: dict[str, dict[int, torch.Tensor]] = {}
 
+    def add(self, pm: ParamMap, name: str, piece: torch.Tensor | None) -> torch.Tensor | bool:
+        """Add expert `pm.index`'s piece of `name` (None: count it only, for shape metadata).
 
-def to_te_name(name: str, moe: bool) -> str:
-    """Canonical (local spec) name -> Transformer Engine spec name.
-
-    Args:
-        name: canonical name.
-        moe: True when the layer is an MoE layer (its pre-MLP norm stays a separate module).
-    """
-    for pat, rep in _TE_RULES:
-        if moe and "pre_mlp_layernorm" in pat:
-            continue
-        name = re.sub(pat, rep, name)
-    return name
-
-
-def from_te_name(name: str) -> str:
-    """Transformer Engine spec name -> canonical (local spec) name."""
-    for pat, rep in _TE_BACK:
-        name = re.sub(pat, rep, name)
-    return name
+        Returns:
+            the stacked tensor when complete (True when counting), else False.
+        """
+        got = self.parts.setdefault(name, {})
+        got[pm.index] = piece
+        if len(got) < pm.shapes[0][0]:
+            return False
+        del self.parts[name]
+        return True if piece is None else torch.stack([got[e] for e in sorted(got)])
 
 
 # ---------------------------------------------------------------- adapter
@@ -386,12 +389,18 @@ class StateDictAdapter:
 
         Raises ConversionError naming the first missing Megatron-Core tensor.
         """
-        out = {}
+        out, slices = {}, ExpertSlices()
         for pm in self.param_maps(dims):
             name = self.spell(pm.mcore, dims, spec)
             if name not in mcore_sd:
                 raise ConversionError(f"Megatron state dict is missing tensor '{name}'")
-            out.update(zip(pm.hf, to_hf_tensors(pm, mcore_sd[name], dims), strict=True))
+            pieces = to_hf_tensors(pm, mcore_sd[name], dims)
+            if pm.kind in SLICE_KINDS:
+                full = slices.add(pm, pm.hf[0], pieces[0])
+                if full is not False:
+                    out[pm.hf[0]] = full
+                continue
+            out.update(zip(pm.hf, pieces, strict=True))
         return out
 
     def spell(self, canonical: str, dims: ModelDims, spec: str) -> str:

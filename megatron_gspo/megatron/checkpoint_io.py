@@ -180,10 +180,18 @@ def load_hf_weights(
 
         entries = tqdm(entries, desc="hf-to-mcore", unit=" params")
     n = 0
+    last: dict[str, torch.Tensor] = {}  # [E, ...] tensors that every expert slices (gpt-oss)
+
+    def get(name: str) -> torch.Tensor:
+        if name not in last:
+            last.clear()
+            last[name] = reader.get(name)
+        return last[name]
+
     for entry in entries:
         pm = entry.pm or emb_map
         padded = entry.param.shape[0] * (_tp_rank_size(pm)[1] if pm.kind == "vocab" else 1)
-        full = to_mcore_tensor(pm, [reader.get(h) for h in pm.hf], dims, padded)
+        full = to_mcore_tensor(pm, [get(h) for h in pm.hf], dims, padded)
         rank, size = _tp_rank_size(pm)
         _check_partition(entry, pm, size)
         shard = tp_shard(full, pm, rank, size)

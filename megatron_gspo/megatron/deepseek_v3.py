@@ -84,21 +84,16 @@ def rope_fields(cfg: dict) -> dict:
         mscale=float(rp.get("mscale", 1.0)), mscale_all_dim=float(rp.get("mscale_all_dim") or 0.0))
 
 
-def config_fields(cfg: dict, use_te: bool) -> dict:
-    """MLATransformerConfig fields that DeepSeek-V3 sets on top of the dense defaults.
+def sigmoid_moe_fields(cfg: dict, use_te: bool, arch: str = ARCHITECTURE) -> dict:
+    """MoE fields of the DeepSeek-V3 / GLM-4.5 router and layer pattern: sigmoid scores with the
+    `e_score_correction_bias` expert bias, group-limited top-k, renormalised and scaled top-k
+    weights, one shared expert, `first_k_dense_replace` leading dense layers.
 
-    Args:
-        cfg: parsed config.json.
-        use_te: the TE spec is used (grouped-GEMM experts).
-    Returns:
-        dict of fields; raises DeepseekConfigError (one line) for what cannot be expressed.
+    Raises DeepseekConfigError (one line) for what Megatron-Core 0.16.1 cannot express.
     """
-    if cfg.get("rope_interleave") is False:
-        raise DeepseekConfigError("config.json rope_interleave=false is not supported "
-                                  "(Megatron-Core 0.16.1's MLA rope always de-interleaves)")
     if cfg.get("scoring_func", "sigmoid") != "sigmoid":
         raise DeepseekConfigError(f"config.json scoring_func={cfg['scoring_func']!r} is not "
-                                  "supported for DeepseekV3ForCausalLM (only sigmoid)")
+                                  f"supported for {arch} (only sigmoid)")
     if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
         raise DeepseekConfigError(f"config.json topk_method={cfg['topk_method']!r} is not "
                                   "supported (only noaux_tc)")
@@ -121,17 +116,7 @@ def config_fields(cfg: dict, use_te: bool) -> dict:
                                   f"num_hidden_layers={layers}")
     shared = int(cfg.get("n_shared_experts") or 0)
     moe_ffn = int(_need(cfg, "moe_intermediate_size"))
-    heads = int(_need(cfg, "num_attention_heads"))
-    out = dict(
-        multi_latent_attention=True,
-        num_query_groups=heads,
-        q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
-        kv_lora_rank=int(_need(cfg, "kv_lora_rank")),
-        qk_head_dim=int(_need(cfg, "qk_nope_head_dim")),
-        qk_pos_emb_head_dim=int(_need(cfg, "qk_rope_head_dim")),
-        v_head_dim=int(_need(cfg, "v_head_dim")),
-        kv_channels=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]),
-        qk_layernorm=True,  # q_a_layernorm / kv_a_layernorm
+    return dict(
         num_moe_experts=experts,
         moe_router_topk=topk,
         moe_ffn_hidden_size=moe_ffn,
@@ -145,9 +130,35 @@ def config_fields(cfg: dict, use_te: bool) -> dict:
         moe_router_topk_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
         moe_router_dtype="fp32",
         moe_grouped_gemm=use_te,
+    )
+
+
+def config_fields(cfg: dict, use_te: bool) -> dict:
+    """MLATransformerConfig fields that DeepSeek-V3 sets on top of the dense defaults.
+
+    Args:
+        cfg: parsed config.json.
+        use_te: the TE spec is used (grouped-GEMM experts).
+    Returns:
+        dict of fields; raises DeepseekConfigError (one line) for what cannot be expressed.
+    """
+    if cfg.get("rope_interleave") is False:
+        raise DeepseekConfigError("config.json rope_interleave=false is not supported "
+                                  "(Megatron-Core 0.16.1's MLA rope always de-interleaves)")
+    heads = int(_need(cfg, "num_attention_heads"))
+    return dict(
+        multi_latent_attention=True,
+        num_query_groups=heads,
+        q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+        kv_lora_rank=int(_need(cfg, "kv_lora_rank")),
+        qk_head_dim=int(_need(cfg, "qk_nope_head_dim")),
+        qk_pos_emb_head_dim=int(_need(cfg, "qk_rope_head_dim")),
+        v_head_dim=int(_need(cfg, "v_head_dim")),
+        kv_channels=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]),
+        qk_layernorm=True,  # q_a_layernorm / kv_a_layernorm
+        **sigmoid_moe_fields(cfg, use_te),
         **rope_fields(cfg),
     )
-    return out
 
 
 CONFIG_CLASS = MLATransformerConfig
@@ -155,7 +166,9 @@ CONFIG_CLASS = MLATransformerConfig
 
 def block_spec(config, use_te: bool, vp_stage: int | None,
                patch_local) -> TransformerBlockSubmodules:
-    """This stage's layer specs: dense layers first, MoE layers after.
+    """This stage's layer specs: dense layers first, MoE layers after (`config.moe_layer_freq`);
+    multi-latent attention when `config.multi_latent_attention`, else the standard attention
+    with q/k norms when `config.qk_layernorm` (GLM-4.5).
 
     Args:
         config: the MLATransformerConfig.
@@ -166,17 +179,19 @@ def block_spec(config, use_te: bool, vp_stage: int | None,
     Returns:
         TransformerBlockSubmodules for the layers this stage builds.
     """
+    mla = bool(config.multi_latent_attention)
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
         dense, moe = (get_gpt_layer_with_transformer_engine_spec(
-            num_experts=n, moe_grouped_gemm=bool(n), qk_layernorm=True,
-            multi_latent_attention=True) for n in (None, config.num_moe_experts))
+            num_experts=n, moe_grouped_gemm=bool(n), qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=mla) for n in (None, config.num_moe_experts))
         norm = TENorm
     else:
         dense, moe = (patch_local(get_gpt_layer_local_spec(
-            num_experts=n, moe_grouped_gemm=False, qk_layernorm=True, multi_latent_attention=True,
-            normalization="RMSNorm"), config) for n in (None, config.num_moe_experts))
+            num_experts=n, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=mla, normalization="RMSNorm"), config)
+            for n in (None, config.num_moe_experts))
         norm = dense.submodules.input_layernorm
     pattern = [moe if f else dense for f in config.moe_layer_freq]
     start = get_transformer_layer_offset(config, vp_stage=vp_stage)

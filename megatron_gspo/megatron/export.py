@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.convert import get_adapter
-from megatron_gspo.convert.base import ConversionError, to_hf_tensors
+from megatron_gspo.convert.base import SLICE_KINDS, ConversionError, ExpertSlices, to_hf_tensors
 from megatron_gspo.convert.sharding import expert_index, rename_indices, tp_unshard
 from megatron_gspo.megatron.checkpoint_io import (
     ParamEntry,
@@ -64,16 +64,21 @@ def _full_tensors(entry: ParamEntry, num_local_experts: int) -> list[tuple[str, 
 def _stage_tensors(
     entries: list[ParamEntry], maps, dims, dtype, num_local_experts: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    slices = ExpertSlices()  # gpt-oss: one HF tensor holds every expert of a layer
     for entry in entries:
         for canonical, full in _full_tensors(entry, num_local_experts):
             pm = maps[canonical]
             for name, t in zip(pm.hf, to_hf_tensors(pm, full, dims), strict=True):
+                if pm.kind in SLICE_KINDS:
+                    t = slices.add(pm, name, t)
+                    if t is False:
+                        continue
                 yield name, (t if dtype is None else t.to(dtype))
 
 
 def _stage_meta(entries, maps, dims, dtype, num_local_experts, ep_size) -> list:
     """(name, shape, dtype) of every HF tensor a stage yields, in yield order (no data)."""
-    out = []
+    out, slices = [], ExpertSlices()
     for entry in entries:
         names = [entry.canonical]
         if entry.pm.expert and ep_size > 1:
@@ -85,6 +90,8 @@ def _stage_meta(entries, maps, dims, dtype, num_local_experts, ep_size) -> list:
         for c in names:
             pm = maps[c]
             for name, shape in zip(pm.hf, pm.shapes, strict=True):
+                if pm.kind in SLICE_KINDS and not slices.add(pm, name, None):
+                    continue
                 out.append((name, tuple(shape), dtype or entry.param.dtype))
     return out
 

@@ -35,9 +35,10 @@ class PackedDotProductAttention(DotProductAttention):
     Default: segments of equal length are stacked into `[n_l, l]` batches that attend causally
     within themselves: cost sum(l^2) instead of t^2 for a row of t positions, and a sequence's
     numbers do not depend on what else is packed in its row (pipeline padding, neighbours).
-    A sliding window (Gemma 3's local layers) narrows each segment's causal mask. Fallback, when
-    attention dropout is active or a softmax offset or an attention bias is configured:
-    Megatron-Core's attention over the whole row with a block-diagonal causal mask.
+    A sliding window (Gemma 3's and gpt-oss's local layers) narrows each segment's causal mask;
+    a softmax offset (gpt-oss's attention sinks) joins each softmax row as one more logit.
+    Fallback, when attention dropout is active or an attention bias is given: Megatron-Core's
+    attention over the whole row with a block-diagonal causal mask.
     """
 
     def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None,
@@ -57,7 +58,7 @@ class PackedDotProductAttention(DotProductAttention):
             raise ValueError(f"packed qkv_format {packed_seq_params.qkv_format!r} unsupported")
         cu = packed_seq_params.cu_seqlens_q
         dropout = self.attention_dropout.p if self.training else 0.0
-        if dropout == 0.0 and self.softmax_offset is None and attention_bias is None:
+        if dropout == 0.0 and attention_bias is None:
             # (sliding windows too: Megatron-Core's torch softmax replaces the given mask by the
             # window mask, which would let packed sequences see each other)
             return self._segment_attention(query, key, value, _segment_plan(cu, query.device),
@@ -105,7 +106,12 @@ class PackedDotProductAttention(DotProductAttention):
             if self.config.apply_query_key_layer_scaling:
                 scores = scores * self.layer_number
             scores = scores.masked_fill(~causal, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [n, np, l, l]
+            if self.softmax_offset is not None:  # attention sinks (gpt-oss): one more logit
+                sink = self.softmax_offset.to(scores.dtype).view(1, heads, 1, 1)
+                scores = torch.cat([scores, sink.expand(n, heads, length, 1)], dim=-1)
+                probs = torch.softmax(scores, dim=-1)[..., :-1].to(v.dtype)  # [n, np, l, l]
+            else:
+                probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [n, np, l, l]
             context = torch.matmul(probs, v)  # [n, np, l, hv]
             outs.append(context.transpose(1, 2).reshape(n * length, heads * vdim))
         context = torch.cat(outs) if len(outs) > 1 else outs[0]  # [t, np*hv], bucket order

@@ -59,7 +59,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_gspo.megatron import deepseek_v3, gemma3
+from megatron_gspo.megatron import deepseek_v3, gemma3, glm4_moe, gpt_oss
 from megatron_gspo.megatron.fallbacks import bind_missing_te_names
 from megatron_gspo.megatron.local_layers import PackedDotProductAttention, SequenceParallelRMSNorm
 
@@ -72,9 +72,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     deepseek_v3.ARCHITECTURE,
     gemma3.ARCHITECTURE,
+    glm4_moe.ARCHITECTURE,
+    gpt_oss.ARCHITECTURE,
 )
 # families whose config fields and layer specs live in a module of their own
-_FAMILIES = {m.ARCHITECTURE: m for m in (deepseek_v3, gemma3)}
+_FAMILIES = {m.ARCHITECTURE: m for m in (deepseek_v3, gemma3, glm4_moe, gpt_oss)}
 
 
 def _resolve_te(hf_config: dict, use_te: bool | None) -> bool:
@@ -188,8 +190,10 @@ def build_model_config(
     act = hf_config.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"config.json hidden_act={act!r} unsupported (only silu/SwiGLU)")
-    if hf_config.get("attention_bias") and arch != "Qwen2ForCausalLM":
-        raise ModelConfigError("config.json attention_bias=true is only supported for Qwen2")
+    if hf_config.get("attention_bias") and arch not in (
+            "Qwen2ForCausalLM", glm4_moe.ARCHITECTURE, gpt_oss.ARCHITECTURE):
+        raise ModelConfigError("config.json attention_bias=true is only supported for Qwen2, "
+                               "GLM-4.5 MoE and gpt-oss")
     if hf_config.get("mlp_bias"):
         raise ModelConfigError("config.json mlp_bias=true is not supported")
     if hf_config.get("use_sliding_window"):

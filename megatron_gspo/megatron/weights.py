@@ -70,7 +70,8 @@ def canonical_name(name: str) -> str:
 
 
 def _is_gated_fc1(name: str, config) -> bool:
-    return config.gated_linear_unit and ("linear_fc1.weight" in name)
+    # (the bias of a gated fc1, gpt-oss's experts, is [gate; up] too)
+    return config.gated_linear_unit and ("linear_fc1.weight" in name or "linear_fc1.bias" in name)
 
 
 def shard_tensor(full: torch.Tensor, param, name: str, config) -> torch.Tensor:

@@ -74,7 +74,10 @@ def run(hf_dir: str, refs_path: str, work: str, layouts: list[str], tag: str) ->
     adapter = get_adapter(cfg)
     dims = adapter.dims(cfg)
     moe = dims.num_experts > 0
-    bucket = dims.vocab_size * dims.hidden_size * 4
+    import math
+
+    # the largest HF tensor (embedding rows, or gpt-oss's [E, ...] expert tensors) -> several
+    bucket = 4 * max(math.prod(s) for pm in adapter.param_maps(dims) for s in pm.shapes)
     out: dict = {}
     try:
         for name in layouts:

@@ -77,9 +77,68 @@ GEMMA3 = {
     "tie_word_embeddings": True,
 }
 
+# zai-org/GLM-4.5 config.json (real values in the comments)
+GLM4_MOE = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "vocab_size": 160,  # 151552
+    "hidden_size": 64,  # 5120
+    "intermediate_size": 96,  # 12288 (dense layers)
+    "moe_intermediate_size": 16,  # 1536
+    "num_hidden_layers": 4,  # 92
+    "first_k_dense_replace": 1,  # 3
+    "num_attention_heads": 4,  # 96
+    "num_key_value_heads": 2,  # 8
+    "head_dim": 16,  # 128
+    "partial_rotary_factor": 0.5,  # 0.5
+    "attention_bias": True,  # true (q/k/v; o_proj has none)
+    "use_qk_norm": True,  # true (false in GLM-4.5-Air)
+    "n_routed_experts": 8,  # 160
+    "n_shared_experts": 1,  # 1
+    "num_experts_per_tok": 4,  # 8
+    "n_group": 1,  # 1
+    "topk_group": 1,  # 1
+    "routed_scaling_factor": 2.5,  # 2.5
+    "norm_topk_prob": True,  # true
+    "rope_theta": 1000000.0,  # 1e6
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+
+# openai/gpt-oss-20b config.json (real values in the comments), bf16-dequantized layout
+GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "vocab_size": 160,  # 201088
+    "hidden_size": 64,  # 2880
+    "intermediate_size": 16,  # 2880 (per expert)
+    "num_hidden_layers": 4,  # 24
+    "num_attention_heads": 4,  # 64
+    "num_key_value_heads": 2,  # 8
+    "head_dim": 16,  # 64
+    "num_local_experts": 8,  # 32
+    "num_experts_per_tok": 2,  # 4
+    "sliding_window": 5,  # 128
+    "layer_types": ["sliding_attention", "full_attention"] * 2,  # alternating, as released
+    "rope_theta": 150000.0,  # 150000
+    "rope_scaling": {  # as released
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096, "truncate": False,
+    },
+    "max_position_embeddings": 131072,
+    "swiglu_limit": 0.1,  # 7.0 (small here so that the clamp acts on tiny activations)
+    "attention_bias": True,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
 FAMILIES = {
     "DeepseekV3ForCausalLM": (transformers.DeepseekV3Config, DEEPSEEK_V3),
     "Gemma3ForCausalLM": (transformers.Gemma3TextConfig, GEMMA3),
+    "Glm4MoeForCausalLM": (transformers.Glm4MoeConfig, GLM4_MOE),
+    "GptOssForCausalLM": (transformers.GptOssConfig, GPT_OSS),
 }
 
 
