@@ -35,7 +35,10 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.layers import (
+    RowParallelLinear,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -139,6 +142,17 @@ def gpt_model_kwargs(cfg: dict) -> dict:
     return dict(rotary_base=theta)
 
 
+class CopyOutRowParallelLinear(RowParallelLinear):
+    """The experts' fc2 of the local spec, returning a fresh output tensor: Megatron-Core
+    0.16.1's MLP adds an expert's bias in place (`output += output_bias * per_token_scale`) to
+    what RowParallelLinear returns, which with an expert-TP group of one is a view made by a
+    custom autograd Function, and autograd refuses the in-place add in training."""
+
+    def forward(self, input_):
+        out, bias = super().forward(input_)
+        return out.clone(), bias
+
+
 def block_spec(config, use_te: bool, vp_stage: int | None, patch_local):
     """Every layer is an MoE layer; local or TE spec."""
     if use_te:
@@ -149,6 +163,7 @@ def block_spec(config, use_te: bool, vp_stage: int | None, patch_local):
         spec = patch_local(get_gpt_layer_local_spec(
             num_experts=config.num_moe_experts, moe_grouped_gemm=False,
             normalization="RMSNorm"), config)
+        spec.submodules.mlp.submodules.experts.submodules.linear_fc2 = CopyOutRowParallelLinear
         norm = spec.submodules.input_layernorm
     n_local = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * n_local, layer_norm=norm)

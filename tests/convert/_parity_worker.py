@@ -26,12 +26,14 @@ from tests.convert._convert_worker import (  # noqa: E402
 )
 
 
-def _layout(name: str, moe: bool):
+def _layout(name: str, moe: bool, expert_bias: bool):
     from megatron_gspo.megatron.parallel import ParallelLayout
 
     return {
         "single": ParallelLayout(),
-        "tp2": ParallelLayout(tensor=2, sequence_parallel=moe),
+        # (experts with biases, gpt-oss: Megatron-Core needs expert-TP 1)
+        "tp2": ParallelLayout(tensor=2, sequence_parallel=moe,
+                              expert_tensor=1 if expert_bias else None),
         "pp2": ParallelLayout(pipeline=2),
         "ep2": ParallelLayout(expert=2, expert_tensor=1),
     }[name]
@@ -83,7 +85,7 @@ def run(hf_dir: str, refs_path: str, work: str, layouts: list[str], tag: str) ->
         for name in layouts:
             if name == "ep2" and not moe:
                 continue
-            layout = _layout(name, moe)
+            layout = _layout(name, moe, cfg.get("architectures") == ["GptOssForCausalLM"])
             initialize(layout, hf_config=cfg)
             build = partial(cio.build_rank_models, cfg, perform_initialization=False,
                             sequence_parallel=layout.sequence_parallel)
