@@ -24,11 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_gspo.convert import fused_experts as fx
+from megatron_gspo.convert.fused_experts import SLICE_KINDS
 from megatron_gspo.convert.te_names import from_te_name, to_te_name  # noqa: F401 (re-exported)
 
-# slices of one HF tensor holding every expert ([E, ...], gpt-oss): `ParamMap.index` is the
-# expert; "fused_fc1*" are [E, H, 2F] / [E, 2F] with gate / up interleaved, "fused_fc2" [E, F, H]
-SLICE_KINDS = ("fused_fc1", "fused_fc1_bias", "fused_fc2", "slice")
 GLU_KINDS = ("glu", "fused_fc1", "fused_fc1_bias")  # [gate; up] in Megatron: split per half
 KINDS = ("copy", "qkv", "qkv_bias", "glu", "vocab", *SLICE_KINDS)
 
@@ -175,12 +174,7 @@ def to_mcore_tensor(
     if pm.kind in ("qkv", "qkv_bias"):
         return _qkv_to_mcore(*tensors, dims)
     if pm.kind in SLICE_KINDS:
-        t = tensors[0][pm.index]
-        if pm.kind == "fused_fc1":  # [H, 2F] interleaved columns -> [gate; up] rows [2F, H]
-            t = t.t()
-        if pm.kind in ("fused_fc1", "fused_fc1_bias"):
-            return torch.cat([t[0::2], t[1::2]], dim=0).contiguous()
-        return (t.t() if pm.kind == "fused_fc2" else t).contiguous()
+        return fx.slice_to_mcore(pm.kind, tensors[0][pm.index])
     if pm.kind == "glu":
         gate, up = tensors
         if gate.shape != up.shape:
@@ -203,10 +197,7 @@ def to_hf_tensors(pm: ParamMap, full: torch.Tensor, dims: ModelDims) -> list[tor
     if pm.kind in ("qkv", "qkv_bias"):
         return _qkv_to_hf(full, dims)
     if pm.kind in SLICE_KINDS:  # this expert's piece, in the HF layout (`ExpertSlices` stacks)
-        if pm.kind in ("fused_fc1", "fused_fc1_bias"):
-            gate, up = torch.chunk(full, 2, dim=0)
-            full = torch.stack([gate, up], dim=1).reshape(full.shape)  # re-interleave rows
-        return [(full.t() if pm.kind in ("fused_fc1", "fused_fc2") else full).contiguous()]
+        return [fx.slice_to_hf(pm.kind, full)]
     if pm.kind == "glu":
         if full.shape[0] % 2:
             raise ConversionError(f"{pm.mcore} has an odd number of rows {full.shape[0]}")
@@ -214,27 +205,6 @@ def to_hf_tensors(pm: ParamMap, full: torch.Tensor, dims: ModelDims) -> list[tor
     if pm.kind == "vocab":
         return [full[: dims.vocab_size].contiguous()]
     return [full]
-
-
-class ExpertSlices:
-    """Collects the per-expert pieces of [E, ...] HF tensors (SLICE_KINDS) and hands each tensor
-    out, stacked in expert order, once its last piece arrived."""
-
-    def __init__(self) -> None:
-        self.parts: dict[str, dict[int, torch.Tensor]] = {}
-
-    def add(self, pm: ParamMap, name: str, piece: torch.Tensor | None) -> torch.Tensor | bool:
-        """Add expert `pm.index`'s piece of `name` (None: count it only, for shape metadata).
-
-        Returns:
-            the stacked tensor when complete (True when counting), else False.
-        """
-        got = self.parts.setdefault(name, {})
-        got[pm.index] = piece
-        if len(got) < pm.shapes[0][0]:
-            return False
-        del self.parts[name]
-        return True if piece is None else torch.stack([got[e] for e in sorted(got)])
 
 
 # ---------------------------------------------------------------- adapter
@@ -389,7 +359,7 @@ class StateDictAdapter:
 
         Raises ConversionError naming the first missing Megatron-Core tensor.
         """
-        out, slices = {}, ExpertSlices()
+        out, slices = {}, fx.ExpertSlices()
         for pm in self.param_maps(dims):
             name = self.spell(pm.mcore, dims, spec)
             if name not in mcore_sd:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.convert import get_adapter
-from megatron_gspo.convert.base import SLICE_KINDS, ConversionError, ExpertSlices, to_hf_tensors
+from megatron_gspo.convert.base import ConversionError, to_hf_tensors
+from megatron_gspo.convert.fused_experts import SLICE_KINDS, ExpertSlices
 from megatron_gspo.convert.sharding import expert_index, rename_indices, tp_unshard
 from megatron_gspo.megatron.checkpoint_io import (
     ParamEntry,
