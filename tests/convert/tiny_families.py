@@ -142,6 +142,14 @@ FAMILIES = {
 }
 
 
+def fast_first(arch: str):
+    """pytest parameter for `arch`: DeepSeek-V3 (MLA + MoE, the most pieces) in the default
+    tier, the other families in the slow tier (each takes 10-40 s on 2 busy cores)."""
+    import pytest
+
+    return arch if arch == "DeepseekV3ForCausalLM" else pytest.param(arch, marks=pytest.mark.slow)
+
+
 def _perturb(model: torch.nn.Module) -> None:
     """Norm weights and biases away from their init, routers sharp enough that routing matters
     (group choice, expert bias), expert biases spread so they change some choices."""

@@ -121,8 +121,29 @@ def case_train(arch: str, outdir: Path, chk: Checker, info: dict):
         chk.failures.append(f"only {info['moved']} of {len(before)} tensors moved in 3 steps")
     if max(info["engine_vs_learner_lp"]) > LP_TOL:
         chk.failures.append(f"engine vs learner log-probs: {info['engine_vs_learner_lp']}")
+    _kl_reference(cfg, samples, after, chk, info)
     if moe:
         _replay(cfg, samples, L.full_state_dict(), chk, info)
+
+
+def _kl_reference(cfg, samples, full, chk: Checker, info: dict):
+    """A frozen KL reference loaded from the same full weights (expert bias and sinks included)
+    gives the policy's log-probs, and a KL-in-the-loss step over it trains."""
+    from megatron_gspo.megatron.learner import BatchSettings, Learner
+    from megatron_gspo.megatron.step import LossSettings
+
+    K = Learner(cfg, seed=5, reference=True, batching=BatchSettings(num_microbatches=2),
+                loss=LossSettings(kind="gspo", eps_low=3e-4, eps_high=4e-4, kl_coef=0.05,
+                                  kl_estimator="k3"))
+    K.load_full_state_dict(full)
+    K.load_reference(full)
+    lps, ref = K.forward_logprobs(samples), K.forward_logprobs(samples, reference=True)
+    info["kl_ref_max_diff"] = max(abs(a - b) for x, y in zip(lps, ref, strict=True)
+                                  for a, b in zip(x, y, strict=True))
+    m = K.train_step(samples, [s.rollout_logprobs for s in samples], ref)
+    info["kl_step"] = {k: m[k] for k in ("loss", "kl_loss", "grad_norm")}
+    if info["kl_ref_max_diff"] != 0.0 or not m["grad_norm"] > 0:
+        chk.failures.append(f"KL reference: {info['kl_ref_max_diff']} {info['kl_step']}")
 
 
 def _replay(cfg, samples, full, chk: Checker, info: dict):
