@@ -170,8 +170,15 @@ def block_spec(config, use_te: bool, vp_stage: int | None, patch_local):
 
 
 def post_build(model, cfg: dict) -> None:
-    """Mark the sinks (`softmax_offset`, one per local head) as split over TP on dim 0, so the
-    learner's sharding, gradient norm and checkpoints treat them as tensor-parallel."""
+    """Parameter attributes Megatron-Core 0.16.1 leaves wrong for gpt-oss:
+    - the sinks (`softmax_offset`, one per local head) are split over TP on dim 0: marked so
+      the learner's sharding, gradient norm and checkpoints treat them as tensor-parallel;
+    - the experts' fc2 biases (RowParallelLinear biases) are marked `sequence_parallel` under
+      SP, so their gradients were summed over the TP group, whose ranks hold other experts
+      under EP (measured: expert e's bias gradient added to expert e + E/2's). Unmarked: each
+      expert's gradient is complete on the rank that holds it."""
     for name, p in model.named_parameters():
         if name.endswith("core_attention.softmax_offset"):
             set_tensor_model_parallel_attributes(p, True, 0, 1)
+        if ".experts." in name and ".linear_fc2.bias" in name:
+            p.sequence_parallel = False

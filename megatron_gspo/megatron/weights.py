@@ -28,14 +28,16 @@ _EXPERT = re.compile(r"(local_experts\.)(\d+)(\.)")
 _GROUPED = re.compile(r"(experts\.linear_fc[12]\.weight)(\d+)$")
 
 
-def _is_expert(param) -> bool:
-    return not getattr(param, "allreduce", True)
+def _is_expert(param, name: str = "") -> bool:
+    # routed-expert weights: by name too (with EP = 1 Megatron marks them allreduce=True, yet
+    # they split over the expert-TP group, e.g. gpt-oss under TP2 with expert_tensor=1)
+    return ".experts." in name or not getattr(param, "allreduce", True)
 
 
-def _groups(param):
+def _groups(param, name: str = ""):
     from megatron.core import parallel_state as ps
 
-    if _is_expert(param):
+    if _is_expert(param, name):
         return ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size(), \
             ps.get_expert_tensor_parallel_rank()
     return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(), \
@@ -78,7 +80,7 @@ def shard_tensor(full: torch.Tensor, param, name: str, config) -> torch.Tensor:
     """This rank's shard of `full` for `param` (a local model parameter)."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    _, size, rank = _groups(param)
+    _, size, rank = _groups(param, name)
     dim = param.partition_dim
     if _is_gated_fc1(name, config):
         gate, up = torch.chunk(full, 2, dim=dim)
@@ -91,7 +93,7 @@ def unshard_tensor(local: torch.Tensor, param, name: str, config) -> torch.Tenso
     """All-gather a TP (or expert-TP) sharded tensor back to its full shape."""
     if not getattr(param, "tensor_model_parallel", False):
         return local
-    group, size, _ = _groups(param)
+    group, size, _ = _groups(param, name)
     if size == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(size)]
@@ -175,7 +177,7 @@ def gather_full(chunks: list, tied: bool, *, grads: bool = False) -> dict[str, t
             if t is None:
                 t = p.grad if p.grad is not None else torch.zeros_like(p)
         full = unshard_tensor(t.detach().float(), p, local, cfg)
-        if _is_expert(p):  # one copy per expert-TP group and expert-DP group
+        if _is_expert(p, local):  # one copy per expert-TP group and expert-DP group
             keep = (ps.get_expert_tensor_parallel_rank() == 0
                     and ps.get_expert_data_parallel_rank() == 0)
         else:  # one copy per TP group and DP x CP group

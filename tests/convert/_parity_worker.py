@@ -32,7 +32,7 @@ def _layout(name: str, moe: bool, expert_bias: bool):
     return {
         "single": ParallelLayout(),
         # (experts with biases, gpt-oss: Megatron-Core needs expert-TP 1)
-        "tp2": ParallelLayout(tensor=2, sequence_parallel=moe,
+        "tp2": ParallelLayout(tensor=2, sequence_parallel=moe, expert=2 if expert_bias else 1,
                               expert_tensor=1 if expert_bias else None),
         "pp2": ParallelLayout(pipeline=2),
         "ep2": ParallelLayout(expert=2, expert_tensor=1),

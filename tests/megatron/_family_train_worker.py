@@ -177,17 +177,83 @@ def _replay(cfg, samples, full, chk: Checker, info: dict):
         chk.failures.append(f"r3 tokens without record: {m['moe/tokens_without_routing_record']}")
 
 
+def _grads_run(arch, outdir, layout):
+    """Loss and full gradients of one forward-backward from the HF weights (fixed samples)."""
+    import random
+
+    from megatron_gspo.data.sample import Sample
+    from megatron_gspo.megatron import cpu
+    from megatron_gspo.megatron.learner import BatchSettings, Learner
+    from megatron_gspo.megatron.optimizer import OptimSettings
+    from megatron_gspo.megatron.step import LossSettings
+
+    cpu.enable()
+    hf_dir = outdir / "hf"
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    rng = random.Random(0)
+    samples = []
+    for i in range(6):
+        p = [rng.randrange(2, 150) for _ in range(3 + i % 3)]
+        r = [rng.randrange(2, 150) for _ in range(4 + i % 4)]
+        samples.append(Sample(prompt_ids=p, response_ids=r, loss_mask=[1] * len(r), index=i,
+                              advantage=rng.uniform(-1, 1)))
+    L = Learner(cfg, layout=layout, optim=OptimSettings(lr=1e-3), seed=11,
+                loss=LossSettings(kind="gspo", eps_low=3e-4, eps_high=4e-4),
+                batching=BatchSettings(num_microbatches=2))
+    _load_hf(L, hf_dir)
+    old = [[x + 0.01 for x in lp] for lp in L.forward_logprobs(samples)]
+    m = L.forward_backward(samples, old)
+    return m, L.full_grads()
+
+
+def case_ref(arch: str, outdir: Path, chk: Checker, info: dict):
+    from tests.convert.tiny_families import make_family_model
+
+    make_family_model(arch, outdir / "hf")
+    m, g = _grads_run(arch, outdir, None)
+    info["loss"] = m["loss"]
+    torch.save({"loss": m["loss"], "grads": g}, outdir / "ref_grads.pt")
+
+
+def case_par(arch: str, outdir: Path, chk: Checker, info: dict):
+    """TP2 (+SP for MoE), PP2 and EP2 give the single process's loss and gradients (1e-5)."""
+    from megatron_gspo.convert.base import num_routed_experts
+    from megatron_gspo.megatron.parallel import ParallelLayout as PL
+
+    ref = torch.load(outdir / "ref_grads.pt")
+    cfg = json.loads((outdir / "hf" / "config.json").read_text())
+    moe = num_routed_experts(cfg) > 0
+    oss = arch == "GptOssForCausalLM"  # expert biases: expert-TP 1, hence EP 2 with TP 2
+    layouts = {"tp2": PL(tensor=2, sequence_parallel=moe, expert=2 if oss else 1,
+                         expert_tensor=1 if oss else None),
+               "pp2": PL(pipeline=2)}
+    if moe:
+        layouts["ep2"] = PL(expert=2, expert_tensor=1)
+    if arch == "DeepseekV3ForCausalLM":  # MLA under TP: refused for training (one line)
+        try:
+            _grads_run(arch, outdir, layouts.pop("tp2"))
+            chk.failures.append("DeepSeek-V3 training under TP2 was not refused")
+        except ValueError as e:
+            info["tp2_refused"] = str(e)
+    for tag, layout in layouts.items():
+        m, g = _grads_run(arch, outdir, layout)
+        chk.close(f"{tag}.loss", m["loss"], ref["loss"], rtol=1e-5, atol=1e-8)
+        chk.dicts(f"{tag}.grad", g, ref["grads"], rtol=1e-5, atol=1e-8)
+        info[tag] = float(m["loss"])
+
+
 def main():
     case, outdir = sys.argv[1], Path(sys.argv[2])
     torch.manual_seed(0)
     chk, info = Checker(), {}
     try:
         kind, arch = case.split("-", 1)
-        {"train": case_train}[kind](arch, outdir, chk, info)
+        {"train": case_train, "ref": case_ref, "par": case_par}[kind](arch, outdir, chk, info)
     except Exception:
         chk.failures.append("exception:\n" + traceback.format_exc())
-    (outdir / f"{case}.rank0.json").write_text(json.dumps({"failures": chk.failures,
-                                                           "info": info}))
+    rank = int(os.environ.get("RANK", "0"))
+    (outdir / f"{case}.rank{rank}.json").write_text(json.dumps({"failures": chk.failures,
+                                                                "info": info}))
     os._exit(0 if not any(f.startswith("exception") for f in chk.failures) else 1)
 
 

@@ -45,7 +45,10 @@ def test_quantized_checkpoints_and_expert_tp_are_refused():
                                          "quantization_config": {"quant_method": "mxfp4"}})
     with pytest.raises(ParallelLayoutError, match="expert_tensor=1"):
         check_layout(ParallelLayout(tensor=2, sequence_parallel=True), 2, dict(GPT_OSS))
-    check_layout(ParallelLayout(tensor=2, sequence_parallel=True, expert_tensor=1), 2,
+    with pytest.raises(ParallelLayoutError, match="needs parallel.expert > 1"):
+        check_layout(ParallelLayout(tensor=2, sequence_parallel=True, expert_tensor=1), 2,
+                     dict(GPT_OSS))
+    check_layout(ParallelLayout(tensor=2, sequence_parallel=True, expert=2, expert_tensor=1), 2,
                  dict(GPT_OSS))
 
 
