@@ -59,7 +59,7 @@ def test_packed_attention_window_keeps_segments_apart():
     from megatron_gspo.megatron.local_layers import PackedDotProductAttention, _segment_plan
 
     class Stub:
-        softmax_scale, layer_number = 0.5, 1
+        softmax_scale, layer_number, softmax_offset = 0.5, 1, None
         config = type("C", (), {"attention_softmax_in_fp32": True,
                                 "apply_query_key_layer_scaling": False})()
 
