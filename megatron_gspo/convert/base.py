@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("copy", "qkv", "qkv_bias", "glu", "vocab")
+from megatron_gspo.convert import fused_experts as fx
+from megatron_gspo.convert.fused_experts import SLICE_KINDS
+from megatron_gspo.convert.te_names import from_te_name, to_te_name  # noqa: F401 (re-exported)
+
+GLU_KINDS = ("glu", "fused_fc1", "fused_fc1_bias")  # [gate; up] in Megatron: split per half
+KINDS = ("copy", "qkv", "qkv_bias", "glu", "vocab", *SLICE_KINDS)
 
 
 class ConversionError(ValueError):
@@ -57,6 +62,13 @@ def _req(cfg: Mapping, key: str):
     return cfg[key]
 
 
+def num_routed_experts(cfg: Mapping) -> int:
+    """Routed experts per MoE layer of an HF config (0 = dense): ``num_experts`` (Qwen3-MoE),
+    ``num_local_experts`` (transformers 5, gpt-oss) or ``n_routed_experts`` (DeepSeek, GLM)."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts")
+               or cfg.get("n_routed_experts") or 0)
+
+
 def dims_from_hf_config(cfg: Mapping) -> ModelDims:
     """Read layout-relevant sizes from a Hugging Face config dict.
 
@@ -73,7 +85,7 @@ def dims_from_hf_config(cfg: Mapping) -> ModelDims:
         raise ConversionError(
             f"config.json: num_attention_heads={heads} not divisible by num_key_value_heads={kv}"
         )
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    experts = num_routed_experts(cfg)
     return ModelDims(
         num_layers=int(_req(cfg, "num_hidden_layers")),
         hidden_size=hidden,
@@ -113,6 +125,7 @@ class ParamMap:
     tp_dim: int | None = None
     expert: bool = False
     shapes: tuple[tuple[int, ...], ...] = ()
+    index: int | None = None  # expert index into an [E, ...] HF tensor (SLICE_KINDS)
 
 
 # ---------------------------------------------------------------- layout transforms
@@ -160,6 +173,8 @@ def to_mcore_tensor(
             )
     if pm.kind in ("qkv", "qkv_bias"):
         return _qkv_to_mcore(*tensors, dims)
+    if pm.kind in SLICE_KINDS:
+        return fx.slice_to_mcore(pm.kind, tensors[0][pm.index])
     if pm.kind == "glu":
         gate, up = tensors
         if gate.shape != up.shape:
@@ -181,6 +196,8 @@ def to_hf_tensors(pm: ParamMap, full: torch.Tensor, dims: ModelDims) -> list[tor
     """Split a full Megatron-Core tensor back into its HF tensors (same order as ``pm.hf``)."""
     if pm.kind in ("qkv", "qkv_bias"):
         return _qkv_to_hf(full, dims)
+    if pm.kind in SLICE_KINDS:  # this expert's piece, in the HF layout (`ExpertSlices` stacks)
+        return [fx.slice_to_hf(pm.kind, full)]
     if pm.kind == "glu":
         if full.shape[0] % 2:
             raise ConversionError(f"{pm.mcore} has an odd number of rows {full.shape[0]}")
@@ -188,41 +205,6 @@ def to_hf_tensors(pm: ParamMap, full: torch.Tensor, dims: ModelDims) -> list[tor
     if pm.kind == "vocab":
         return [full[: dims.vocab_size].contiguous()]
     return [full]
-
-
-# ---------------------------------------------------------------- TE spec spelling
-
-_TE_RULES = [
-    (r"\.input_layernorm\.(weight|bias)$", r".self_attention.linear_qkv.layer_norm_\1"),
-    (r"(layers\.\d+)\.pre_mlp_layernorm\.(weight|bias)$", r"\1.mlp.linear_fc1.layer_norm_\2"),
-    (r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$", r".experts.\2.\3\1"),
-]
-_TE_BACK = [
-    (r"\.self_attention\.linear_qkv\.layer_norm_(weight|bias)$", r".input_layernorm.\1"),
-    (r"\.mlp\.linear_fc1\.layer_norm_(weight|bias)$", r".pre_mlp_layernorm.\1"),
-    (r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$", r".experts.local_experts.\3.\1.\2"),
-]
-
-
-def to_te_name(name: str, moe: bool) -> str:
-    """Canonical (local spec) name -> Transformer Engine spec name.
-
-    Args:
-        name: canonical name.
-        moe: True when the layer is an MoE layer (its pre-MLP norm stays a separate module).
-    """
-    for pat, rep in _TE_RULES:
-        if moe and "pre_mlp_layernorm" in pat:
-            continue
-        name = re.sub(pat, rep, name)
-    return name
-
-
-def from_te_name(name: str) -> str:
-    """Transformer Engine spec name -> canonical (local spec) name."""
-    for pat, rep in _TE_BACK:
-        name = re.sub(pat, rep, name)
-    return name
 
 
 # ---------------------------------------------------------------- adapter
@@ -377,12 +359,18 @@ class StateDictAdapter:
 
         Raises ConversionError naming the first missing Megatron-Core tensor.
         """
-        out = {}
+        out, slices = {}, fx.ExpertSlices()
         for pm in self.param_maps(dims):
             name = self.spell(pm.mcore, dims, spec)
             if name not in mcore_sd:
                 raise ConversionError(f"Megatron state dict is missing tensor '{name}'")
-            out.update(zip(pm.hf, to_hf_tensors(pm, mcore_sd[name], dims), strict=True))
+            pieces = to_hf_tensors(pm, mcore_sd[name], dims)
+            if pm.kind in SLICE_KINDS:
+                full = slices.add(pm, pm.hf[0], pieces[0])
+                if full is not False:
+                    out[pm.hf[0]] = full
+                continue
+            out.update(zip(pm.hf, pieces, strict=True))
         return out
 
     def spell(self, canonical: str, dims: ModelDims, spec: str) -> str:
@@ -393,6 +381,11 @@ class StateDictAdapter:
             raise ConversionError(f"unknown layer spec '{spec}' (expected 'local' or 'te')")
         mo = re.match(r"decoder\.layers\.(\d+)\.", canonical)
         return to_te_name(canonical, moe=bool(mo) and self.is_moe_layer(int(mo.group(1)), dims))
+
+    def bucket_group(self, hf_name: str, dims: ModelDims) -> tuple[str, int] | None:
+        """(key, size) of the group of HF tensors `hf_name` must share a weight-sync bucket
+        with (the engine's loader fuses them only when they arrive together); None: no group."""
+        return None
 
     def maps_by_mcore(self, dims: ModelDims) -> dict[str, ParamMap]:
         """Canonical Megatron-Core name -> ParamMap."""

@@ -126,7 +126,9 @@ def model_fields(cfg: Mapping) -> dict:
     if experts:
         out.update(
             num_experts_per_tok=cfg.get("num_experts_per_tok"),
-            moe_intermediate_size=cfg.get("moe_intermediate_size"),
+            # (gpt-oss: its experts' width is intermediate_size; it has no dense layers)
+            moe_intermediate_size=cfg.get("moe_intermediate_size") or (
+                cfg.get("intermediate_size") if arch == "GptOssForCausalLM" else None),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),

@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from megatron_gspo.convert.base import ConversionError, StateDictAdapter
+from megatron_gspo.convert.deepseek_v3 import DeepseekV3Adapter
+from megatron_gspo.convert.gemma3 import Gemma3Adapter
+from megatron_gspo.convert.glm4_moe import Glm4MoeAdapter
+from megatron_gspo.convert.gpt_oss import GptOssAdapter
 from megatron_gspo.convert.llama import LlamaAdapter
 from megatron_gspo.convert.qwen2 import Qwen2Adapter
 from megatron_gspo.convert.qwen3 import Qwen3Adapter
@@ -15,6 +19,10 @@ _ADAPTERS: tuple[type[StateDictAdapter], ...] = (
     Qwen2Adapter,
     Qwen3Adapter,
     Qwen3MoeAdapter,
+    DeepseekV3Adapter,
+    Gemma3Adapter,
+    Glm4MoeAdapter,
+    GptOssAdapter,
 )
 
 

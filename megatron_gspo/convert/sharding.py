@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from megatron_gspo.convert.base import ConversionError, ParamMap
+from megatron_gspo.convert.base import GLU_KINDS, ConversionError, ParamMap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
@@ -35,11 +35,11 @@ def tp_shard(full: torch.Tensor, pm: ParamMap, rank: int, size: int) -> torch.Te
     if pm.tp_dim is None or size == 1:
         return full
     dim = pm.tp_dim
-    if full.shape[dim] % (2 * size if pm.kind == "glu" else size):
+    if full.shape[dim] % (2 * size if pm.kind in GLU_KINDS else size):
         raise ConversionError(
             f"{pm.mcore}: dim {dim} of size {full.shape[dim]} does not split over {size} TP ranks"
         )
-    if pm.kind == "glu":
+    if pm.kind in GLU_KINDS:
         gate, up = torch.chunk(full, 2, dim=dim)
         return torch.cat([gate.chunk(size, dim)[rank], up.chunk(size, dim)[rank]], dim=dim)
     return full.chunk(size, dim)[rank].contiguous()
@@ -50,7 +50,7 @@ def tp_unshard(shards: list[torch.Tensor], pm: ParamMap) -> torch.Tensor:
     if pm.tp_dim is None or len(shards) == 1:
         return shards[0]
     dim = pm.tp_dim
-    if pm.kind == "glu":
+    if pm.kind in GLU_KINDS:
         halves = [torch.chunk(s, 2, dim=dim) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
     return torch.cat(shards, dim=dim)

@@ -101,8 +101,10 @@ def check_model(path: str | None, hf_config: dict) -> None:
 
 
 def is_moe(hf_config: dict) -> bool:
-    """The model has routed experts (Qwen3-MoE style `num_experts` / `num_local_experts`)."""
-    return bool(hf_config.get("num_experts") or hf_config.get("num_local_experts"))
+    """The model has routed experts (`num_experts` / `num_local_experts` / `n_routed_experts`)."""
+    from megatron_gspo.convert.base import num_routed_experts
+
+    return bool(num_routed_experts(hf_config))
 
 
 def _check_reference(path: str, hf_config: dict) -> None:

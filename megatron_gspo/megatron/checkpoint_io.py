@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,7 +46,8 @@ def normalize_hf_config(cfg: Mapping) -> dict:
     (transformers >= 5 writes Qwen3-MoE configs that way)."""
     out = dict(cfg)
     if out.get("num_experts") is None and out.get("num_local_experts") is not None:
-        out["num_experts"] = out["num_local_experts"]
+        out["num_experts"] = out["num_local_experts"]  # (DeepSeek's n_routed_experts is read
+        # by `convert.base.num_routed_experts` where it matters)
     return out
 
 
@@ -95,7 +96,10 @@ def model_param_entries(
             if experts is not None:
                 num_local_experts[i] = experts.num_local_experts
     out = []
-    for local, p in model.named_parameters():
+    named = list(model.named_parameters())
+    # persistent buffers that are weights of the HF checkpoint (the router's expert bias)
+    named += [(n, b) for n, b in model.named_buffers() if n.endswith(_BUFFER_WEIGHTS)]
+    for local, p in named:
         if local.endswith((".lora_a", ".lora_b")):
             continue  # LoRA factors (megatron.lora): exported merged into their weight
         name = from_te_name(local)
@@ -110,8 +114,26 @@ def model_param_entries(
             continue
         if name not in maps:
             raise ConversionError(f"model parameter '{local}' ({name}) has no Hugging Face mapping")
-        out.append(ParamEntry(local, name, p, maps[name]))
+        out.append(ParamEntry(local, name, p, _spec_map(model, local, maps[name])))
     return out
+
+
+_BUFFER_WEIGHTS = (".router.expert_bias",)
+
+
+def _spec_map(model: torch.nn.Module, local: str, pm: ParamMap) -> ParamMap:
+    """`pm`, replicated (tp_dim None) when its module is not tensor-parallel in this spec:
+    MLA's down projections are column-parallel in the local spec, `TELinear` (duplicated)
+    in the Transformer Engine spec."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if pm.tp_dim is None or "." not in local:
+        return pm
+    owner = model.get_submodule(local.rsplit(".", 1)[0])
+    if local.endswith(("linear_q_down_proj.weight", "linear_kv_down_proj.weight")) and \
+            not isinstance(owner, (ColumnParallelLinear, RowParallelLinear)):
+        return replace(pm, tp_dim=None)
+    return pm
 
 
 def _tp_rank_size(pm: ParamMap) -> tuple[int, int]:
@@ -160,10 +182,18 @@ def load_hf_weights(
 
         entries = tqdm(entries, desc="hf-to-mcore", unit=" params")
     n = 0
+    last: dict[str, torch.Tensor] = {}  # [E, ...] tensors that every expert slices (gpt-oss)
+
+    def get(name: str) -> torch.Tensor:
+        if name not in last:
+            last.clear()
+            last[name] = reader.get(name)
+        return last[name]
+
     for entry in entries:
         pm = entry.pm or emb_map
         padded = entry.param.shape[0] * (_tp_rank_size(pm)[1] if pm.kind == "vocab" else 1)
-        full = to_mcore_tensor(pm, [reader.get(h) for h in pm.hf], dims, padded)
+        full = to_mcore_tensor(pm, [get(h) for h in pm.hf], dims, padded)
         rank, size = _tp_rank_size(pm)
         _check_partition(entry, pm, size)
         shard = tp_shard(full, pm, rank, size)

@@ -92,6 +92,12 @@ class _CudaToCpuMode(TorchFunctionMode):
         if name is not None:
             _trace(name)
             return args[0]
+        if func is torch.device and len(args) == 1 and not kwargs and _is_cuda_device(args[0]) \
+                and not isinstance(args[0], (str, torch.device)):
+            # `torch.device(torch.cuda.current_device())` (MLA's yarn rotary embedding): a bare
+            # index means an accelerator, which torch refuses to build without one
+            _trace(f"torch.device({args[0]!r})")
+            return torch.device("cpu")
         if func is torch.Tensor.record_stream:
             _trace("record_stream")
             return None

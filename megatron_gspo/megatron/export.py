@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_gspo.convert import get_adapter
 from megatron_gspo.convert.base import ConversionError, to_hf_tensors
+from megatron_gspo.convert.fused_experts import SLICE_KINDS, ExpertSlices
 from megatron_gspo.convert.sharding import expert_index, rename_indices, tp_unshard
 from megatron_gspo.megatron.checkpoint_io import (
     ParamEntry,
@@ -65,16 +66,21 @@ def _full_tensors(entry: ParamEntry, num_local_experts: int) -> list[tuple[str, 
 def _stage_tensors(
     entries: list[ParamEntry], maps, dims, dtype, num_local_experts: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    slices = ExpertSlices()  # gpt-oss: one HF tensor holds every expert of a layer
     for entry in entries:
         for canonical, full in _full_tensors(entry, num_local_experts):
             pm = maps[canonical]
             for name, t in zip(pm.hf, to_hf_tensors(pm, full, dims), strict=True):
+                if pm.kind in SLICE_KINDS:
+                    t = slices.add(pm, name, t)
+                    if t is False:
+                        continue
                 yield name, (t if dtype is None else t.to(dtype))
 
 
 def _stage_meta(entries, maps, dims, dtype, num_local_experts, ep_size) -> list:
     """(name, shape, dtype) of every HF tensor a stage yields, in yield order (no data)."""
-    out = []
+    out, slices = [], ExpertSlices()
     for entry in entries:
         names = [entry.canonical]
         if entry.pm.expert and ep_size > 1:
@@ -86,6 +92,8 @@ def _stage_meta(entries, maps, dims, dtype, num_local_experts, ep_size) -> list:
         for c in names:
             pm = maps[c]
             for name, shape in zip(pm.hf, pm.shapes, strict=True):
+                if pm.kind in SLICE_KINDS and not slices.add(pm, name, None):
+                    continue
                 out.append((name, tuple(shape), dtype or entry.param.dtype))
     return out
 
@@ -157,32 +165,53 @@ def export_hf_weights(
                     dist.broadcast(t, src=ranks[stage], group=group)
                     yield name, t
 
-    yield from bucketize(stream(), bucket_bytes)
+    yield from bucketize(stream(), bucket_bytes,
+                         together=lambda name: adapter.bucket_group(name, dims))
+
+
+def _units(named, together):
+    """The stream as units: one (name, tensor) each, except names `together` groups (key,
+    size), which are held until the group is complete and travel as one unit."""
+    pending: dict = {}
+    for name, t in named:
+        group = together(name) if together is not None else None
+        if group is None:
+            yield ((name, t),)
+            continue
+        key, size = group
+        pending.setdefault(key, []).append((name, t))
+        if len(pending[key]) == size:
+            yield tuple(pending.pop(key))
+    for unit in pending.values():  # incomplete groups (a stage-local stream)
+        yield tuple(unit)
 
 
 def bucketize(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, together=None
 ) -> Iterator[Bucket]:
     """Group a stream of (name, tensor) into buckets of at most `bucket_bytes`, in order; a
-    tensor larger than the bound travels alone in a bucket of its own.
+    tensor (or group) larger than the bound travels alone in a bucket of its own.
 
     Args:
         named: the stream (consumed lazily: one bucket's tensors are held at a time).
         bucket_bytes: the bound (> 0).
+        together: name -> (group key, group size) or None: tensors of one group always share
+            a bucket (SGLang's DeepSeek loader fuses `q_a_proj` and `kv_a_proj_with_mqa` only
+            when both arrive in one weight update).
     Yields:
         lists of (name, tensor).
     """
     held: list[Bucket] = [[]]  # the generator keeps no reference to a yielded bucket
     size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
+    for unit in _units(named, together):
+        nbytes = sum(t.numel() * t.element_size() for _, t in unit)
         if held[0] and size + nbytes > bucket_bytes:
             yield held.pop()
             held.append([])
             size = 0
-        held[0].append((name, t))
+        held[0].extend(unit)
         size += nbytes
-        del t
+        del unit
         if size >= bucket_bytes:
             yield held.pop()
             held.append([])

@@ -37,12 +37,21 @@ def bind_missing_te_names() -> None:
     megatron-core 0.16.1's `transformer/moe/moe_utils.py` binds `te_general_gemm` only inside
     its TE import, and the MoE router's gating GEMM reads it on every call (`is not None`
     selects the torch path): without TE, on any device, the first MoE forward raised NameError.
+    Its `transformer/multi_latent_attention.py` sets `HAVE_TE = True` whenever
+    `megatron.core.extensions.transformer_engine` imports, which it does without TE (binding
+    `TELinear` to a MagicMock attribute): every MLA layer then raised TypeError in
+    `isinstance(self.linear_proj, TELinear)`. Without TE installed, `HAVE_TE` is set False there.
     Idempotent; run by `megatron_gspo.megatron.model` at import, before any model is built.
     """
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
 
 
 def _attr(module: str, name: str, default=None):

@@ -24,6 +24,7 @@ from megatron_gspo.data.sample import Sample
 from megatron_gspo.megatron import lora as lora_
 from megatron_gspo.megatron import parallel, router_replay, step
 from megatron_gspo.megatron.learner_state import LearnerState
+from megatron_gspo.megatron import deepseek_v3
 from megatron_gspo.megatron.model import build_gpt_model, build_model_config
 from megatron_gspo.megatron.optimizer import (OptimSettings, all_ranks_agree, build_optimizer,
                                               current_lr, grads_finite, wrap_ddp)
@@ -84,6 +85,7 @@ class Learner(LearnerState):
         self.batching = batching or BatchSettings()
         self.params_dtype = params_dtype
         self.tied = bool(hf_config.get("tie_word_embeddings", False))
+        deepseek_v3.check_training_layout(hf_config, self.layout.tensor)
         self.dp_size = parallel.initialize(self.layout, seed=seed, hf_config=hf_config)
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")

@@ -35,10 +35,19 @@ class PackedDotProductAttention(DotProductAttention):
     Default: segments of equal length are stacked into `[n_l, l]` batches that attend causally
     within themselves: cost sum(l^2) instead of t^2 for a row of t positions, and a sequence's
     numbers do not depend on what else is packed in its row (pipeline padding, neighbours).
-    Fallback, when attention dropout is active or a softmax offset, a sliding window or an
-    attention bias is configured: Megatron-Core's attention over the whole row with a
-    block-diagonal causal mask.
+    A sliding window (Gemma 3's and gpt-oss's local layers) narrows each segment's causal mask;
+    a softmax offset (gpt-oss's attention sinks) joins each softmax row as one more logit.
+    Fallback, when attention dropout is active or an attention bias is given: Megatron-Core's
+    attention over the whole row with a block-diagonal causal mask.
     """
+
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None,
+                 **kwargs):
+        # multi-latent attention passes its query/key and value head dims (Megatron-Core's local
+        # attention takes neither): the context is heads * v_channels wide
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **kwargs):
@@ -49,35 +58,45 @@ class PackedDotProductAttention(DotProductAttention):
             raise ValueError(f"packed qkv_format {packed_seq_params.qkv_format!r} unsupported")
         cu = packed_seq_params.cu_seqlens_q
         dropout = self.attention_dropout.p if self.training else 0.0
-        if (dropout == 0.0 and self.softmax_offset is None and attention_bias is None
-                and self.scale_mask_softmax.window_size is None):
-            return self._segment_attention(query, key, value, _segment_plan(cu, query.device))
+        if dropout == 0.0 and attention_bias is None:
+            # (sliding windows too: Megatron-Core's torch softmax replaces the given mask by the
+            # window mask, which would let packed sequences see each other)
+            return self._segment_attention(query, key, value, _segment_plan(cu, query.device),
+                                           self.scale_mask_softmax.window_size)
         # [t, np, hn] -> [t, 1, np, hn] (sq, b, np, hn)
         q, k, v = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         mask = _cached_block_causal_mask(cu, q.shape[0], q.device)
         return super().forward(q, k, v, mask, attn_mask_type=attn_mask_type,
                                attention_bias=attention_bias, **kwargs)
 
-    def _segment_attention(self, query, key, value, plan) -> torch.Tensor:
+    def _segment_attention(self, query, key, value, plan, window=None) -> torch.Tensor:
         """Causal attention inside each packed segment.
 
         Args:
-            query: [t, np, hn]; key, value: [t, ng, hn] (ng query groups, np % ng == 0).
+            query, key: [t, np | ng, hn]; value: [t, ng, hv] (ng query groups, np % ng == 0;
+                hv may differ from hn, as in multi-latent attention).
             plan: `_segment_plan` output.
+            window: (left, right) sliding window or None: key j is seen from query i when
+                i - left <= j <= i (right must be 0: causal).
         Returns:
-            [t, 1, np * hn] context, like Megatron-Core's DotProductAttention.
+            [t, 1, np * hv] context, like Megatron-Core's DotProductAttention.
         """
         buckets, inverse = plan
         t, heads, dim = query.shape
-        groups = key.shape[1]
+        groups, vdim = key.shape[1], value.shape[-1]
         half = query.dtype in (torch.float16, torch.bfloat16)  # softmax in fp32 for half inputs
         in_fp32 = half and (self.config.attention_softmax_in_fp32
                             or self.config.apply_query_key_layer_scaling)
+        if window is not None and window[1] != 0:
+            raise ValueError(f"packed attention: window {window} is not causal (right != 0)")
         outs = []
         for index, n, length, causal in buckets:
+            if window is not None:
+                pos = torch.arange(length, device=causal.device)
+                causal = causal & (pos[:, None] - pos[None, :] <= window[0])
             q = query[index].view(n, length, heads, dim).transpose(1, 2)  # [n, np, l, hn]
             k = key[index].view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
-            v = value[index].view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
+            v = value[index].view(n, length, groups, vdim).transpose(1, 2)  # [n, ng, l, hv]
             if groups != heads:
                 k = k.repeat_interleave(heads // groups, dim=1)  # [n, np, l, hn]
                 v = v.repeat_interleave(heads // groups, dim=1)
@@ -87,11 +106,16 @@ class PackedDotProductAttention(DotProductAttention):
             if self.config.apply_query_key_layer_scaling:
                 scores = scores * self.layer_number
             scores = scores.masked_fill(~causal, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [n, np, l, l]
-            context = torch.matmul(probs, v)  # [n, np, l, hn]
-            outs.append(context.transpose(1, 2).reshape(n * length, heads * dim))
-        context = torch.cat(outs) if len(outs) > 1 else outs[0]  # [t, np*hn], bucket order
-        return context[inverse].view(t, 1, heads * dim)
+            if self.softmax_offset is not None:  # attention sinks (gpt-oss): one more logit
+                sink = self.softmax_offset.to(scores.dtype).view(1, heads, 1, 1)
+                scores = torch.cat([scores, sink.expand(n, heads, length, 1)], dim=-1)
+                probs = torch.softmax(scores, dim=-1)[..., :-1].to(v.dtype)  # [n, np, l, l]
+            else:
+                probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [n, np, l, l]
+            context = torch.matmul(probs, v)  # [n, np, l, hv]
+            outs.append(context.transpose(1, 2).reshape(n * length, heads * vdim))
+        context = torch.cat(outs) if len(outs) > 1 else outs[0]  # [t, np*hv], bucket order
+        return context[inverse].view(t, 1, heads * vdim)
 
 
 def _segment_plan(cu_seqlens: torch.Tensor, device):

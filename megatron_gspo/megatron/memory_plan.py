@@ -37,6 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_gspo.convert.base import num_routed_experts
+
 GiB = 2**30
 
 
@@ -65,7 +67,7 @@ def dims_from_hf(hf: dict) -> Dims:
                 head_dim=int(hf.get("head_dim") or h // nh),
                 ffn=int(hf.get("intermediate_size") or 0), vocab=int(hf["vocab_size"]),
                 tied=bool(hf.get("tie_word_embeddings", False)),
-                experts=int(hf.get("num_experts") or 0),
+                experts=num_routed_experts(hf),
                 topk=int(hf.get("num_experts_per_tok") or 0),
                 expert_ffn=int(hf.get("moe_intermediate_size") or 0))
 

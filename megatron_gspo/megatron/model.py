@@ -59,6 +59,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_gspo.megatron import deepseek_v3, gemma3, glm4_moe, gpt_oss
 from megatron_gspo.megatron.fallbacks import bind_missing_te_names
 from megatron_gspo.megatron.local_layers import PackedDotProductAttention, SequenceParallelRMSNorm
 
@@ -69,7 +70,22 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    deepseek_v3.ARCHITECTURE,
+    gemma3.ARCHITECTURE,
+    glm4_moe.ARCHITECTURE,
+    gpt_oss.ARCHITECTURE,
 )
+# families whose config fields and layer specs live in a module of their own
+_FAMILIES = {m.ARCHITECTURE: m for m in (deepseek_v3, gemma3, glm4_moe, gpt_oss)}
+
+
+def _resolve_te(hf_config: dict, use_te: bool | None) -> bool:
+    """The spec to build: `use_te`, or (None) TE when importable, except for families that
+    have a local spec only (Gemma 3; forcing TE there is their one-line error)."""
+    if use_te is not None:
+        return use_te
+    family = _FAMILIES.get((hf_config.get("architectures") or [None])[0])
+    return te_available() and not getattr(family, "LOCAL_ONLY", None)
 _MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 VOCAB_PAD_MULTIPLE = 128
 
@@ -163,8 +179,10 @@ def build_model_config(
         TransformerConfig.
     """
     arch = architecture_of(hf_config)
-    _rope_settings(hf_config)  # validate early; used by build_gpt_model
-    use_te = te_available() if use_te is None else use_te
+    family = _FAMILIES.get(arch)
+    if family is None:
+        _rope_settings(hf_config)  # validate early; used by build_gpt_model
+    use_te = _resolve_te(hf_config, use_te)
     hidden = int(_need(hf_config, "hidden_size"))
     heads = int(_need(hf_config, "num_attention_heads"))
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
@@ -172,8 +190,10 @@ def build_model_config(
     act = hf_config.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"config.json hidden_act={act!r} unsupported (only silu/SwiGLU)")
-    if hf_config.get("attention_bias") and arch != "Qwen2ForCausalLM":
-        raise ModelConfigError("config.json attention_bias=true is only supported for Qwen2")
+    if hf_config.get("attention_bias") and arch not in (
+            "Qwen2ForCausalLM", glm4_moe.ARCHITECTURE, gpt_oss.ARCHITECTURE):
+        raise ModelConfigError("config.json attention_bias=true is only supported for Qwen2, "
+                               "GLM-4.5 MoE and gpt-oss")
     if hf_config.get("mlp_bias"):
         raise ModelConfigError("config.json mlp_bias=true is not supported")
     if hf_config.get("use_sliding_window"):
@@ -247,8 +267,18 @@ def build_model_config(
             moe_grouped_gemm=use_te,
             moe_router_dtype="fp32",
         )
+    config_cls = TransformerConfig
+    if family is not None:
+        try:
+            kw.update(family.config_fields(hf_config, use_te))
+        except ValueError as e:
+            raise ModelConfigError(str(e)) from None
+        config_cls = family.CONFIG_CLASS
+        if kw.get("num_moe_experts"):
+            kw.update(moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0
+                      else "none", moe_aux_loss_coeff=moe_aux_loss_coeff)
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    return config_cls(**kw)
 
 
 def _layer_spec(config: TransformerConfig, use_te: bool) -> ModuleSpec:
@@ -260,14 +290,22 @@ def _layer_spec(config: TransformerConfig, use_te: bool) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
         normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return _patch_local(spec, config)
+
+
+def _patch_local(spec: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
+    """Put this package's local modules into a local layer spec: packed-sequence attention,
+    and sequence-parallel-aware RMSNorms (norms of MLA's q / kv latents included)."""
+    attn = spec.submodules.self_attention.submodules
+    attn.core_attention = PackedDotProductAttention
     if config.sequence_parallel:
         sub = spec.submodules
         sub.input_layernorm = SequenceParallelRMSNorm
         sub.pre_mlp_layernorm = SequenceParallelRMSNorm
-        if config.qk_layernorm:  # the torch norm refuses SP even where it sees whole heads
-            sub.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
-            sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+        for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+            # the torch norm refuses SP even where it sees whole heads / latents
+            if config.qk_layernorm and hasattr(attn, name):
+                setattr(attn, name, SequenceParallelRMSNorm)
     return spec
 
 
@@ -297,12 +335,21 @@ def build_gpt_model(
     Returns:
         GPTModel (unwrapped, fp32/bf16 params as configured).
     """
-    use_te = te_available() if use_te is None else use_te
+    use_te = _resolve_te(hf_config, use_te)
     if config is None:
         config = build_model_config(hf_config, use_te=use_te, **config_kwargs)
-    theta, rope_scaling, rope_factor = _rope_settings(hf_config)
-    spec = _layer_spec(config, use_te)
-    if config.sequence_parallel and not use_te:
+    family = _FAMILIES.get(architecture_of(hf_config))
+    rope = {}
+    if family is None:
+        theta, rope_scaling, rope_factor = _rope_settings(hf_config)
+        rope = dict(rotary_base=theta, rope_scaling=rope_scaling, rope_scaling_factor=rope_factor)
+    elif hasattr(family, "gpt_model_kwargs"):
+        rope = family.gpt_model_kwargs(hf_config)  # (MLA layers build their own rope)
+    if family is not None:
+        spec = family.block_spec(config, use_te, vp_stage, _patch_local)
+    else:
+        spec = _layer_spec(config, use_te)
+    if family is None and config.sequence_parallel and not use_te:
         # final layernorm comes from the block spec; route it through the SP-aware norm too.
         from megatron.core.transformer.transformer_block import (
             TransformerBlockSubmodules,
@@ -313,7 +360,7 @@ def build_gpt_model(
         spec = TransformerBlockSubmodules(
             layer_specs=[spec] * n_local, layer_norm=SequenceParallelRMSNorm)
     tied = bool(hf_config.get("tie_word_embeddings", False))
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(int(_need(hf_config, "vocab_size")), vocab_multiple,
@@ -325,11 +372,12 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
-        rotary_base=theta,
-        rope_scaling=rope_scaling,
-        rope_scaling_factor=rope_factor,
         vp_stage=vp_stage,
+        **rope,
     )
+    if hasattr(family, "post_build"):
+        family.post_build(model, hf_config)
+    return model
 
 
 def config_summary(config: TransformerConfig) -> dict:

@@ -130,7 +130,9 @@ def _model_errors(lay: ParallelLayout, hf: dict) -> list[str]:
     if layers % chunks:
         errs.append(f"num_hidden_layers={layers} not divisible by pipeline*virtual_pipeline "
                     f"= {chunks}")
-    experts = hf.get("num_experts")
+    from megatron_gspo.convert.base import num_routed_experts
+
+    experts = num_routed_experts(hf) or None
     if experts is not None and lay.tensor > 1 and not lay.sequence_parallel:
         errs.append("an MoE model with parallel.tensor > 1 needs parallel.sequence_parallel=true "
                     "(Megatron-Core requirement)")
@@ -142,6 +144,13 @@ def _model_errors(lay: ParallelLayout, hf: dict) -> list[str]:
     etp = lay.expert_tensor or lay.tensor
     if experts is not None and moe_ffn and int(moe_ffn) % etp:
         errs.append(f"moe_intermediate_size={moe_ffn} not divisible by expert tensor size {etp}")
+    if experts and etp != lay.tensor and lay.expert == 1:
+        errs.append(f"expert tensor size {etp} != parallel.tensor={lay.tensor} needs "
+                    "parallel.expert > 1 (with EP 1 Megatron-Core 0.16.1 reduces expert "
+                    "gradients as dense ones and misses the other TP ranks' tokens)")
+    if experts and etp > 1 and hf.get("architectures") == ["GptOssForCausalLM"]:
+        errs.append(f"gpt-oss experts have biases, which Megatron-Core 0.16.1 supports only "
+                    f"with expert tensor size 1 (got {etp}): set parallel.expert_tensor=1")
     if lay.context > 1:
         from megatron_gspo.megatron.model import te_available
 

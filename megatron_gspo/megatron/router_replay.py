@@ -39,8 +39,13 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.convert.base import num_routed_experts
 from megatron_gspo.data.batch import MicroBatch, cp_local_index
-from megatron_gspo.megatron.routing_exchange import exchange_rows
+from megatron_gspo.megatron.routing_exchange import (
+    all_layer_rows,
+    exchange_rows,
+    moe_layer_indices,
+)
 
 MODES = ("none", "r2", "r3")
 
@@ -52,7 +57,7 @@ class RoutingReplayError(RuntimeError):
 def with_replay_enabled(hf_config: dict, model_kwargs: dict | None) -> dict:
     """`build_model_config` extras with Megatron's routing replay on for MoE models."""
     out = dict(model_kwargs or {})
-    if hf_config.get("num_experts") or hf_config.get("num_local_experts"):
+    if num_routed_experts(hf_config):
         out.setdefault("moe_enable_routing_replay", True)
     return out
 
@@ -73,7 +78,8 @@ def attach(learner, mode: str) -> RoutingReplay | None:
         num_experts=cfg.num_moe_experts, mode=mode,
         tp_group=ps.get_tensor_model_parallel_group(), cp_group=ps.get_context_parallel_group(),
         dp_group=ps.get_data_parallel_group(with_context_parallel=False),
-        sequence_parallel=cfg.sequence_parallel)
+        sequence_parallel=cfg.sequence_parallel,
+        moe_layers=moe_layer_indices(cfg.moe_layer_freq, cfg.num_layers))
 
 
 def _in_backward() -> bool:
@@ -89,17 +95,20 @@ class RoutingReplay:
         num_layers: decoder layers of the whole model; topk / num_experts: router settings.
         mode: "none" | "r2" | "r3".
         tp_group, cp_group, dp_group: process groups; sequence_parallel: routers see S/tp tokens.
+        moe_layers: global indices of the MoE layers (None: every layer); engine records with
+            one column per MoE layer are spread over the decoder layers.
     """
 
     def __init__(self, chunks, wrapped, *, num_layers: int, topk: int, num_experts: int,
                  mode: str = "none", tp_group=None, cp_group=None, dp_group=None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, moe_layers: list[int] | None = None):
         if mode not in MODES:
             raise ValueError(f"moe.routing_replay: {mode!r} not in {MODES}")
         self.mode, self.num_layers, self.topk, self.num_experts = mode, num_layers, topk, \
             num_experts
         self.tp_group, self.cp_group, self.dp_group = tp_group, cp_group, dp_group
         self.sp = sequence_parallel
+        self.moe_layers = list(range(num_layers)) if moe_layers is None else list(moe_layers)
         self.chunk_of = {id(w): i for i, w in enumerate(wrapped)}
         self.routers = [self._chunk_routers(c, i) for i, c in enumerate(chunks)]  # per chunk
         self.records: dict[int, tuple] = {}  # id(sample) -> (weakref, version, [T, L, k])
@@ -205,7 +214,7 @@ class RoutingReplay:
         if self.mode == "r3":
             r = getattr(s, "routing", None)
             if r is not None:
-                r = torch.as_tensor(r).long()
+                r = all_layer_rows(torch.as_tensor(r).long(), self.moe_layers, self.num_layers)
                 if r.dim() == 3 and tuple(r.shape[1:]) == (self.num_layers, self.topk) and (
                         r.numel() == 0 or (int(r.min()) >= 0 and int(r.max()) < self.num_experts)):
                     return r
@@ -351,7 +360,7 @@ class RoutingReplay:
             if rec is None or rec[0]() is not s:
                 r = getattr(s, "routing", None)
                 if r is not None:
-                    r = torch.as_tensor(r).long()[:lens[si]]
+                    r = all_layer_rows(torch.as_tensor(r).long(), self.moe_layers, L)[:lens[si]]
                     if tuple(r.shape[1:]) == (L, self.topk):
                         eng = torch.full_like(got, -1)
                         eng[:r.shape[0]] = r

@@ -68,3 +68,26 @@ def exchange_rows(rows: dict[int, torch.Tensor], lens: list[int], here: list[int
                 taken.add(si)
             at += n
     return out
+
+
+def moe_layer_indices(moe_layer_freq, num_layers: int) -> list[int]:
+    """Global indices of the MoE layers (Megatron-Core's `moe_layer_freq`: an int N = every N-th
+    layer, or a 0/1 list per layer; DeepSeek-V3's leading dense layers are 0s)."""
+    if isinstance(moe_layer_freq, int):
+        return [i for i in range(num_layers) if i % moe_layer_freq == 0]
+    return [i for i, f in enumerate(moe_layer_freq) if f]
+
+
+def all_layer_rows(rows: torch.Tensor, moe_layers: list[int], num_layers: int) -> torch.Tensor:
+    """An engine's routing record [T, layers, k] spread over all decoder layers.
+
+    Engines report one column per MoE layer (the embedded engine and SGLang skip dense
+    layers); the learner keys replay rows by decoder layer. A record with one column per MoE
+    layer becomes [T, num_layers, k] with -1 (not routed) for dense layers; any other width
+    is returned as is (the caller checks it).
+    """
+    if rows.dim() != 3 or rows.shape[1] == num_layers or rows.shape[1] != len(moe_layers):
+        return rows
+    out = rows.new_full((rows.shape[0], num_layers, rows.shape[2]), -1)
+    out[:, moe_layers] = rows
+    return out

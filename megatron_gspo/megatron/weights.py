@@ -28,14 +28,16 @@ _EXPERT = re.compile(r"(local_experts\.)(\d+)(\.)")
 _GROUPED = re.compile(r"(experts\.linear_fc[12]\.weight)(\d+)$")
 
 
-def _is_expert(param) -> bool:
-    return not getattr(param, "allreduce", True)
+def _is_expert(param, name: str = "") -> bool:
+    # routed-expert weights: by name too (with EP = 1 Megatron marks them allreduce=True, yet
+    # they split over the expert-TP group, e.g. gpt-oss under TP2 with expert_tensor=1)
+    return ".experts." in name or not getattr(param, "allreduce", True)
 
 
-def _groups(param):
+def _groups(param, name: str = ""):
     from megatron.core import parallel_state as ps
 
-    if _is_expert(param):
+    if _is_expert(param, name):
         return ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size(), \
             ps.get_expert_tensor_parallel_rank()
     return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(), \
@@ -52,6 +54,8 @@ def global_name(local_name: str, layer_offset: int, expert_offset: int) -> str:
 
 
 _TE_TO_LOCAL = (
+    (re.compile(r"self_attention\.linear_(q|kv)_up_proj\.layer_norm_weight$"),
+     r"self_attention.\1_layernorm.weight"),  # multi-latent attention's latent norms
     (re.compile(r"self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
     (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
     (re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$"),
@@ -68,8 +72,9 @@ def canonical_name(name: str) -> str:
 
 
 def _is_gated_fc1(name: str, config) -> bool:
-    # a LoRA B factor of a gated fc1 has the weight's rows ([gate_r; up_r] per rank)
-    return config.gated_linear_unit and ("linear_fc1.weight" in name
+    # a LoRA B factor of a gated fc1 has the weight's rows ([gate_r; up_r] per rank); the bias
+    # of a gated fc1 (gpt-oss's experts) is [gate; up] too
+    return config.gated_linear_unit and ("linear_fc1.weight" in name or "linear_fc1.bias" in name
                                          or name.endswith("linear_fc1.lora_b"))
 
 
@@ -77,7 +82,7 @@ def shard_tensor(full: torch.Tensor, param, name: str, config) -> torch.Tensor:
     """This rank's shard of `full` for `param` (a local model parameter)."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    _, size, rank = _groups(param)
+    _, size, rank = _groups(param, name)
     dim = param.partition_dim
     if _is_gated_fc1(name, config):
         gate, up = torch.chunk(full, 2, dim=dim)
@@ -90,7 +95,7 @@ def unshard_tensor(local: torch.Tensor, param, name: str, config) -> torch.Tenso
     """All-gather a TP (or expert-TP) sharded tensor back to its full shape."""
     if not getattr(param, "tensor_model_parallel", False):
         return local
-    group, size, _ = _groups(param)
+    group, size, _ = _groups(param, name)
     if size == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(size)]
@@ -115,10 +120,15 @@ def _offsets(chunk, vp_stage):
     return layer_offset(cfg, vp_stage), eo
 
 
-def _named_params(chunks):
+def _named_params(chunks, buffers: bool = True):
+    """(local name, full name, tensor, config) of every parameter and, with `buffers`, of the
+    buffers that are model weights (the sigmoid router's `expert_bias`, DeepSeek-V3)."""
     for vp, chunk in enumerate(chunks):
         lo, eo = _offsets(chunk, vp if len(chunks) > 1 else None)
-        for name, p in chunk.named_parameters():
+        named = list(chunk.named_parameters())
+        if buffers:
+            named += [(n, b) for n, b in chunk.named_buffers() if n.endswith(".expert_bias")]
+        for name, p in named:
             yield name, canonical_name(global_name(name, lo, eo)), p, chunk.config
 
 
@@ -162,7 +172,7 @@ def gather_full(chunks: list, tied: bool, *, grads: bool = False) -> dict[str, t
     from megatron.core import parallel_state as ps
 
     mine: dict[str, torch.Tensor] = {}
-    for local, gname, p, cfg in _named_params(chunks):
+    for local, gname, p, cfg in _named_params(chunks, buffers=not grads):
         if tied and gname == "output_layer.weight":
             continue
         t = p.detach()
@@ -171,7 +181,7 @@ def gather_full(chunks: list, tied: bool, *, grads: bool = False) -> dict[str, t
             if t is None:
                 t = p.grad if p.grad is not None else torch.zeros_like(p)
         full = unshard_tensor(t.detach().float(), p, local, cfg)
-        if _is_expert(p):  # one copy per expert-TP group and expert-DP group
+        if _is_expert(p, local):  # one copy per expert-TP group and expert-DP group
             keep = (ps.get_expert_tensor_parallel_rank() == 0
                     and ps.get_expert_data_parallel_rank() == 0)
         else:  # one copy per TP group and DP x CP group

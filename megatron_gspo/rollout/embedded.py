@@ -50,7 +50,9 @@ def build_hf_model(
         model: directory path, config dict (with `model_type`), or a ready module.
         dtype: "float32", "bfloat16" or "float16".
         device: torch device string.
-        attn_implementation: transformers attention backend ("sdpa" or "eager").
+        attn_implementation: transformers attention backend ("sdpa" or "eager"); "sdpa" falls
+            back to "eager" for architectures transformers has no SDPA path for (gpt-oss: its
+            attention sinks).
     Returns:
         the model in eval mode.
     """
@@ -72,10 +74,21 @@ def build_hf_model(
         path = os.fspath(model)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"embedded engine model directory not found: {path}")
+        if attn_implementation == "sdpa" and not _supports_sdpa(path):
+            attn_implementation = "eager"
         net = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, attn_implementation=attn_implementation
         )
     return net.to(device=device, dtype=torch_dtype).eval()
+
+
+def _supports_sdpa(path: str) -> bool:
+    """The architecture of the model directory has a transformers SDPA attention path."""
+    import transformers
+
+    archs = transformers.AutoConfig.from_pretrained(path).architectures or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    return bool(getattr(cls, "_supports_sdpa", True))
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

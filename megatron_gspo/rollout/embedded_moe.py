@@ -10,9 +10,10 @@ import re
 import torch
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The top-k router of every MoE layer, in layer order (transformers' `*TopKRouter` modules,
-    whose forward returns (router logits, top-k weights, top-k expert indices))."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    """The top-k router of every MoE layer, in layer order (transformers' `*TopKRouter` /
+    `*TopkRouter` (DeepSeek-V3, GLM-4.5) modules, whose forward returns (router logits, top-k
+    weights, top-k expert indices)); dense layers have none."""
+    return [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
 
 
 class RoutingCapture:

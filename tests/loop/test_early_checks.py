@@ -90,10 +90,11 @@ def test_unsupported_architecture_is_one_line(capsys, tmp_path, random_tiny_mode
     model = tmp_path / "model"
     shutil.copytree(random_tiny_model, model)
     hc = json.loads((model / "config.json").read_text())
-    hc.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
-              n_routed_experts=8, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8)
+    # (gated delta-net attention: no adapter, see docs/model-families.md)
+    hc.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+              num_experts=8, linear_num_value_heads=4, linear_key_head_dim=8)
     (model / "config.json").write_text(json.dumps(hc))
     rc, lines, err = _train(capsys, tmp_path / "run", model)
     assert rc == 2 and len(lines) == 1, err[-2000:]
     assert f"config error: model.path: {model}: config.json architectures=" \
-           "['DeepseekV3ForCausalLM'] is not supported" in lines[0]
+           "['Qwen3NextForCausalLM'] is not supported" in lines[0]
