@@ -221,11 +221,12 @@ class Learner(LearnerState):
         mbs = self._micro_batches(samples, None)
         data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
         with self._forward_only(policy=not reference, reference=reference):
-            fstep = step.logprob_forward_step_factory(self.ctx, temp)
+            fstep = step.logprob_forward_step_factory(self.ctx, temp, with_entropy)
             out = (self._run(fstep, data, True, model) if reference else
                    self._routed_run(fstep, data, True, samples, mbs, training=False))
-        lps, ents = self._per_sample(samples, mbs, out, ("logprobs", "entropy"))
-        return (lps, ents) if with_entropy else lps
+        if not with_entropy:
+            return self._per_sample(samples, mbs, out, ("logprobs",))[0]
+        return tuple(self._per_sample(samples, mbs, out, ("logprobs", "entropy")))
 
     @torch.no_grad()
     def forward_logprobs_with_reference(self, samples: list[Sample], *,
