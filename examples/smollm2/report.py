@@ -39,6 +39,11 @@ def _run_block(name: str, s: dict) -> list[str]:
         f"- mean response length, first -> last step: "
         f"{s['response_length_first_last'][0]:.1f} -> {s['response_length_first_last'][1]:.1f}",
     ]
+    if s.get("reward_per_5_steps"):
+        lines.append(f"- sampled reward, mean per block of 5 steps: {s['reward_per_5_steps']}")
+    if s.get("evals"):
+        lines.append("- held-out eval during the run (after N steps: eval/reward_mean): "
+                     + ", ".join(f"{int(st)}: {v:.3f}" for st, v in s["evals"]))
     if s.get("eval_before") is not None:
         lines.append(f"- held-out eval before (base weights): {_eval_line(s['eval_before'])}")
     lines += [f"- held-out eval after the last step: {_eval_line(s['eval_after'])}", "",

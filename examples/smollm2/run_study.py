@@ -112,6 +112,11 @@ def summarise(rows: list[dict], wall: float, before: dict | None, load: dict | N
                              for p in PHASES},
         "eval_before": before,
         "eval_after": {k2: v for k2, v in rows[-1].items() if k2.startswith("eval/")},
+        # every in-run eval: (steps done, eval/reward_mean); the sampled reward per 5 steps
+        "evals": [(r.get("step", i) + 1, r["eval/reward_mean"]) for i, r in enumerate(rows)
+                  if "eval/reward_mean" in r],
+        "reward_per_5_steps": [round(statistics.mean(r["reward/mean"] for r in rows[i:i + 5]),
+                                     4) for i in range(0, len(rows), 5)],
     }
     return out
 

@@ -40,6 +40,18 @@ def row_fields(item: Any) -> tuple[Any, Any]:
     return item.prompt, getattr(item, "label", None)
 
 
+def _checked_messages(messages: Any) -> list[dict[str, Any]]:
+    """`messages` as a list of {role, content} dicts; ValueError naming the first bad one."""
+    if not isinstance(messages, list):
+        raise ValueError("calculator environment: demonstration must be a list of messages")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise ValueError(f"calculator environment: demonstration message {i} needs a "
+                             "string 'role' and 'content'")
+    return [dict(m) for m in messages]
+
+
 @register_env("calculator")
 class CalculatorEnv(ToolEnvironment):
     """Numeric question answering with a calculator tool.
@@ -53,6 +65,10 @@ class CalculatorEnv(ToolEnvironment):
         rel_tol: relative tolerance of the answer comparison.
         tool_timeout_s, max_tool_output_chars: ToolSet limits.
         python_kwargs: PythonSandbox arguments.
+        demonstration: chat messages shown between the system message and the question, e.g.
+            a worked example (user question, assistant tool call, tool result, assistant
+            answer) for a model too small to follow a written call format; each a dict with
+            a string `role` and `content`.
     """
 
     def __init__(
@@ -67,6 +83,7 @@ class CalculatorEnv(ToolEnvironment):
         tool_timeout_s: float = 10.0,
         max_tool_output_chars: int = 2000,
         python_kwargs: dict[str, Any] | None = None,
+        demonstration: list[dict[str, Any]] | None = None,
     ):
         super().__init__(
             build_toolset(
@@ -79,11 +96,15 @@ class CalculatorEnv(ToolEnvironment):
         self.tool_call_reward = tool_call_reward
         self.tool_error_reward = tool_error_reward
         self.rel_tol = rel_tol
+        self.demonstration = _checked_messages(demonstration or [])
 
     def first_messages(self, sample: Any) -> list[dict[str, Any]]:
         prompt, _ = row_fields(sample)
         msgs = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        if self.system_prompt and not (msgs and msgs[0].get("role") == "system"):
+        has_system = bool(msgs) and msgs[0].get("role") == "system"
+        at = 1 if has_system else 0
+        msgs[at:at] = [dict(m) for m in self.demonstration]
+        if self.system_prompt and not has_system:
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
         return msgs
 

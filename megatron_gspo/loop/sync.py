@@ -137,6 +137,20 @@ def verify_sync(learner, engine, cfg: Config, version: int) -> float:
     return check_sync_probe(version, probes, mine, PROBE_TOLERANCE[cfg.model.dtype])
 
 
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Every element of every (non-empty) tensor finite, from one read of each: the minimum and
+    maximum of a tensor (one `aminmax` reduction) are finite exactly when all its elements are
+    (NaN propagates into both; -inf / +inf are the minimum / maximum when present). No
+    temporary of a tensor's size; one device sync for tensors on one device."""
+    ends = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
+    if not ends:
+        return True
+    try:
+        return bool(torch.isfinite(torch.cat(ends)).all())
+    except RuntimeError:  # tensors on several devices
+        return all(bool(torch.isfinite(e).all()) for e in ends)
+
+
 def _finite(buckets, version: int):
     """The exported buckets, checked on the way: a non-finite weight stops the run naming the
     tensor and the update that made it (every rank sees the same gathered tensors)."""
@@ -144,12 +158,7 @@ def _finite(buckets, version: int):
 
     for bucket in buckets:
         floats = [(name, t) for name, t in bucket if t.is_floating_point()]
-        try:  # one device sync per bucket
-            ok = not floats or bool(torch.stack([torch.isfinite(t).all() for _, t in floats])
-                                    .all())
-        except RuntimeError:  # tensors on several devices
-            ok = all(bool(torch.isfinite(t).all()) for _, t in floats)
-        if not ok:
+        if floats and not _all_finite([t for _, t in floats]):
             name = next(n for n, t in floats if not bool(torch.isfinite(t).all()))
             raise RunError(f"the weights went non-finite ({name}) in the optimizer update "
                            f"of step {version - 1} (weight version {version}); lower "

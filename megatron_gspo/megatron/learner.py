@@ -235,11 +235,12 @@ class Learner(LearnerState):
         off = lora_.adapters_off(self.chunks) if base else contextlib.nullcontext()
         with self._forward_only(policy=not reference or base,
                                 reference=reference and not base), off:
-            fstep = step.logprob_forward_step_factory(self.ctx, temp)
+            fstep = step.logprob_forward_step_factory(self.ctx, temp, with_entropy)
             out = (self._run(fstep, data, True, model) if reference else
                    self._routed_run(fstep, data, True, samples, mbs, training=False))
-        lps, ents = self._per_sample(samples, mbs, out, ("logprobs", "entropy"))
-        return (lps, ents) if with_entropy else lps
+        if not with_entropy:
+            return self._per_sample(samples, mbs, out, ("logprobs",))[0]
+        return tuple(self._per_sample(samples, mbs, out, ("logprobs", "entropy")))
 
     @torch.no_grad()
     def forward_logprobs_with_reference(self, samples: list[Sample], *,

@@ -43,26 +43,76 @@ def _stats_chunk(z, t_local, in_range, group):
     return m, se, tz
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits / T; a new tensor unless the logits are float32 and T is 1 (a view)."""
+    z = logits.float()
+    return z if temperature == 1.0 else z / temperature
+
+
+def _chunk_forward(z, t_local, in_range, vocab_start, vocab_size, group, want_entropy):
+    """(lse [C], target log-prob [C], entropy [C] or None) of one chunk of scaled logits
+    z [C, V_local] (not modified).
+
+    One rank: one fused log-softmax over the real vocabulary columns (padding sliced off),
+    and when asked the entropy from the same log-softmax (one exp and a row-wise dot product).
+    Several ranks: max / sum-exp / target logit reduced over the group, the entropy's
+    sum_v p_v z_v from the same chunk."""
+    if group is None:
+        if vocab_size is not None and z.shape[-1] > vocab_size:
+            z = z[:, :vocab_size]
+        lsm = torch.log_softmax(z, -1)  # [C, V]
+        lp = lsm.gather(-1, t_local[:, None]).squeeze(-1)
+        lse = z.gather(-1, t_local[:, None]).squeeze(-1) - lp
+        ent = None
+        if want_entropy:
+            p = lsm.exp()
+            ent = -torch.bmm(p.unsqueeze(1), lsm.unsqueeze(2)).view(-1)  # -sum p log p
+            bad = ~torch.isfinite(ent)  # -inf logits: 0 * -inf; those rows term by term
+            if bool(bad.any()):
+                pl = torch.where(p[bad] > 0, p[bad] * lsm[bad], torch.zeros((), device=z.device))
+                ent[bad] = -pl.sum(-1)
+        return lse, lp, ent
+    if vocab_size is not None and vocab_start + z.shape[-1] > vocab_size:
+        z = z.clone()  # masked in place below; z may be a view of the logits
+    z = _mask_padded(z, vocab_start, vocab_size)
+    m, se, tz = _stats_chunk(z, t_local, in_range, group)
+    lse = m + se.log()
+    ent = None
+    if want_entropy:
+        p = (z - lse[:, None]).exp()  # [C, V/tp]
+        pz = torch.where(p > 0, p * z, torch.zeros_like(p)).sum(-1)  # [C]
+        dist.all_reduce(pz, group=group)
+        ent = lse - pz
+    return lse, tz - lse, ent
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, temperature, vocab_start, vocab_size, group, chunk):
+    def forward(ctx, logits, targets, temperature, vocab_start, vocab_size, group, chunk,
+                want_entropy):
         n = logits.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         out = torch.empty_like(lse)
+        ent = torch.empty_like(lse) if want_entropy else None
         t_local = (targets - vocab_start).clamp(0, logits.shape[1] - 1)
         in_range = (targets >= vocab_start) & (targets < vocab_start + logits.shape[1])
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            z = _mask_padded(logits[s:e].float() / temperature, vocab_start, vocab_size)
-            m, se, tz = _stats_chunk(z, t_local[s:e], in_range[s:e], group)
-            lse[s:e] = m + se.log()
-            out[s:e] = tz - lse[s:e]
+            c_lse, c_lp, c_ent = _chunk_forward(_scaled(logits[s:e], temperature), t_local[s:e],
+                                                in_range[s:e], vocab_start, vocab_size, group,
+                                                want_entropy)
+            lse[s:e], out[s:e] = c_lse, c_lp
+            if want_entropy:
+                ent[s:e] = c_ent
         ctx.save_for_backward(logits, t_local, in_range, lse)
         ctx.cfg = (temperature, vocab_start, vocab_size, chunk)
-        return out
+        if not want_entropy:
+            return out, None
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_ent=None):
         logits, t_local, in_range, lse = ctx.saved_tensors
         temperature, vocab_start, vocab_size, chunk = ctx.cfg
         grad = torch.empty_like(logits)
@@ -75,7 +125,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             hot = (g[s:e] / temperature) * in_range[s:e].float()
             d.scatter_add_(-1, t_local[s:e, None], hot[:, None])
             grad[s:e] = d.to(grad.dtype)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
@@ -169,24 +219,12 @@ def vocab_parallel_logprobs(
     lead = targets.shape
     z2 = logits.reshape(-1, logits.shape[-1])  # [N, V_local]
     t1 = targets.reshape(-1).long()  # [N]
-    lp = _VocabParallelLogProbs.apply(z2, t1, float(temperature), int(vocab_start), vocab_size,
-                                      group, max(1, int(chunk_size)))
+    lp, ent = _VocabParallelLogProbs.apply(z2, t1, float(temperature), int(vocab_start),
+                                           vocab_size, group, max(1, int(chunk_size)),
+                                           bool(return_entropy))
     lp = lp.reshape(lead)
     if not return_entropy:
         return lp
-    with torch.no_grad():
-        ent = torch.empty(z2.shape[0], dtype=torch.float32, device=z2.device)
-        for s in range(0, z2.shape[0], chunk_size):
-            e = min(s + chunk_size, z2.shape[0])
-            z = _mask_padded(z2[s:e].float() / temperature, vocab_start, vocab_size)
-            m, se, _ = _stats_chunk(z, torch.zeros(e - s, dtype=torch.long, device=z.device),
-                                    torch.zeros(e - s, dtype=torch.bool, device=z.device), group)
-            lse = m + se.log()
-            p = (z - lse[:, None]).exp()
-            pz = torch.where(p > 0, p * z, torch.zeros_like(p)).sum(-1)  # [C]
-            if group is not None:
-                dist.all_reduce(pz, group=group)
-            ent[s:e] = lse - pz
     return lp, ent.reshape(lead)
 
 

@@ -87,16 +87,15 @@ def paired_chunks(policy: list, reference: list) -> list[PairedChunk]:
 
 def paired_logprob_forward_step_factory(ctx: step.ParallelContext, temperature: float):
     """forward_step_func for a forward-only paired pass; each micro-batch's loss-function
-    output holds `logprobs` / `entropy` (policy) and `ref_logprobs` (reference), all [S]."""
+    output holds `logprobs` (policy) and `ref_logprobs` (reference), both [S]."""
 
     def reduce(data, logits):
-        lp, ent = step.token_logprobs_full(logits, data, ctx, temperature, True)
-        return lp, ent  # [S], [S]
+        return step.token_logprobs_full(logits, data, ctx, temperature)[0]  # [S]
 
     def collect(data, output):
-        (lp, ent), (ref_lp, _) = output
+        lp, ref_lp = output
         zero = torch.zeros((), device=lp.device)
-        return zero, {"logprobs": lp, "entropy": ent, "ref_logprobs": ref_lp}
+        return zero, {"logprobs": lp, "ref_logprobs": ref_lp}
 
     def forward_step(data_iterator, model):
         data = next(data_iterator)

@@ -263,14 +263,16 @@ def forward_step_factory(settings: LossSettings, ctx: ParallelContext, *, num_se
     return forward_step
 
 
-def logprob_forward_step_factory(ctx: ParallelContext, temperature: float):
-    """forward_step_func for forward-only passes that collect [S] token log-probs + entropy."""
+def logprob_forward_step_factory(ctx: ParallelContext, temperature: float,
+                                 with_entropy: bool = False):
+    """forward_step_func for forward-only passes that collect [S] token log-probs (and the
+    entropy under `entropy` when `with_entropy`: one more pass over the vocabulary)."""
 
     def collect(data, output):
         with torch.no_grad():
-            lp, ent = token_logprobs_full(output, data, ctx, temperature, True)
+            lp, ent = token_logprobs_full(output, data, ctx, temperature, with_entropy)
         zero = torch.zeros((), device=lp.device)
-        return zero, {"logprobs": lp, "entropy": ent}
+        return zero, {"logprobs": lp} | ({"entropy": ent} if with_entropy else {})
 
     def forward_step(data_iterator, model):
         data = next(data_iterator)

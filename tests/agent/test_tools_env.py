@@ -94,3 +94,24 @@ def test_registry():
         resolve_env("megatron_gspo.agent.envs:Missing")
     with pytest.raises(ValueError, match="already registered"):
         register_env("calculator")(type("Other", (), {}))
+
+
+def test_calculator_demonstration_sits_between_system_and_question():
+    demo = [{"role": "user", "content": "3 boxes of 4 and 2 more?"},
+            {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": '
+             '{"expression": "3*4+2"}}</tool_call>'},
+            {"role": "tool", "content": "14"}, {"role": "assistant", "content": "14"}]
+    env = CalculatorEnv(system_prompt="S", demonstration=demo)
+    msgs = env.first_messages({"prompt": "Q?", "label": "1"})
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant",
+                                         "user"]
+    assert msgs[0]["content"] == "S" and msgs[1:5] == demo and msgs[5]["content"] == "Q?"
+    own = env.first_messages({"prompt": [{"role": "system", "content": "mine"},
+                                         {"role": "user", "content": "Q?"}], "label": "1"})
+    assert [m["content"] for m in own][:2] == ["mine", demo[0]["content"]] and len(own) == 6
+    msgs[1]["content"] = "changed"  # each episode gets its own copies
+    assert env.first_messages({"prompt": "Q?", "label": "1"})[1] == demo[0]
+    assert CalculatorEnv().first_messages({"prompt": "Q?"})[1:] == [
+        {"role": "user", "content": "Q?"}]
+    with pytest.raises(ValueError, match="demonstration message 1 needs"):
+        CalculatorEnv(demonstration=[demo[0], {"role": "tool"}])
