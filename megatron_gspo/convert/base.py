@@ -24,8 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_gspo.convert import fused_experts as fx
-from megatron_gspo.convert.fused_experts import SLICE_KINDS
+from megatron_gspo.convert.fused_experts import (
+    SLICE_KINDS,
+    ExpertSlices,
+    slice_to_hf,
+    slice_to_mcore,
+)
 from megatron_gspo.convert.te_names import from_te_name, to_te_name  # noqa: F401 (re-exported)
 
 GLU_KINDS = ("glu", "fused_fc1", "fused_fc1_bias")  # [gate; up] in Megatron: split per half
@@ -174,7 +178,7 @@ def to_mcore_tensor(
     if pm.kind in ("qkv", "qkv_bias"):
         return _qkv_to_mcore(*tensors, dims)
     if pm.kind in SLICE_KINDS:
-        return fx.slice_to_mcore(pm.kind, tensors[0][pm.index])
+        return slice_to_mcore(pm.kind, tensors[0][pm.index])
     if pm.kind == "glu":
         gate, up = tensors
         if gate.shape != up.shape:
@@ -197,7 +201,7 @@ def to_hf_tensors(pm: ParamMap, full: torch.Tensor, dims: ModelDims) -> list[tor
     if pm.kind in ("qkv", "qkv_bias"):
         return _qkv_to_hf(full, dims)
     if pm.kind in SLICE_KINDS:  # this expert's piece, in the HF layout (`ExpertSlices` stacks)
-        return [fx.slice_to_hf(pm.kind, full)]
+        return [slice_to_hf(pm.kind, full)]
     if pm.kind == "glu":
         if full.shape[0] % 2:
             raise ConversionError(f"{pm.mcore} has an odd number of rows {full.shape[0]}")
@@ -359,7 +363,7 @@ class StateDictAdapter:
 
         Raises ConversionError naming the first missing Megatron-Core tensor.
         """
-        out, slices = {}, fx.ExpertSlices()
+        out, slices = {}, ExpertSlices()
         for pm in self.param_maps(dims):
             name = self.spell(pm.mcore, dims, spec)
             if name not in mcore_sd:

@@ -94,3 +94,18 @@ def perturbed(net, scale: float, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {k: (v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype)).contiguous()
             for k, v in net.state_dict().items()}
+
+
+class RecomputeLearner:
+    """The learner's side of the sync probe (`Learner.forward_logprobs`) by `recompute` on a
+    Hugging Face model; nothing offloaded."""
+
+    def __init__(self, net) -> None:
+        self.net = net
+
+    def offloaded_parts(self) -> list[str]:
+        return []
+
+    def forward_logprobs(self, samples, temperature):
+        return recompute(self.net, [(s.prompt_ids, s.response_ids) for s in samples],
+                         temperature)

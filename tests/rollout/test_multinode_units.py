@@ -8,7 +8,6 @@ from __future__ import annotations
 import socket
 
 import pytest
-import torch
 
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.multinode.servers import (
@@ -97,20 +96,7 @@ def test_sync_probe_covers_every_nodes_servers(engine, tiny_model_dir):
     from megatron_gspo.loop.sync import verify_sync
     from megatron_gspo.rollout.multinode.servers import MultiNodeEngine
     from megatron_gspo.rollout.standin.server import StandinServer
-
-    class Learner:  # the learner's recompute of the probe (`Learner.forward_logprobs`)
-        def offloaded_parts(self):
-            return []
-
-        def forward_logprobs(self, samples, temperature):
-            out = []
-            for s in samples:
-                ids = torch.tensor([s.prompt_ids + s.response_ids])
-                with torch.no_grad():
-                    logits = engine.model(ids).logits[0, len(s.prompt_ids) - 1 : -1]
-                lp = torch.log_softmax(logits.float() / temperature, -1)
-                out.append(lp.gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0].tolist())
-            return out
+    from tests.rollout._sglang_real import RecomputeLearner
 
     class Local:  # node 0's servers (only shut down here)
         def shutdown(self):
@@ -123,7 +109,7 @@ def test_sync_probe_covers_every_nodes_servers(engine, tiny_model_dir):
     eng = MultiNodeEngine(Local(), client)
     cfg = load_config(None, ["model.dtype=float32", "rollout.temperature=0.8"])
     try:
-        assert verify_sync(Learner(), eng, cfg, 0) < 1e-4
+        assert verify_sync(RecomputeLearner(engine.model), eng, cfg, 0) < 1e-4
         assert all(s.stats["generate_calls"] == 1 for s in servers)
     finally:
         eng.shutdown()

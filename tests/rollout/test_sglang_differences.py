@@ -162,34 +162,22 @@ def test_sync_probe_catches_a_sync_that_changed_nothing(engine, tiny_model_dir):
     from megatron_gspo.config import load_config
     from megatron_gspo.loop.sync import verify_sync
     from megatron_gspo.rollout.embedded import EmbeddedEngine
+    from tests.rollout._sglang_real import RecomputeLearner
 
     srv = StandinServer(engine, model_path=tiny_model_dir).start_in_thread()
     eng = SGLangEngine(server_urls=[srv.url], backoff_s=0.01)
     learner_side = EmbeddedEngine(tiny_model_dir)
-
-    class Learner:  # the learner's recompute of the probe (`Learner.forward_logprobs`)
-        def offloaded_parts(self):
-            return []
-
-        def forward_logprobs(self, samples, temperature):
-            out = []
-            for s in samples:
-                ids = torch.tensor([s.prompt_ids + s.response_ids])
-                with torch.no_grad():
-                    logits = learner_side.model(ids).logits[0, len(s.prompt_ids) - 1 : -1]
-                lp = torch.log_softmax(logits.float() / temperature, -1)
-                out.append(lp.gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0].tolist())
-            return out
 
     cfg = load_config(None, ["model.dtype=float32", "rollout.temperature=0.8"])
     new = [(k, v.detach() + 0.1) for k, v in learner_side.model.named_parameters()]
     learner_side.load_buckets([new], 1)
     try:
         eng.update_weights([new], version=1)
-        assert verify_sync(Learner(), eng, cfg, 1) < 1e-4
+        assert verify_sync(RecomputeLearner(learner_side.model), eng, cfg, 1) < 1e-4
 
-        class Offloaded(Learner):  # rollout.offload_learner: weights and grads away after a sync
+        class Offloaded(RecomputeLearner):  # rollout.offload_learner: weights, grads away
             def __init__(self):
+                super().__init__(learner_side.model)
                 self.away, self.calls = ["grads", "weights"], []
 
             def offloaded_parts(self):
@@ -216,7 +204,7 @@ def test_sync_probe_catches_a_sync_that_changed_nothing(engine, tiny_model_dir):
         eng.update_weights([[(f"unknown_{i}", v) for i, (_, v) in enumerate(newer)]],
                           version=2)  # 200, no-op
         with pytest.raises(RolloutError, match="weight sync to version 2 not verified"):
-            verify_sync(Learner(), eng, cfg, 2)
+            verify_sync(RecomputeLearner(learner_side.model), eng, cfg, 2)
     finally:
         eng.shutdown()
         srv.stop_thread()
