@@ -14,9 +14,7 @@ Writes `<case>.rank0.json` = {"failures": [...], "info": {...}}.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -25,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.megatron._workers import Checker  # noqa: E402
+from tests.megatron._workers import Checker, run_case  # noqa: E402
 
 LP_TOL = 1e-4
 
@@ -243,18 +241,9 @@ def case_par(arch: str, outdir: Path, chk: Checker, info: dict):
 
 
 def main():
-    case, outdir = sys.argv[1], Path(sys.argv[2])
-    torch.manual_seed(0)
-    chk, info = Checker(), {}
-    try:
-        kind, arch = case.split("-", 1)
-        {"train": case_train, "ref": case_ref, "par": case_par}[kind](arch, outdir, chk, info)
-    except Exception:
-        chk.failures.append("exception:\n" + traceback.format_exc())
-    rank = int(os.environ.get("RANK", "0"))
-    (outdir / f"{case}.rank{rank}.json").write_text(json.dumps({"failures": chk.failures,
-                                                                "info": info}))
-    os._exit(0 if not any(f.startswith("exception") for f in chk.failures) else 1)
+    kind, arch = sys.argv[1].split("-", 1)
+    case = {"train": case_train, "ref": case_ref, "par": case_par}[kind]
+    run_case({sys.argv[1]: lambda outdir, chk, info: case(arch, outdir, chk, info)})
 
 
 if __name__ == "__main__":

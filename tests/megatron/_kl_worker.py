@@ -15,10 +15,7 @@ Each rank writes `<case>.rank<r>.json` = {"failures": [...], "info": {...}}.
 from __future__ import annotations
 
 import gc
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -27,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.megatron._workers import DENSE, Checker, make_samples, old_logprobs  # noqa: E402
+from tests.megatron._workers import DENSE, Checker, run_case, make_samples, old_logprobs  # noqa: E402
 
 SETTINGS = dict(kind="gspo", eps_low=3e-4, eps_high=4e-4, kl_coef=0.05, kl_estimator="k3",
                 entropy_coef=0.01)
@@ -193,17 +190,7 @@ def case_kl2(outdir: Path, chk: Checker, info: dict):
 
 
 def main():
-    case, outdir = sys.argv[1], Path(sys.argv[2])
-    rank = int(os.environ.get("RANK", "0"))
-    torch.manual_seed(0)
-    chk, info = Checker(), {}
-    try:
-        {"kl1": case_kl1, "kl2": case_kl2}[case](outdir, chk, info)
-    except Exception:
-        chk.failures.append("exception:\n" + traceback.format_exc())
-    (outdir / f"{case}.rank{rank}.json").write_text(json.dumps(
-        {"failures": chk.failures, "info": info}))
-    os._exit(0 if not any(f.startswith("exception") for f in chk.failures) else 1)
+    run_case({"kl1": case_kl1, "kl2": case_kl2})
 
 
 if __name__ == "__main__":

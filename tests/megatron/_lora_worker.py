@@ -20,10 +20,7 @@ Each rank writes `<case>.rank<r>.json` = {"failures": [...], "info": {...}}.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -32,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.megatron._workers import DENSE, MOE, Checker, make_samples, old_logprobs  # noqa: E402
+from tests.megatron._workers import DENSE, MOE, Checker, run_case, make_samples, old_logprobs  # noqa: E402
 
 TARGETS = {"dense": ("qkv", "proj", "fc1", "fc2"), "moe": ("qkv", "proj", "experts")}
 MODELS = {"dense": DENSE, "moe": MOE}
@@ -389,17 +386,7 @@ def case_lora2(outdir: Path, chk: Checker, info: dict):
 
 
 def main():
-    case, outdir = sys.argv[1], Path(sys.argv[2])
-    rank = int(os.environ.get("RANK", "0"))
-    torch.manual_seed(0)
-    chk, info = Checker(), {}
-    try:
-        {"lora1": case_lora1, "lora2": case_lora2}[case](outdir, chk, info)
-    except Exception:
-        chk.failures.append("exception:\n" + traceback.format_exc())
-    (outdir / f"{case}.rank{rank}.json").write_text(json.dumps(
-        {"failures": chk.failures, "info": info}))
-    os._exit(0 if not any(f.startswith("exception") for f in chk.failures) else 1)
+    run_case({"lora1": case_lora1, "lora2": case_lora2})
 
 
 if __name__ == "__main__":

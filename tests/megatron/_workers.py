@@ -402,7 +402,10 @@ def case_gpu(outdir: Path, chk: Checker, info: dict):
     each_model(chk, info, one)
 
 
-def main():
+def run_case(cases: dict) -> None:
+    """A worker's main: run case `argv[1]` (a key of `cases`, called as (outdir, Checker, info))
+    into `argv[2]`, write `<case>.rank<R>.json` = {"failures", "info"}, and exit 1 when it
+    raised (a rank that raised must not leave the others waiting in a collective)."""
     case, outdir = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
@@ -412,13 +415,16 @@ def main():
         faulthandler.dump_traceback_later(float(os.environ["MG_TEST_DUMP_AFTER"]), exit=True)
     chk, info = Checker(), {}
     try:
-        {"ref": case_ref, "par": case_par, "gpu": case_gpu}[case](outdir, chk, info)
+        cases[case](outdir, chk, info)
     except Exception:
         chk.failures.append("exception:\n" + traceback.format_exc())
     (outdir / f"{case}.rank{rank}.json").write_text(json.dumps(
-        {"failures": chk.failures, "info": info}))
-    # a rank that raised must not leave the others waiting in a collective
+        {"failures": chk.failures, "info": info}, default=str))
     os._exit(0 if not any(f.startswith("exception") for f in chk.failures) else 1)
+
+
+def main():
+    run_case({"ref": case_ref, "par": case_par, "gpu": case_gpu})
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ Each rank writes `<case>.rank<r>.json` = {"failures": [...], "info": {...}}.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -28,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.megatron._workers import MOE, Checker, make_samples  # noqa: E402
+from tests.megatron._workers import MOE, Checker, run_case, make_samples  # noqa: E402
 
 MOE_PRE = dict(MOE, norm_topk_prob=False)  # Qwen3-MoE's default: softmax, then top-k
 BASE = ROOT / "examples" / "moe" / "base"
@@ -382,17 +380,7 @@ def case_engine(outdir: Path, chk: Checker, info: dict):
 
 
 def main():
-    case, outdir = sys.argv[1], Path(sys.argv[2])
-    rank = int(os.environ.get("RANK", "0"))
-    torch.manual_seed(0)
-    chk, info = Checker(), {}
-    try:
-        {"one": case_one, "par": case_par, "engine": case_engine}[case](outdir, chk, info)
-    except Exception:
-        chk.failures.append("exception:\n" + traceback.format_exc())
-    (outdir / f"{case}.rank{rank}.json").write_text(json.dumps(
-        {"failures": chk.failures, "info": info}, default=str))
-    os._exit(0 if not any(f.startswith("exception") for f in chk.failures) else 1)
+    run_case({"one": case_one, "par": case_par, "engine": case_engine})
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def test_updates_inside_a_session_where_the_server_has_them(server, engine):
         before = server.stats["weight_updates"]
         eng.update_weights([new], version=1)
         assert server.stats["weight_updates"] > before and eng.weight_version == 1
-        assert eng._session_support == {server.url: server.weight_update_sessions}
+        assert eng._has_update_sessions == {server.url: server.weight_update_sessions}
         assert not server.session_open
         with pytest.raises(RolloutError, match="not sent"):  # fails after the session opened
             eng.update_weights([[("model.embed_tokens.weight", torch.zeros(3, 3))]], version=2)

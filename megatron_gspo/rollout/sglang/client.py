@@ -168,6 +168,8 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
         self._batches = itertools.count()
         self._tasks: set[asyncio.Future] = set()
         self._update_group: Any = None
+        self._open_updates: list[str] = []  # servers with an open weight-update session
+        self._has_update_sessions: dict[str, bool] = {}  # url -> /begin_weight_update exists
         self._group_name = "weight_update_group"
         self._api_key = api_key or (self.spec.api_key if self.spec else None)
         self.context_length = context_length  # replaced by what the servers report at start

@@ -109,6 +109,8 @@ class SGLangWeightSync:
     dist_backend: str
     _version: int
     _update_group: Any
+    _open_updates: list[str]
+    _has_update_sessions: dict[str, bool]
     _group_name: str
     sync_stats: dict[str, float]
     # and the engine's coroutines astart(), _post(url, path, body) and _all(path, body).
@@ -121,7 +123,7 @@ class SGLangWeightSync:
     async def continue_generation(self) -> None:
         """Let generation go on; a weight-update session a failed update left open is closed
         first (best effort: the next update could not open one)."""
-        if getattr(self, "_sessions", None):
+        if self._open_updates:
             try:
                 await self.aend_update_sessions()
             except RolloutError:
@@ -133,7 +135,7 @@ class SGLangWeightSync:
         tensor and distributed updates only between /begin_weight_update and
         /end_weight_update (managers/scheduler_components/weight_updater.py); 0.5.12 has no such
         endpoint (404), remembered per server."""
-        known = self.__dict__.setdefault("_session_support", {})
+        known = self._has_update_sessions
 
         async def begin(u: str) -> str | None:
             if known.get(u) is False:
@@ -148,11 +150,11 @@ class SGLangWeightSync:
             known[u] = True
             return u
 
-        self._sessions = [u for u in await asyncio.gather(*map(begin, self.urls)) if u]
+        self._open_updates = [u for u in await asyncio.gather(*map(begin, self.urls)) if u]
 
     async def aend_update_sessions(self) -> None:
         """Close the sessions `abegin_update_sessions` opened (SGLang finalizes the weights)."""
-        opened, self._sessions = getattr(self, "_sessions", []), []
+        opened, self._open_updates = self._open_updates, []
         await asyncio.gather(*(self._post(u, "/end_weight_update", {}) for u in opened))
 
     async def flush_cache(self) -> None:
