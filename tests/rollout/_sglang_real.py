@@ -54,6 +54,31 @@ def spec(model: str | Path, dtype: str = "float32", api_key: str | None = None,
                       api_key=api_key, extra_args=("--skip-server-warmup", *extra))
 
 
+def wait_idle(url: str, timeout_s: float = 120.0) -> float:
+    """Wait until the real server at `url` runs and queues nothing: its `/flush_cache` answers
+    400 while any request is pending (scheduler.flush_cache in SGLang's managers/scheduler.py)
+    and 200 once idle. Returns the seconds waited; fails the test after `timeout_s`."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    t0 = time.monotonic()
+    last = ""
+    while time.monotonic() - t0 < timeout_s:
+        req = urllib.request.Request(url + "/flush_cache", data=b"", method="POST",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except urllib.error.HTTPError as e:
+            last = f"HTTP {e.code}: {e.read()[:200]!r}"
+        except OSError as e:
+            last = f"{type(e).__name__}: {e}"
+        time.sleep(0.5)
+    pytest.fail(f"{url} still busy after {timeout_s:.0f} s (last /flush_cache: {last})")
+
+
 def train_args() -> list[str]:
     """Config overrides that run the trainer's rollouts on launched real CPU servers."""
     return ["rollout.engine=sglang", f"rollout.sglang_python={python()}",

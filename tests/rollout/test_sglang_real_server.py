@@ -177,10 +177,15 @@ def test_abort_and_timeouts(fp32):
                                                                     ignore_eos=True))])
     finally:
         eng.shutdown()
-    assert fp32.health()  # the timed-out requests were aborted on the server
+    # the aborted and the timed-out requests (aborted by rid on timeout) leave the server idle
+    # well before they could have run their 110 tokens each on a busy machine
+    waited = tier.wait_idle(fp32.urls[0], timeout_s=60.0)
+    print(f"server idle {waited:.1f} s after the timeouts")
+    assert fp32.health()
 
 
 def test_api_key_context_and_vocabulary_failures(fp32):
+    tier.wait_idle(fp32.urls[0])
     async def raw(path, **kw):
         async with aiohttp.ClientSession() as s, s.post(fp32.urls[0] + path, **kw) as r:
             return r.status, await r.text()
@@ -204,6 +209,7 @@ def test_api_key_context_and_vocabulary_failures(fp32):
 
 
 def test_standin_answers_like_the_real_server(fp32, model_dir):
+    tier.wait_idle(fp32.urls[0])  # /flush_cache's answer is compared: nothing may be pending
     from megatron_gspo.rollout.embedded import EmbeddedEngine
     from megatron_gspo.rollout.standin.server import StandinServer
 
