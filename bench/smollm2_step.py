@@ -55,7 +55,11 @@ class Project:
 
         self.cfg = load_config(ROOT / "examples" / "smollm2" / "config.yaml", [
             f"model.path={model_dir}", f"rollout.group_size={args.group}",
-            f"rollout.max_new_tokens={args.new_tokens}", "precision.old_logprobs=recompute"])
+            f"rollout.max_new_tokens={args.new_tokens}", "precision.old_logprobs=recompute",
+            # both sides sample and score at temperature 1 (the learner's log-probs are taken
+            # at the rollout temperature; the config's 0.6 would add a division the plain
+            # side does not do)
+            "rollout.temperature=1.0"])
         self.hf = build.read_hf_config(model_dir)
         self.tok = build.tokenizer(self.cfg)
         self.learner = build.learner(self.cfg, self.hf)

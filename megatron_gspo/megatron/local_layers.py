@@ -89,8 +89,21 @@ class PackedDotProductAttention(DotProductAttention):
                             or self.config.apply_query_key_layer_scaling)
         if window is not None and window[1] != 0:
             raise ValueError(f"packed attention: window {window} is not causal (right != 0)")
+        # fused causal attention (one kernel, no [n, np, l, l] temporaries, no repeated K/V)
+        # where it computes the same softmax: float32, no window, sink or layer scaling
+        fused = (query.dtype == torch.float32 and window is None and self.softmax_offset is None
+                 and not self.config.apply_query_key_layer_scaling)
         outs = []
         for index, n, length, causal in buckets:
+            if fused:
+                q = query[index].view(n, length, heads, dim).transpose(1, 2)  # [n, np, l, hn]
+                k = key[index].view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
+                v = value[index].view(n, length, groups, vdim).transpose(1, 2)  # [n, ng, l, hv]
+                context = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.softmax_scale,
+                    enable_gqa=groups != heads)  # [n, np, l, hv]
+                outs.append(context.transpose(1, 2).reshape(n * length, heads * vdim))
+                continue
             if window is not None:
                 pos = torch.arange(length, device=causal.device)
                 causal = causal & (pos[:, None] - pos[None, :] <= window[0])
