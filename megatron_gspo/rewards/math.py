@@ -16,6 +16,12 @@ first. Comparison, in order:
 The lenient `math` reward, for a response without a box, also accepts the last number of the
 response (rule 1) and lets math-verify extract the answer from the whole response ("the final
 answer is ...", last LaTeX expression); `math_boxed_strict` needs the box.
+
+Neither counts an answer that only restates arithmetic ("8 + 21", "\\boxed{54 + 9}", a
+response ending in such an expression): math-verify evaluates it and would find it equal to
+the label, so a policy could score by echoing the question (seen in training: SmolLM2 on
+addition learned to answer "a + b"). A label that is itself such an expression is compared
+as before.
 """
 
 from __future__ import annotations
@@ -29,6 +35,13 @@ from megatron_gspo.rewards.verifier import default_verifier
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 _FRAC = re.compile(r"^\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
 _TEXT_WRAP = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+# two or more plain numbers joined by + - * x ^ (not /: 3/4 is a value): an expression left
+# unevaluated ("8 + 21"), which math-verify would evaluate and count as the answer
+_NUM = r"-?\d[\d,]*(?:\.\d+)?"
+_OP = r"(?:[-+*^×·]|\\times|\\cdot)"
+_ARITHMETIC = re.compile(rf"{_NUM}(?:{_OP}{_NUM})+")
+_EXPRESSION = re.compile(rf"(?<![\d.,]){_NUM}(?:\s*{_OP}\s*{_NUM})*")
+_SPECIAL_TOKEN = re.compile(r"<\|[^|<>]*\|>|</?s>")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -118,9 +131,25 @@ def answers_match(answer: str, label: Any, rel_tol: float = 1e-6, abs_tol: float
     target = label_answer(label)
     if _rules_match(answer, target, rel_tol, abs_tol):
         return True
+    if is_unevaluated_arithmetic(answer) and not is_unevaluated_arithmetic(target):
+        return False
     if timeout_s is None:
         return False
     return default_verifier().verify(f"\\boxed{{{target}}}", f"\\boxed{{{answer}}}", timeout_s)
+
+
+def is_unevaluated_arithmetic(answer: str) -> bool:
+    """True when `answer` is only plain numbers joined by + - * x ^ ("8 + 21", "2^{10}" is not
+    plain), i.e. arithmetic written out instead of its value."""
+    return _ARITHMETIC.fullmatch(normalize_answer(answer)) is not None
+
+
+def ends_in_unevaluated_arithmetic(text: str) -> bool:
+    """True when the last numeric expression of a response (special tokens removed) is
+    arithmetic it does not evaluate: "... 8 + 21." or "8 + 21, which is the sum", but not
+    "8 + 21 = 29"."""
+    found = _EXPRESSION.findall(_SPECIAL_TOKEN.sub("", text))
+    return bool(found) and is_unevaluated_arithmetic(found[-1])
 
 
 def _rules_match(answer: str, target: str, rel_tol: float, abs_tol: float) -> bool:
@@ -154,6 +183,8 @@ def math_reward(response_text: str, label: Any, sample_metadata: dict | None = N
         return 1.0
     if timeout_s is None or not response_text.strip():
         return 0.0
+    if ends_in_unevaluated_arithmetic(response_text) and not is_unevaluated_arithmetic(target):
+        return 0.0  # math-verify would evaluate the restated question
     return float(default_verifier().verify(f"\\boxed{{{target}}}", response_text, timeout_s))
 
 

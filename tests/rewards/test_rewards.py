@@ -203,3 +203,22 @@ def test_rewards_too_large_for_float32_advantages_are_refused(value):
     big = [1e15, -1e15, 1e15, 0.0]  # the bound itself stays finite through the advantages
     import torch
     assert torch.isfinite(group_advantages(torch.tensor(big), 4)).all()
+
+
+@pytest.mark.parametrize("response,label,reward", [
+    ("8 + 21", 29, 0.0),  # the question restated: math-verify alone evaluates it to 29
+    ("54 + 9<|im_end|>", 63, 0.0),
+    ("The sum 8 + 21 equals the answer", 29, 0.0),
+    (r"\boxed{8+21}", 29, 0.0),
+    (r"\boxed{2 \times 3}", 6, 0.0),
+    ("8 + 21 = 29", 29, 1.0),
+    ("8 + 21 is 29.", 29, 1.0),
+    (r"\boxed{3/4}", 0.75, 1.0),  # a fraction is a value
+    ("2 + 3", "2 + 3", 1.0),  # a label that is an expression compares as before
+])
+def test_math_reward_does_not_count_restated_arithmetic(response, label, reward):
+    from megatron_gspo.rewards.math import math_boxed_strict_reward, math_reward
+
+    assert math_reward(response, label) == reward
+    if response.startswith("\\boxed"):
+        assert math_boxed_strict_reward(response, label) == reward
