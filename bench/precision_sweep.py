@@ -21,6 +21,7 @@ numbers do not come from a longer forward. The lengths are nested (the same resp
 shorter), so neighbouring points are correlated.
 
     python bench/precision_sweep.py [--model DIR] [--data FILE] [--prompts 16] [--group 8]
+        [--longest-prompts]
         [--lengths 4,8,...,512] [--pairs fp32/fp32,bf16/fp32,bf16/bf16,fp16/fp32]
         [--out docs/results/precision-sweep]
 
@@ -46,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatron_gspo.convert.base import num_routed_experts  # noqa: E402
 from megatron_gspo.data.batch import pad_rows  # noqa: E402
 from megatron_gspo.algo.precision import (  # noqa: E402
     ToleranceController,
@@ -150,15 +152,32 @@ def safe_length(points: list[dict], key: str = "auto_gspo") -> int | None:
 
 
 def truncate(samples, length: int) -> list:
-    """Each sample cut to its first `length` response tokens."""
+    """Each sample cut to its first `length` response tokens (an MoE engine's routing record,
+    one row per token it fed to the model, cut to the prompt and the first `length` - 1)."""
     out = []
     for s in samples:
         cut = {"response_ids": s.response_ids[:length], "finish_reason": "length"}
         for name in ("loss_mask", "rollout_logprobs", "token_versions"):
             if getattr(s, name) is not None:
                 cut[name] = getattr(s, name)[:length]
-        out.append(replace(s, routing=None, **cut))
+        routing = None if s.routing is None else s.routing[: len(s.prompt_ids) + length - 1]
+        out.append(replace(s, routing=routing, **cut))
     return out
+
+
+def routing_agreement(learner) -> dict:
+    """The learner's `moe/routing_agreement/*` of its last forward (share of each token's top-k
+    experts that the engine also chose, per layer, over the prompt and response tokens), as
+    {"mean", "min", "layers": [...]}; {} for a dense model or without engine routing."""
+    if getattr(learner, "routing", None) is None:
+        return {}
+    m = learner.routing.pop_metrics(torch.device("cpu"))
+    layers = [m[k] for k in sorted((k for k in m if k.startswith("moe/routing_agreement/layer_")),
+                                   key=lambda k: int(k.rsplit("_", 1)[1]))]
+    if not layers:
+        return {}
+    return {"mean": m["moe/routing_agreement/mean"], "min": m["moe/routing_agreement/min"],
+            "layers": layers}
 
 
 def model_dir_for(path: str, need: int) -> tuple[str, int | None]:
@@ -178,11 +197,18 @@ def model_dir_for(path: str, need: int) -> tuple[str, int | None]:
     return str(d), have
 
 
-def load_prompts(tok, data: str, n: int) -> list[list[int]]:
-    rows = [json.loads(x) for x in open(data) if x.strip()][:n]
-    return [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
-                                    add_generation_prompt=True, tokenize=True,
-                                    return_dict=False) for r in rows]
+def load_prompts(tok, data: str, n: int, longest: bool = False) -> list[list[int]]:
+    """Chat-template token ids of the file's first `n` prompts, or with `longest` of its `n`
+    longest (in tokens; ties in file order)."""
+    rows = [json.loads(x) for x in open(data) if x.strip()]
+    ids = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
+                                   add_generation_prompt=True, tokenize=True,
+                                   return_dict=False) for r in rows]
+    ids = [p["input_ids"] if hasattr(p, "keys") else p for p in ids]
+    if longest:
+        order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i))
+        return [ids[i] for i in order[:n]]
+    return ids[:n]
 
 
 def run(args) -> dict:
@@ -196,9 +222,7 @@ def run(args) -> dict:
     lengths = sorted(int(x) for x in args.lengths.split(","))
     pairs = [p.strip() for p in args.pairs.split(",")]
     tok = AutoTokenizer.from_pretrained(args.model)
-    prompts = load_prompts(tok, args.data, args.prompts)
-    if hasattr(prompts[0], "keys"):
-        prompts = [p["input_ids"] for p in prompts]
+    prompts = load_prompts(tok, args.data, args.prompts, args.longest_prompts)
     need = max(len(p) for p in prompts) + max(lengths)
     model_dir, raised = model_dir_for(args.model, need)
     base = load_config(None, [f"model.path={model_dir}", "model.transformer_impl=local",
@@ -206,6 +230,7 @@ def run(args) -> dict:
     gspo_clip = load_config(None, ["algorithm.loss=gspo"]).algorithm.clip_range()
     grpo_clip = load_config(None, ["algorithm.loss=grpo"]).algorithm.clip_range()
     prec = base.precision
+    moe = num_routed_experts(json.loads((Path(model_dir) / "config.json").read_text())) > 0
     timing: dict[str, float] = {}
     samples_by_engine = {}
     sp = SamplingParams(max_new_tokens=max(lengths), temperature=1.0, n=args.group,
@@ -213,7 +238,7 @@ def run(args) -> dict:
     for e in sorted({p.split("/")[0] for p in pairs}):
         t0 = time.perf_counter()
         engine = EmbeddedEngine(model_dir, dtype=DTYPE_NAMES[e], seed=args.seed,
-                                max_model_len=need)
+                                max_model_len=need, return_routing=moe)
         samples = engine.generate([GenerateRequest(prompt_ids=list(p), sampling=sp)
                                    for p in prompts])
         engine.shutdown()
@@ -243,6 +268,9 @@ def run(args) -> dict:
                                 tolerance=prec.tolerance, mismatch_scale=prec.mismatch_scale,
                                 audit_fraction=prec.audit_fraction,
                                 recheck_interval=prec.recheck_interval)
+                agree = routing_agreement(learner)
+                if agree:
+                    point["routing_agreement"] = agree
                 points.append({"pair": pair, "length": length, "sequences": len(cut), **point})
                 print(f"{pair} L={length}: d std {point['seq_mismatch_std']:.2e}, GSPO out "
                       f"{point['gspo_seq_out']:.3f}, auto {point['auto_gspo']}", flush=True)
@@ -264,6 +292,7 @@ def run(args) -> dict:
                              mu, sigma, gspo_clip, prec.tolerance, prec.mismatch_scale)}
     return {"points": points, "summary": summary, "timing_s": timing,
             "settings": {"model": args.model, "data": args.data, "prompts": len(prompts),
+                         "longest_prompts": args.longest_prompts,
                          "group": args.group, "seed": args.seed, "lengths": lengths,
                          "pairs": pairs, "gspo_clip": gspo_clip, "grpo_clip": grpo_clip,
                          "tolerance": prec.tolerance, "mismatch_scale": prec.mismatch_scale,
@@ -291,6 +320,15 @@ def markdown(result: dict) -> str:
                      f"{s['safe_length_gspo'] or 'not in range'} | "
                      f"{s['expected_safe_length_gspo'] or 'beyond 2^26'} | "
                      f"{s['safe_length_grpo'] or 'not in range'} |")
+    routed = [p for p in result["points"] if p.get("routing_agreement")]
+    if routed:
+        lines += ["", "| pair (engine/learner) | L | top-k experts shared, mean / min layer | "
+                  "routed elsewhere (1 - mean) | per layer |", "|" + " --- |" * 5]
+        for p in routed:
+            a = p["routing_agreement"]
+            lines.append(f"| {p['pair']} | {p['length']} | {a['mean']:.4f} / {a['min']:.4f} | "
+                         f"{1 - a['mean']:.4f} | "
+                         f"{' '.join(f'{x:.4f}' for x in a['layers'])} |")
     return "\n".join(lines)
 
 
@@ -300,6 +338,9 @@ def main() -> None:
     ap.add_argument("--data", default="examples/long/data/eval.jsonl")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--longest-prompts", action="store_true",
+                    help="take the file's --prompts longest prompts, not its first (a task whose "
+                    "answers grow with the prompt then answers in-distribution at long lengths)")
     ap.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
     ap.add_argument("--pairs", default=",".join(DEFAULT_PAIRS))
     ap.add_argument("--seed", type=int, default=1234)

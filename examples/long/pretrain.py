@@ -4,9 +4,12 @@ Supervised training on the labelled-sum task of `task.py` (loss on the response 
 the shown work, the "Answer:" line and <|im_end|>), with the shared seeded loop of
 examples/demo_pretrain.py. Every batch holds problems of one size n (drawn per batch), so
 its rows differ in length only by the digits of their running sums (little padding). The
-models are small enough for RL on CPU; the aim is samples at temperature 1 that are right part
-of the time (one wrong line misses the total), so that RL has a signal. The script prints the
-accuracy it reached; check it before training on the result.
+models are small enough for RL on CPU; the aim is samples at temperature 1 that are right a fair
+share of the time (one wrong line misses the total), so that RL has a signal. The script prints
+the accuracy it reached; check it before training on the result. Measured (seeded defaults,
+1500 steps of 16 problems, one thread, on a shared 2-core machine): dense 0.42M parameters,
+851 s wall, final loss below 1e-4; on the first 32 eval prompts greedy 31/32 and temperature-1
+30/32 right (mean 177 response tokens); at step 1000 of the same run 20/32 at temperature 1.
 
     python examples/long/pretrain.py --arch dense    # -> examples/long/base
     python examples/long/pretrain.py --arch moe      # -> examples/long/base_moe
@@ -95,7 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", choices=sorted(ARCHS), default="dense")
     ap.add_argument("--out", default=None, help="default: examples/long/base[_moe]")
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--label-smoothing", type=float, default=0.0)

@@ -1,19 +1,23 @@
 """The long-response example's task: labelled multi-number sums with every step shown.
 
-Prompt: "Add a=3 b=7 c=1 ... (n numbers)", n in [N_MIN, N_MAX], each number one digit 1-9,
-labelled a-z then A-Z. Answer: one line per number with its label, the number and the running
-sum, then the total:
+Prompt: "Add a3 b7 c1 ... (n numbers)", n in [N_MIN, N_MAX], each number one digit 1-9,
+labelled a-z then A-Z (the label right before its digit). Answer: one line per number with its
+label and digit, the running sum so far, the addition and its result, then the total:
 
-    a 3=3
-    b 7=10
-    c 1=11
+    a3: 0+3=3
+    b7: 3+7=10
+    c1: 10+1=11
     ...
     Answer: 11<|im_end|>
 
-Each line needs a lookup (the number behind the line's label in the prompt, the next label in
-the fixed order) and a small addition, so the response is a real chain of thought whose length
-grows with n: about 7.5 n + 10 tokens, 70-430 tokens for n = 8-52 with the character-level
-tokenizer of the tiny example (examples/tiny/task.py; one token per character).
+Each line needs a lookup (the digit right after the line's label in the prompt, the next label
+in the fixed order), a copy of the previous line's result and a one-digit addition whose
+operands stand on the line itself, so every step is local and the response is a chain of
+thought whose length grows with n: about 11 n + 10 tokens, 76-254 tokens (mean 166) on the
+256 eval prompts for n = 6-20 with the character-level tokenizer of the tiny example
+(examples/tiny/task.py; one token per character). n stops at 20 so that a 4-layer model
+pre-trained in minutes on CPU gets a fair share of its samples right;
+`make_problem(rng, n)` takes n up to 52.
 
 Reward (`reward`): 1.0 when the response's line "Answer: <int>" holds the right total, else 0;
 `reward_with_work` also asks that every shown line be right. `python examples/long/task.py`
@@ -42,12 +46,12 @@ def _load_tiny_task():
 _tiny = _load_tiny_task()
 
 LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-N_MIN, N_MAX = 8, len(LABELS)
+N_MIN, N_MAX = 6, 20
 CHAT_TEMPLATE = _tiny.CHAT_TEMPLATE
 VOCAB_SIZE = _tiny.VOCAB_SIZE
 MAX_LENGTH = 1024  # prompt + response tokens the models are built for
 _ANSWER = re.compile(r"Answer:\s*(-?\d+)\s*$")
-_LINE = re.compile(r"^([A-Za-z]) (\d)=(\d+)$")
+_LINE = re.compile(r"^([A-Za-z])(\d): (\d+)\+(\d)=(\d+)$")
 
 
 def make_problem(rng: random.Random, n: int | None = None) -> dict:
@@ -56,7 +60,7 @@ def make_problem(rng: random.Random, n: int | None = None) -> dict:
     if not 1 <= n <= len(LABELS):
         raise ValueError(f"n: expected 1..{len(LABELS)} numbers, got {n}")
     nums = [rng.randint(1, 9) for _ in range(n)]
-    prompt = "Add " + " ".join(f"{LABELS[i]}={x}" for i, x in enumerate(nums))
+    prompt = "Add " + " ".join(f"{LABELS[i]}{x}" for i, x in enumerate(nums))
     return {"prompt": prompt, "answer": str(sum(nums)), "numbers": nums}
 
 
@@ -64,8 +68,8 @@ def solution(numbers: list[int]) -> str:
     """The shown work and final line for `numbers` (the text a perfect model writes)."""
     lines, total = [], 0
     for label, x in zip(LABELS, numbers, strict=False):
+        lines.append(f"{label}{x}: {total}+{x}={total + x}")
         total += x
-        lines.append(f"{label} {x}={total}")
     return "\n".join(lines) + f"\nAnswer: {total}"
 
 
@@ -76,9 +80,9 @@ def parse_prompt(prompt: str) -> list[int]:
         raise ValueError(f"not a prompt of this task: {prompt[:40]!r}")
     nums = []
     for i, item in enumerate(body[4:].split()):
-        label, _, value = item.partition("=")
-        if label != LABELS[i] or not value.isdigit():
-            raise ValueError(f"prompt item {i} is {item!r}, expected {LABELS[i]}=<digit>")
+        label, value = item[:1], item[1:]
+        if label != LABELS[i] or len(value) != 1 or not value.isdigit():
+            raise ValueError(f"prompt item {i} is {item!r}, expected {LABELS[i]}<digit>")
         nums.append(int(value))
     return nums
 

@@ -46,7 +46,8 @@ def test_solution_shows_every_step_and_the_reward_reads_the_total(task):
     text = task.solution(nums)
     lines = text.split("\n")
     assert len(lines) == 5 and lines[-1] == f"Answer: {sum(nums)}"
-    assert lines[0] == f"a {nums[0]}={nums[0]}" and lines[1] == f"b {nums[1]}={sum(nums[:2])}"
+    assert lines[0] == f"a{nums[0]}: 0+{nums[0]}={nums[0]}"
+    assert lines[1] == f"b{nums[1]}: {nums[0]}+{nums[1]}={sum(nums[:2])}"
     assert task.reward(text, row["answer"], {}) == 1.0
     assert task.reward(text.replace(f"Answer: {sum(nums)}", f"Answer: {sum(nums) + 1}"),
                        row["answer"], {}) == 0.0
@@ -60,11 +61,11 @@ def test_reward_with_work_needs_every_line_right(task):
     text = task.solution(nums)
     assert task.work_errors(text, nums) == 0
     assert task.reward_with_work(text, "20", {"numbers": nums}) == 1.0
-    wrong = text.replace("b 7=10", "b 7=11")  # a wrong line, right total
+    wrong = text.replace("b7: 3+7=10", "b7: 3+7=11")  # a wrong line, right total
     assert task.reward(wrong, "20", {}) == 1.0
     assert task.work_errors(wrong, nums) == 1
     assert task.reward_with_work(wrong, "20", {"numbers": nums}) == 0.0
-    skipped = "\n".join(ln for ln in text.split("\n") if not ln.startswith("c "))
+    skipped = "\n".join(ln for ln in text.split("\n") if not ln.startswith("c"))
     assert task.work_errors(skipped, nums) >= 1
 
 
@@ -83,11 +84,12 @@ def test_prompt_files_are_the_seeded_rows_and_responses_are_long(task):
     lengths = [len(tok.encode(task.solution(r["numbers"]) + "<|im_end|>",
                               add_special_tokens=False)) for r in task.rows("eval", 256)]
     assert 64 <= min(lengths) and max(lengths) <= 512
-    assert {task.N_MIN, task.N_MAX} == {8, 52}
+    assert (task.N_MIN, task.N_MAX) == (6, 20)
+    assert len(task.make_problem(random.Random(0), n=52)["numbers"]) == 52
     with pytest.raises(ValueError, match="numbers"):
         task.make_problem(random.Random(0), n=53)
-    with pytest.raises(ValueError, match="expected c="):
-        task.parse_prompt("Add a=1 b=2 d=3")
+    with pytest.raises(ValueError, match="expected c<digit>"):
+        task.parse_prompt("Add a1 b2 d3")
 
 
 def test_pretraining_batches_train_on_the_response_only(task, pretrain):
@@ -114,7 +116,7 @@ def test_configs_and_study_load():
 
     for name in ("config.yaml", "config_moe.yaml"):
         cfg = load_config(str(LONG / name), [])
-        assert cfg.rollout.max_new_tokens >= 430 and cfg.data.max_prompt_length >= 240
+        assert cfg.rollout.max_new_tokens >= 254 and cfg.data.max_prompt_length >= 100
     spec, path = load_study(LONG / "study.yaml")
     assert list(spec.arms) == ["gspo", "grpo", "grpo_r2", "grpo_r3", "gspo_engine_logprobs"]
     arms = arm_configs(spec, path, LONG / "study.yaml")

@@ -146,3 +146,32 @@ def test_sweep_command_with_the_megatron_learner(tmp_path):
     assert pt["bf16/fp32", 4]["token_abs_diff_mean"] > 1e-3
     assert pt["bf16/fp32", 64]["seq_mismatch_std"] < pt["bf16/fp32", 4]["seq_mismatch_std"]
     assert res["summary"]["fp32/fp32"]["safe_length_gspo"] == 4
+
+
+def test_truncate_cuts_an_moe_engine_routing_record_with_the_response():
+    from megatron_gspo.data.sample import Sample
+
+    routing = torch.arange(3 + 10 - 1).view(-1, 1, 1).repeat(1, 2, 4).int()  # [P + R - 1, 2, 4]
+    s = Sample(prompt_ids=[1, 2, 3], response_ids=list(range(10)), rollout_logprobs=[-1.0] * 10,
+               routing=routing)
+    for length in (1, 4, 10):
+        (cut,) = truncate([s], length)  # Sample validates [P + L - 1, layers, top-k]
+        assert tuple(cut.routing.shape) == (3 + length - 1, 2, 4)
+        assert torch.equal(cut.routing, routing[: 3 + length - 1])
+    assert truncate([Sample(prompt_ids=[1], response_ids=[2, 3])], 1)[0].routing is None
+
+
+def test_load_prompts_takes_the_first_or_the_longest(tmp_path):
+    from transformers import AutoTokenizer
+
+    from bench.precision_sweep import load_prompts
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "examples" / "tiny" / "base")
+    texts = ["a", "abcdef", "abc", "abcdefgh", "xyzuvw"]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    first, longest = load_prompts(tok, str(data), 2), load_prompts(tok, str(data), 3, True)
+    assert len(first) == 2 and "abcdef" in tok.decode(first[1])
+    assert "abc" not in tok.decode(first[0])  # file order: "a", then "abcdef"
+    got = [tok.decode(p) for p in longest]
+    assert "abcdefgh" in got[0] and "abcdef" in got[1] and "xyzuvw" in got[2]
