@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.base import ConversionError, num_routed_experts
 from megatron_gspo.convert.registry import get_adapter
 
 VOCAB_PAD_MULTIPLE = 128  # as megatron_gspo.megatron.model pads the vocabulary
@@ -88,6 +89,28 @@ def _rope(cfg: Mapping) -> tuple[float, tuple | None]:
     return theta, None
 
 
+#: MoE fields of the families beyond Qwen3-MoE, with transformers' defaults (5.24 config
+#: classes) for a config that leaves them out.
+FAMILY_MOE_FIELDS = {
+    "DeepseekV3ForCausalLM": {"n_shared_experts": 1, "first_k_dense_replace": 3, "n_group": 8,
+                              "topk_group": 4, "routed_scaling_factor": 2.5,
+                              "norm_topk_prob": True},
+    "Glm4MoeForCausalLM": {"n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                           "topk_group": 1, "routed_scaling_factor": 1.0,
+                           "norm_topk_prob": True},
+    "GptOssForCausalLM": {"swiglu_limit": 7.0},
+}
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim")
+
+
+def experts_key(cfg: Mapping) -> str:
+    """The field a config counts its routed experts in: ``num_experts`` (Qwen3-MoE),
+    ``num_local_experts`` (gpt-oss, transformers 5) or ``n_routed_experts`` (DeepSeek, GLM)."""
+    return next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                 if cfg.get(k)), "num_experts")
+
+
 def model_fields(cfg: Mapping) -> dict:
     """Fields of a Hugging Face config that change the model's function, defaults filled in.
 
@@ -98,7 +121,7 @@ def model_fields(cfg: Mapping) -> dict:
     """
     heads = int(cfg.get("num_attention_heads") or 0)
     hidden = int(cfg.get("hidden_size") or 0)
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    experts = num_routed_experts(cfg)
     theta, scaling = _rope(cfg)
     try:  # a config naming only its model_type is the same architecture
         arch = get_adapter(cfg).architectures[0]
@@ -133,6 +156,11 @@ def model_fields(cfg: Mapping) -> dict:
             decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
         )
+        for k, default in FAMILY_MOE_FIELDS.get(arch, {}).items():
+            v = cfg.get(k)
+            out[k] = type(default)(default if v is None else v)
+    if arch == "DeepseekV3ForCausalLM":
+        out.update({k: int(cfg.get(k) or 0) for k in MLA_FIELDS})
     return out
 
 
@@ -142,10 +170,11 @@ def compare_configs(given: Mapping, stored: Mapping, given_name: str, stored_nam
     a, b = model_fields(given), model_fields(stored)
     diff = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
     if diff:
-        shown = "; ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in diff)
+        name = {"num_experts": experts_key(given)}  # the field as the given config spells it
+        shown = "; ".join(f"{name.get(k, k)}: {a.get(k)!r} vs {b.get(k)!r}" for k in diff)
         raise ConversionError(
             f"{given_name} does not describe the model of {stored_name} "
-            f"({', '.join(diff)} differ; given vs stored: {shown})"
+            f"({', '.join(name.get(k, k) for k in diff)} differ; given vs stored: {shown})"
         )
 
 
@@ -178,9 +207,52 @@ def _vocab_rows_fit(vocab: int, rows: int) -> bool:
     return False
 
 
+def _per_layer(shapes: Mapping) -> dict[str, dict[int, tuple[int, ...]]]:
+    """Checkpoints written layer by layer (families with dense and MoE layers, MLA):
+    "decoder.layers.<i>.<rest>" -> {"decoder.layers.<rest>": {i: shape}}."""
+    out: dict[str, dict[int, tuple[int, ...]]] = {}
+    for key, (shape, _) in shapes.items():
+        m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", key)
+        if m:
+            out.setdefault(f"decoder.layers.{m[2]}", {})[int(m[1])] = tuple(shape)
+    return out
+
+
+def _attention_want(f: Mapping, layers, hid) -> dict:
+    """Expected [layers, ...] shapes of the attention tensors (MLA for DeepSeek-V3)."""
+    a, nh = "decoder.layers.self_attention.", f["num_attention_heads"]
+    if "kv_lora_rank" in f:
+        q, kv, rope = f["q_lora_rank"], f["kv_lora_rank"], f["qk_rope_head_dim"]
+        qd, vd = f["qk_nope_head_dim"] + rope, f["v_head_dim"]
+        heads = ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim")
+        want = {a + "linear_kv_down_proj.weight": [layers, (kv + rope, (
+                    "kv_lora_rank", "qk_rope_head_dim")), hid],
+                a + "linear_kv_up_proj.weight": [layers, (nh * (qd - rope + vd), (
+                    "num_attention_heads", "qk_nope_head_dim", "v_head_dim")),
+                    (kv, ("kv_lora_rank",))],
+                a + "linear_proj.weight": [layers, hid, (nh * vd, ("num_attention_heads",
+                                                                   "v_head_dim"))],
+                a + "kv_layernorm.weight": [layers, (kv, ("kv_lora_rank",))]}
+        if q:
+            want[a + "linear_q_down_proj.weight"] = [layers, (q, ("q_lora_rank",)), hid]
+            want[a + "linear_q_up_proj.weight"] = [layers, (nh * qd, heads),
+                                                   (q, ("q_lora_rank",))]
+            want[a + "q_layernorm.weight"] = [layers, (q, ("q_lora_rank",))]
+        else:
+            want[a + "linear_q_proj.weight"] = [layers, (nh * qd, heads), hid]
+        return want
+    nkv, hd = f["num_key_value_heads"], f["head_dim"]
+    heads = ("num_attention_heads", "num_key_value_heads", "head_dim")
+    return {a + "linear_qkv.weight": [layers, ((nh + 2 * nkv) * hd, heads), hid],
+            a + "linear_proj.weight": [layers, hid, (nh * hd, heads)],
+            a + "q_layernorm.weight": [layers, (hd, ("head_dim",))]}
+
+
 def check_config_against_shapes(cfg: Mapping, shapes: Mapping, cfg_name: str, ckpt: str) -> None:
     """Refuse (one line naming the fields) a config whose sizes disagree with the checkpoint's
-    tensors. Tensors the checkpoint spells differently are not checked.
+    tensors, stacked over layers or stored layer by layer (then also the layer count and, for
+    the families with leading dense layers, how many lead). Tensors the checkpoint spells
+    differently are not checked.
 
     Args:
         cfg: the Hugging Face config to convert with.
@@ -189,37 +261,48 @@ def check_config_against_shapes(cfg: Mapping, shapes: Mapping, cfg_name: str, ck
     """
     f = model_fields(cfg)
     L, H = f["num_hidden_layers"], f["hidden_size"]
-    nh, nkv, hd = f["num_attention_heads"], f["num_key_value_heads"], f["head_dim"]
     F, E = f["intermediate_size"], f["num_experts"]
-    heads = ("num_attention_heads", "num_key_value_heads", "head_dim")
     layers = (L, ("num_hidden_layers",))
     hid = (H, ("hidden_size",))
     # key -> per dimension: (expected size, fields deciding it)
-    want = {
-        "decoder.final_layernorm.weight": [hid],
-        "decoder.layers.self_attention.linear_qkv.weight": [layers, ((nh + 2 * nkv) * hd, heads),
-                                                            hid],
-        "decoder.layers.self_attention.linear_proj.weight": [layers, hid, (nh * hd, heads)],
-        "decoder.layers.self_attention.q_layernorm.weight": [layers, (hd, ("head_dim",))],
-    }
+    want = {"decoder.final_layernorm.weight": [hid], **_attention_want(f, layers, hid)}
+    ffn = (2 * (F or 0), ("intermediate_size",))
+    want["decoder.layers.mlp.linear_fc1.weight"] = [layers, ffn, hid]  # dense (leading) layers
+    want["decoder.layers.mlp.linear_fc2.weight"] = [layers, hid, (F, ("intermediate_size",))]
     if E:
-        Fe = f.get("moe_intermediate_size")
-        experts = (E, ("num_experts",))
+        Fe = f.get("moe_intermediate_size") or 0
+        experts = (E, (experts_key(cfg),))
         moe_ffn = ("moe_intermediate_size",)
         want["decoder.layers.mlp.router.weight"] = [layers, experts, hid]
+        want["decoder.layers.mlp.router.expert_bias"] = [layers, experts]
         want["decoder.layers.mlp.experts.experts.linear_fc1.weight"] = [
-            layers, experts, (2 * (Fe or 0), moe_ffn), hid]
+            layers, experts, (2 * Fe, moe_ffn), hid]
         want["decoder.layers.mlp.experts.experts.linear_fc2.weight"] = [
             layers, experts, hid, (Fe, moe_ffn)]
-    else:
-        ffn = (2 * (F or 0), ("intermediate_size",))
-        want["decoder.layers.mlp.linear_fc1.weight"] = [layers, ffn, hid]
-        want["decoder.layers.mlp.linear_fc2.weight"] = [layers, hid, (F, ("intermediate_size",))]
+        if f.get("n_shared_experts"):
+            shared = (Fe * f["n_shared_experts"], ("moe_intermediate_size", "n_shared_experts"))
+            want["decoder.layers.mlp.shared_experts.linear_fc1.weight"] = [
+                layers, (2 * shared[0], shared[1]), hid]
+            want["decoder.layers.mlp.shared_experts.linear_fc2.weight"] = [layers, hid, shared]
+    per = _per_layer(shapes)
     problems: dict[str, str] = {}
-    for key, dims in want.items():
-        if key not in shapes:
-            continue
-        got = shapes[key][0]
+    if per:
+        n = 1 + max(i for d in per.values() for i in d)
+        if n != L:
+            problems["num_hidden_layers"] = (f"num_hidden_layers: the checkpoint has {n} "
+                                             f"layers where the config gives {L}")
+        dense = per.get("decoder.layers.mlp.linear_fc1.weight", {})
+        lead = next((i for i in range(n) if i not in dense), n)
+        if "first_k_dense_replace" in f and E and lead != f["first_k_dense_replace"]:
+            problems["first_k_dense_replace"] = (
+                f"first_k_dense_replace: the checkpoint has {lead} leading dense layers where "
+                f"the config gives {f['first_k_dense_replace']}")
+    found = [(key, shape, dims) for key, dims in want.items() if key in shapes
+             for shape in [shapes[key][0]]]
+    found += [(key.replace("layers.", f"layers.{i}.", 1), shape, dims[1:])
+              for key, dims in want.items() if key.startswith("decoder.layers.")
+              for i, shape in sorted(per.get(key, {}).items())]
+    for key, got, dims in found:
         if len(got) != len(dims):
             problems.setdefault(key, f"{key} has {len(got)} dims, expected {len(dims)}")
             continue
@@ -242,8 +325,9 @@ def check_config_against_shapes(cfg: Mapping, shapes: Mapping, cfg_name: str, ck
         elif not f["tie_word_embeddings"] and not has_output:
             problems["tie_word_embeddings"] = ("tie_word_embeddings: false, but the checkpoint "
                                                "has no output_layer.weight")
-    if "decoder.layers.self_attention.linear_qkv.weight" in shapes:
-        has_bias = "decoder.layers.self_attention.linear_qkv.bias" in shapes
+    qkv = "decoder.layers.self_attention.linear_qkv."
+    if qkv + "weight" in shapes or qkv + "weight" in per:
+        has_bias = qkv + "bias" in shapes or qkv + "bias" in per
         want_bias = f["attention_bias"] or f["architectures"] == "Qwen2ForCausalLM"
         if has_bias != want_bias:
             problems["attention_bias"] = (f"attention_bias: the checkpoint "

@@ -68,13 +68,16 @@ def build_hf_model(
         if "model_type" not in cfg:
             raise ValueError("HF config dict for the embedded engine has no 'model_type'")
         config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        if attn_implementation == "sdpa" and not _supports_sdpa(config.architectures):
+            attn_implementation = "eager"
         config._attn_implementation = attn_implementation
         net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     else:
         path = os.fspath(model)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"embedded engine model directory not found: {path}")
-        if attn_implementation == "sdpa" and not _supports_sdpa(path):
+        if attn_implementation == "sdpa" and not _supports_sdpa(
+                transformers.AutoConfig.from_pretrained(path).architectures):
             attn_implementation = "eager"
         net = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, attn_implementation=attn_implementation
@@ -82,11 +85,10 @@ def build_hf_model(
     return net.to(device=device, dtype=torch_dtype).eval()
 
 
-def _supports_sdpa(path: str) -> bool:
-    """The architecture of the model directory has a transformers SDPA attention path."""
+def _supports_sdpa(archs: list[str] | None) -> bool:
+    """The (first) architecture of a config has a transformers SDPA attention path."""
     import transformers
 
-    archs = transformers.AutoConfig.from_pretrained(path).architectures or []
     cls = getattr(transformers, archs[0], None) if archs else None
     return bool(getattr(cls, "_supports_sdpa", True))
 

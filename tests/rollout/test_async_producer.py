@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from megatron_gspo.data.datasets import PromptIterator
 from megatron_gspo.data.sample import Sample
@@ -135,6 +136,40 @@ def test_partial_rollout_token_versions():
             partial += len(set(s.token_versions)) > 1
     assert partial > 0
     assert prod.counters["samples_continued"] > 0 and prod.counters["samples_restarted"] == 0
+
+
+class RoutingEngine(ScriptedEngine):
+    """ScriptedEngine of an MoE model: each request routes every position it processes
+    (prompt + partial response, all but the last sampled token) to experts (version, position)."""
+
+    def generate(self, requests):
+        out = super().generate(requests)
+        for r, s in zip(requests, out, strict=True):
+            t = len(r.prompt_ids) + len(s.response_ids)
+            s.routing = torch.tensor([[[self._v, j]] for j in range(t - 1)], dtype=torch.int32)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["continue", "abort"])
+def test_partial_rollout_keeps_each_positions_first_routing(mode):
+    """Continued responses: the routing row of position j is the one of the request that first
+    processed j, i.e. of the weights that gave the log-prob of the token j predicts."""
+    eng = RoutingEngine(0.01)
+    prod = producer(eng, k=1, steps=6, chunk=3, lengths=(8,), mode=mode).start()
+    try:
+        run = train(prod, eng, 6, learner_s=0.02)
+    finally:
+        prod.close()
+    spans = 0
+    for _step, samples, _m in run:
+        for s in samples:
+            t = P + len(s.response_ids)
+            assert s.routing is not None and tuple(s.routing.shape) == (t - 1, 1, 2)
+            assert s.routing[:, 0, 1].tolist() == list(range(t - 1))  # no row lost or repeated
+            assert s.routing[P - 1:, 0, 0].tolist() == s.token_versions
+            assert set(s.routing[:P - 1, 0, 0].tolist()) == {s.token_versions[0]}
+            spans += len(set(s.token_versions)) > 1
+    assert (spans > 0) == (mode == "continue")
 
 
 def test_abort_mode_regenerates_with_new_weights():

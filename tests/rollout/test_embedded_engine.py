@@ -128,3 +128,19 @@ def test_release_resume_and_async(engine):
                                                                               max_new_tokens=3))]))
     assert len(out) == 2
     engine.shutdown()
+
+
+def test_config_dict_of_a_model_without_sdpa_builds_eager(tmp_path):
+    """The training loop builds the engine from the HF config dict: gpt-oss (attention sinks,
+    no SDPA path in transformers) falls back to eager attention as from a directory."""
+    import json
+
+    from tests.convert.tiny_families import make_family_model
+
+    make_family_model("GptOssForCausalLM", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    eng = EmbeddedEngine(cfg, seed=0)
+    assert eng.model.config._attn_implementation == "eager"
+    out = eng.generate([GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=3,
+                                                                  ignore_eos=True))])
+    assert len(out[0].response_ids) == 3

@@ -18,8 +18,10 @@ weight update waits for the requests in flight (pause), loads the weights (updat
 next requests continue the unfinished responses from prompt + partial response under the new
 weights (continue; SGLang's prefix cache makes the re-sent prefix cheap). Every token keeps the
 version of the weights that generated it (`Sample.token_versions`) and its engine log-prob,
-which is pi_old for off-policy tokens. With `update_in_flight: abort` an unfinished response
-that meets new weights is discarded and regenerated from its prompt instead.
+which is pi_old for off-policy tokens; MoE: each position keeps the engine's routing from the
+request that first processed it (`Sample.routing`, replayed by r3). With `update_in_flight:
+abort` an unfinished response that meets new weights is discarded and regenerated from its
+prompt instead.
 
 Agent mode: episodes run through an engine wrapper that takes the same pause gate per model
 turn, so episodes stay in flight across weight updates; a token's version is its turn's. Each
@@ -39,6 +41,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
 
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rollout.asynchronous.gate import GatedEngine, UpdateGate
@@ -61,6 +65,24 @@ class _Partial:
     versions: list[int] = field(default_factory=list)
     finish: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    routing: Any = None  # MoE: [tokens processed so far, layers, top-k] (see `add_routing`)
+    routing_lost: bool = False  # a request returned tokens without routing
+
+    def reset(self) -> None:
+        self.ids, self.lps, self.versions = [], [], []
+        self.routing, self.routing_lost = None, False
+
+    def add_routing(self, rows: Any, n: int) -> None:
+        """Keep the engine's routing of the positions this request processed first: a request
+        re-sends prompt + partial response, so its rows start with the positions earlier
+        requests already routed (those keep the routing of the weights that first processed
+        them, the one behind each token's log-prob); `n`: tokens the request returned."""
+        if rows is None:
+            self.routing_lost = self.routing_lost or n > 0
+            return
+        rows = torch.as_tensor(rows)
+        done = 0 if self.routing is None else int(self.routing.shape[0])
+        self.routing = rows if self.routing is None else torch.cat([self.routing, rows[done:]])
 
 
 @dataclass
@@ -307,7 +329,7 @@ class AsyncProducer:
                     if p.ids and p.versions[-1] != v:
                         if self.mode == "abort":
                             self.counters["samples_restarted"] += 1
-                            p.ids, p.lps, p.versions = [], [], []
+                            p.reset()
                         else:
                             self.counters["samples_continued"] += 1
                     left = self.sampling.max_new_tokens - len(p.ids)
@@ -324,6 +346,7 @@ class AsyncProducer:
             p.ids += list(s.response_ids)
             p.lps += list(s.rollout_logprobs or [0.0] * n)
             p.versions += [v] * n
+            p.add_routing(s.routing, n)
             if "rollout_error" in s.metadata:
                 p.finish, p.meta = "abort", dict(s.metadata)
             elif len(p.ids) >= self.sampling.max_new_tokens:
@@ -344,7 +367,8 @@ class AsyncProducer:
                       token_versions=p.versions, group_index=g.seq, index=j,
                       finish_reason=p.finish or "length",
                       weight_version=min(p.versions) if p.versions else g.version,
-                      prompt=r.prompt, label=r.label, metadata={**r.metadata, **p.meta})
+                      prompt=r.prompt, label=r.label, metadata={**r.metadata, **p.meta},
+                      routing=None if failed or p.routing_lost else p.routing)
 
     def _run_episodes(self, groups: list[_Group]) -> None:
         """Agent mode: play the groups' episodes (gated per model turn) to the end."""
