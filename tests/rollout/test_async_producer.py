@@ -81,6 +81,16 @@ def producer(engine, *, k=1, B=2, G=3, steps=6, chunk=8, mode="continue", start=
                          drop_zero_variance=drop_zero_variance)
 
 
+def produce_and_train(engine, steps, learner_s=0.0, **producer_kw):
+    """A producer of `steps` steps started, trained to the end (`train`) and closed.
+    Returns (producer, train's output)."""
+    prod = producer(engine, steps=steps, **producer_kw).start()
+    try:
+        return prod, train(prod, engine, steps, learner_s=learner_s)
+    finally:
+        prod.close()
+
+
 def train(prod, engine, steps, start=0, learner_s=0.0, on_step=None):
     """The training loop's use of a producer: take, 'train', update the weights."""
     out = []
@@ -103,11 +113,7 @@ def versions(s: Sample) -> list[int]:
 @pytest.mark.parametrize("engine_s,learner_s", [(0.0, 0.03), (0.03, 0.0)])
 def test_staleness_bound_never_exceeded(k, engine_s, learner_s):
     eng = ScriptedEngine(engine_s)
-    prod = producer(eng, k=k, steps=8).start()
-    try:
-        run = train(prod, eng, 8, learner_s=learner_s)
-    finally:
-        prod.close()
+    prod, run = produce_and_train(eng, 8, learner_s=learner_s, k=k)
     worst = 0
     for step, samples, m in run:
         for s in samples:
@@ -122,11 +128,7 @@ def test_staleness_bound_never_exceeded(k, engine_s, learner_s):
 
 def test_partial_rollout_token_versions():
     eng = ScriptedEngine(0.01)
-    prod = producer(eng, k=1, steps=6, chunk=2, lengths=(8,)).start()
-    try:
-        run = train(prod, eng, 6, learner_s=0.02)
-    finally:
-        prod.close()
+    prod, run = produce_and_train(eng, 6, learner_s=0.02, k=1, chunk=2, lengths=(8,))
     partial = 0
     for _step, samples, _m in run:
         for s in samples:
@@ -155,11 +157,7 @@ def test_partial_rollout_keeps_each_positions_first_routing(mode):
     """Continued responses: the routing row of position j is the one of the request that first
     processed j, i.e. of the weights that gave the log-prob of the token j predicts."""
     eng = RoutingEngine(0.01)
-    prod = producer(eng, k=1, steps=6, chunk=3, lengths=(8,), mode=mode).start()
-    try:
-        run = train(prod, eng, 6, learner_s=0.02)
-    finally:
-        prod.close()
+    prod, run = produce_and_train(eng, 6, learner_s=0.02, k=1, chunk=3, lengths=(8,), mode=mode)
     spans = 0
     for _step, samples, _m in run:
         for s in samples:
@@ -174,11 +172,7 @@ def test_partial_rollout_keeps_each_positions_first_routing(mode):
 
 def test_abort_mode_regenerates_with_new_weights():
     eng = ScriptedEngine(0.01)
-    prod = producer(eng, k=1, steps=6, chunk=2, lengths=(8,), mode="abort").start()
-    try:
-        run = train(prod, eng, 6, learner_s=0.02)
-    finally:
-        prod.close()
+    prod, run = produce_and_train(eng, 6, learner_s=0.02, k=1, chunk=2, lengths=(8,), mode="abort")
     for _step, samples, _m in run:
         for s in samples:
             assert s.response_ids == [100 + t for t in range(8)]
@@ -240,11 +234,7 @@ def test_no_group_lost_or_duplicated_across_pause_and_resume():
 
 def test_zero_variance_groups_replaced_not_counted():
     eng = ScriptedEngine()
-    prod = producer(eng, k=1, steps=4, drop_zero_variance=True).start()
-    try:
-        run = train(prod, eng, 4)
-    finally:
-        prod.close()
+    prod, run = produce_and_train(eng, 4, k=1, drop_zero_variance=True)
     for _step, samples, _m in run:
         assert len(samples) == 2 * 3
     assert prod.counters["groups_zero_variance"] > 0
