@@ -138,17 +138,24 @@ def verify_sync(learner, engine, cfg: Config, version: int) -> float:
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Every element of every (non-empty) tensor finite, from one read of each: the minimum and
-    maximum of a tensor (one `aminmax` reduction) are finite exactly when all its elements are
-    (NaN propagates into both; -inf / +inf are the minimum / maximum when present). No
-    temporary of a tensor's size; one device sync for tensors on one device."""
-    ends = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
-    if not ends:
+    """Every element of every (non-empty) tensor finite, from one read of each and no
+    temporary of a tensor's size. Fast path: one sum per tensor (a NaN or an infinity anywhere
+    makes the sum NaN or infinite; a sum is about 1.5x cheaper than `aminmax` on CPU, and this
+    runs on every sync). A non-finite sum can also come from finite weights whose sum
+    overflows, so that case is decided exactly by each tensor's minimum and maximum (finite
+    exactly when all its elements are: NaN propagates into both, -inf / +inf are the minimum /
+    maximum when present)."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
         return True
+    sums = [t.sum() for t in tensors]
     try:
-        return bool(torch.isfinite(torch.cat(ends)).all())
+        if bool(torch.isfinite(torch.stack(sums)).all()):
+            return True
     except RuntimeError:  # tensors on several devices
-        return all(bool(torch.isfinite(e).all()) for e in ends)
+        if all(bool(torch.isfinite(s)) for s in sums):
+            return True
+    return all(bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()) for t in tensors)
 
 
 def _finite(buckets, version: int):
@@ -159,7 +166,7 @@ def _finite(buckets, version: int):
     for bucket in buckets:
         floats = [(name, t) for name, t in bucket if t.is_floating_point()]
         if floats and not _all_finite([t for _, t in floats]):
-            name = next(n for n, t in floats if not bool(torch.isfinite(t).all()))
+            name = next(n for n, t in floats if not _all_finite([t]))
             raise RunError(f"the weights went non-finite ({name}) in the optimizer update "
                            f"of step {version - 1} (weight version {version}); lower "
                            "optimizer.lr or check the gradients")

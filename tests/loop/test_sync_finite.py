@@ -43,3 +43,14 @@ def test_no_temporary_of_a_weight_size():
     with BigAllocations(N // 8) as m:
         list(_finite(iter([bucket]), version=1))
     assert m.ops == [], m.ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_weights_whose_sum_overflows_pass_and_a_bad_one_among_them_is_named(dtype):
+    top = torch.finfo(dtype).max
+    big = [("w", torch.full((64,), top, dtype=dtype)), ("x", torch.full((64,), -top, dtype=dtype))]
+    assert not torch.isfinite(big[0][1].sum())  # the fast path alone would refuse these
+    assert list(_finite(iter([big]), version=1)) == [big]
+    big[1][1][7] = float("nan")
+    with pytest.raises(RunError, match=r"non-finite \(x\)"):
+        list(_finite(iter([big]), version=1))
