@@ -113,6 +113,7 @@ class RoutingReplay:
         self.routers = [self._chunk_routers(c, i) for i, c in enumerate(chunks)]  # per chunk
         self.records: dict[int, tuple] = {}  # id(sample) -> (weakref, version, [T, L, k])
         self._acc = torch.zeros(2 * num_layers + 5, dtype=torch.float64)
+        self._chg = torch.zeros(2 * num_layers, dtype=torch.float64)  # per layer: changed, seen
         self._run = None
 
     # ------------------------------------------------------------------ routers
@@ -381,6 +382,8 @@ class RoutingReplay:
             same = (a.sort(-1).values == b.sort(-1).values).all(-1)
             self._acc[2 * L] += (has & ~same).sum().double()
             self._acc[2 * L + 1] += has.sum().double()
+            self._chg[:L] += (has & ~same).sum(0).double()
+            self._chg[L:] += has.sum(0).double()
 
     def _prune(self) -> None:
         for key in [k for k, (ref, _, _) in self.records.items() if ref() is None]:
@@ -413,11 +416,12 @@ class RoutingReplay:
     def pop_metrics(self, device) -> dict[str, float]:
         """This step's `moe/*` metrics, reduced over all ranks (collective); resets them."""
         L = self.num_layers
-        acc = self._acc.clone().to(device)
+        both = torch.cat([self._acc, self._chg]).to(device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(acc)
-        acc = acc.cpu()
+            dist.all_reduce(both)
+        acc, chg = both.cpu().split([self._acc.numel(), self._chg.numel()])
         self._acc.zero_()
+        self._chg.zero_()
         m: dict[str, float] = {}
         cnt = acc[L:2 * L]
         if cnt.sum() > 0:
@@ -430,6 +434,9 @@ class RoutingReplay:
             m["moe/routing_agreement/min"] = float(min(have))
         if acc[2 * L + 1] > 0:
             m["moe/expert_change_rate"] = float(acc[2 * L] / acc[2 * L + 1])
+            for i in range(L):
+                if chg[L + i] > 0:
+                    m[f"moe/expert_change_rate/layer_{i}"] = float(chg[i] / chg[L + i])
         if acc[-2] > 0:
             m["moe/routers_replayed_share"] = float(acc[-3] / acc[-2])
         m["moe/tokens_without_routing_record"] = float(acc[-1])

@@ -161,6 +161,7 @@ def case_one(outdir: Path, chk: Checker, info: dict):
     tap.close()
     m = mover.routing.pop_metrics(mover.device)
     info["after_step"] = m
+    info["moe_layers"] = len(mover.routing.moe_layers)
     rec = {id(s): mover.routing.records[id(s)][2] for s in samples}
     info["replayed_checked"] = check_tap_equals(chk, "r2 after a step", mover, samples, tap,
                                                 lambda s: rec[id(s)], skip_last=False)

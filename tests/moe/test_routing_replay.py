@@ -29,6 +29,11 @@ def test_r2_replay_equals_live_and_replays_records_after_a_step(tmp_path_factory
     info = _launch(tmp_path_factory, monkeypatch, "one", 1, 300)[0]["info"]
     assert min(info["router_grad_norms"]) > 0
     assert info["after_step"]["moe/expert_change_rate"] > 0
+    # per layer: every MoE layer's share, and (every token routed at every layer) their mean
+    # is the overall rate
+    per = [v for k, v in info["after_step"].items() if k.startswith("moe/expert_change_rate/")]
+    assert len(per) == info["moe_layers"] and all(0.0 <= v <= 1.0 for v in per)
+    assert sum(per) / len(per) == pytest.approx(info["after_step"]["moe/expert_change_rate"])
     assert info["after_step"]["moe/routers_replayed_share"] == 1.0
     assert info["replayed_checked"] > 300 and info["r3_checked"] > 300
     assert "layers [2]" in info["orphan_error"]
