@@ -66,6 +66,17 @@ def evaluate_base(config: Path, overrides: list[str]) -> dict:
         engine.shutdown()
 
 
+def evaluate_once(path: Path, config: Path, overrides: list[str]) -> dict:
+    """`evaluate_base` of `config`, kept in `path`: a rerun into the same directory reuses the
+    base model's eval instead of repeating it."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    before = evaluate_base(config, overrides)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(before) + "\n")
+    return before
+
+
 def read_rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
@@ -125,7 +136,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "smollm2-study")
     ap.add_argument("--page", type=Path, default=ROOT / "docs" / "results" / "smollm2.md")
-    ap.add_argument("--agent-steps", type=int, default=4)
+    ap.add_argument("--agent-steps", type=int, default=12)
+    ap.add_argument("--agent-only", action="store_true",
+                    help="rerun only the agent (its base eval and training); the GSPO run's "
+                    "numbers are kept from OUT/summary.json")
     ap.add_argument("--eval-before-only", action="store_true",
                     help="only evaluate the base model (RUN/eval_before.json)")
     ap.add_argument("--report-only", action="store_true",
@@ -148,14 +162,9 @@ def main(argv=None) -> int:
     gspo = HERE / "config.yaml"
     load = LoadSampler()
     load.start()
-    before_file = args.out / "eval_before.json"
-    if before_file.is_file():  # a rerun into the same directory keeps the base model's eval
-        before, before_s = json.loads(before_file.read_text()), None
-    else:
-        t0 = time.time()
-        before = evaluate_base(gspo, args.override)
-        before_s = time.time() - t0
-        before_file.write_text(json.dumps(before) + "\n")
+    t0 = time.time()
+    before = evaluate_once(args.out / "eval_before.json", gspo, args.override)
+    before_s = time.time() - t0 if time.time() - t0 > 1.0 else None  # None: kept from a rerun
     if args.eval_before_only:
         print(json.dumps(before))
         return 0
@@ -165,24 +174,36 @@ def main(argv=None) -> int:
         if done.is_file():
             summary.update({k: v for k, v in json.loads(done.read_text()).items()
                             if k in ("gspo", "agent")})
-        for key, run_dir, bef in (("gspo", args.out / "gspo", before), ("agent", agent_dir, None)):
+        agent_file = args.out / "agent_eval_before.json"
+        agent_before = json.loads(agent_file.read_text()) if agent_file.is_file() else None
+        for key, run_dir, bef in (("gspo", args.out / "gspo", before),
+                                  ("agent", agent_dir, agent_before)):
             rows = read_rows(run_dir)
             if rows and key not in summary:
                 summary[key] = summarise(rows, sum(r.get("time/step", 0.0) for r in rows), bef,
                                          None, max_steps_of(run_dir))
                 summary[key]["wall_is_sum_of_steps"] = True
     else:
-        rows, wall = train(gspo, args.out / "gspo", args.override)
-        summary["gspo"] = summarise(rows, wall, before, load.stop(),
-                                    max_steps_of(args.out / "gspo"))
-        summary["gspo"]["eval_before_s"] = None if before_s is None else round(before_s, 1)
+        if args.agent_only:
+            done = args.out / "summary.json"
+            if not done.is_file():
+                print(f"run_study.py: --agent-only needs {done} from a full run", file=sys.stderr)
+                return 2
+            summary["gspo"] = json.loads(done.read_text())["gspo"]
+        else:
+            rows, wall = train(gspo, args.out / "gspo", args.override)
+            summary["gspo"] = summarise(rows, wall, before, load.stop(),
+                                        max_steps_of(args.out / "gspo"))
+            summary["gspo"]["eval_before_s"] = None if before_s is None else round(before_s, 1)
         if args.agent_steps:
+            agent = HERE / "agent.yaml"
+            agent_before = evaluate_once(args.out / "agent_eval_before.json", agent, [])
             load = LoadSampler()
             load.start()
-            rows, wall = train(HERE / "agent.yaml", agent_dir,
-                               [f"train.max_steps={args.agent_steps}",
-                                f"train.eval_interval={args.agent_steps}"])
-            summary["agent"] = summarise(rows, wall, None, load.stop(), max_steps_of(agent_dir))
+            rows, wall = train(agent, agent_dir, [f"train.max_steps={args.agent_steps}",
+                                                  f"train.eval_interval={args.agent_steps}"])
+            summary["agent"] = summarise(rows, wall, agent_before, load.stop(),
+                                         max_steps_of(agent_dir))
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     from report import write_page  # examples/smollm2/report.py
 
