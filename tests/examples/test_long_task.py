@@ -121,3 +121,13 @@ def test_configs_and_study_load():
     assert list(spec.arms) == ["gspo", "grpo", "grpo_r2", "grpo_r3", "gspo_engine_logprobs"]
     arms = arm_configs(spec, path, LONG / "study.yaml")
     assert len(arms) == 5
+
+
+@pytest.mark.parametrize("arch,folder", [("dense", "base"), ("moe", "base_moe")])
+def test_shipped_bases_are_the_pretrain_scripts_architectures(pretrain, arch, folder):
+    """The shipped base models have the shapes `pretrain.py --arch` builds (a rebuilt or
+    edited architecture that no longer matches the shipped files fails here)."""
+    cfg = json.loads((LONG / folder / "config.json").read_text())
+    for key, want in pretrain.ARCHS[arch].items():
+        assert cfg[key] == want, (folder, key, cfg[key], want)
+    assert (LONG / folder / "model.safetensors").stat().st_size > 1_000_000
