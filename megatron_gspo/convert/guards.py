@@ -104,6 +104,45 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
               "v_head_dim")
 
 
+#: Attention fields of the families with sliding-window layers, with transformers' defaults
+#: (5.24 config classes: Gemma3TextConfig, GptOssConfig) for a config that leaves them out.
+FAMILY_ATTENTION_FIELDS = {
+    "Gemma3ForCausalLM": {"sliding_window": 4096, "query_pre_attn_scalar": 256,
+                          "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    "GptOssForCausalLM": {"sliding_window": 128},
+}
+
+
+def _layer_types(cfg: Mapping, arch: str) -> tuple[str, ...]:
+    """Each layer's attention type; transformers' default pattern where a config leaves it out
+    (Gemma 3: every `sliding_window_pattern`-th layer global, default 6; gpt-oss: sliding
+    first, alternating)."""
+    n = int(cfg.get("num_hidden_layers") or 0)
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    if arch == "Gemma3ForCausalLM":
+        k = int(cfg.get("sliding_window_pattern") or 6)
+        return tuple("full_attention" if (i + 1) % k == 0 else "sliding_attention"
+                     for i in range(n))
+    return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n))
+
+
+def _gemma3_rope(cfg: Mapping) -> dict:
+    """Gemma 3's two rotary settings, from either spelling: transformers 5's `rope_parameters`
+    keyed by layer type, or 4.x's `rope_theta` / `rope_scaling` (global layers) and
+    `rope_local_base_freq` (sliding layers)."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        theta, scaling = _rope({"rope_parameters": {"rope_theta": 1e6, **full}})
+        return {"rope_theta": theta, "rope_scaling": scaling,
+                "rope_local_base_freq": float(local.get("rope_theta", 1e4))}
+    theta, scaling = _rope({"rope_theta": 1e6, **cfg})
+    return {"rope_theta": theta, "rope_scaling": scaling,
+            "rope_local_base_freq": float(cfg.get("rope_local_base_freq", 1e4))}
+
+
 def experts_key(cfg: Mapping) -> str:
     """The field a config counts its routed experts in: ``num_experts`` (Qwen3-MoE),
     ``num_local_experts`` (gpt-oss, transformers 5) or ``n_routed_experts`` (DeepSeek, GLM)."""
@@ -161,6 +200,12 @@ def model_fields(cfg: Mapping) -> dict:
             out[k] = type(default)(default if v is None else v)
     if arch == "DeepseekV3ForCausalLM":
         out.update({k: int(cfg.get(k) or 0) for k in MLA_FIELDS})
+    if arch in FAMILY_ATTENTION_FIELDS:
+        for k, default in FAMILY_ATTENTION_FIELDS[arch].items():
+            out[k] = cfg.get(k, default)
+        out["layer_types"] = _layer_types(cfg, arch)
+    if arch == "Gemma3ForCausalLM":
+        out.update(_gemma3_rope(cfg))
     return out
 
 

@@ -61,6 +61,10 @@ MISMATCHES = [
     (GLM, "n_shared_experts", 2), (DS, "first_k_dense_replace", 2), (GLM, "n_group", 2),
     (DS, "topk_group", 4), (DS, "routed_scaling_factor", 1.0), (OSS, "swiglu_limit", 7.0),
     (DS, "kv_lora_rank", 8), (DS, "v_head_dim", 8), (DS, "n_group", None),  # default 8, not 4
+    # attention of the sliding-window families
+    (GEMMA, "sliding_window", 6), (GEMMA, "query_pre_attn_scalar", 16),
+    (GEMMA, "layer_types", ["full_attention"] * 6), (GEMMA, "attn_logit_softcapping", 50.0),
+    (OSS, "sliding_window", 128), (OSS, "layer_types", ["full_attention", "sliding_attention"] * 2),
 ]
 
 
@@ -72,12 +76,40 @@ def test_family_field_differing_from_the_stored_config_is_refused(hf_dirs, arch,
     assert "\n" not in str(e.value)
 
 
+def test_gemma3_rope_in_either_spelling(hf_dirs):
+    """Gemma 3's two rotary bases and the global layers' scaling compare the same whether a
+    config.json spells them as transformers 5 writes them (`rope_parameters` keyed by layer
+    type) or as 4.x did (`rope_theta`, `rope_scaling`, `rope_local_base_freq`,
+    `sliding_window_pattern`); a different base of either kind is refused naming it."""
+    stored = _cfg(hf_dirs, GEMMA)
+    assert "full_attention" in stored["rope_parameters"]  # the 5.x spelling
+    old = _cfg(hf_dirs, GEMMA, rope_parameters=None, layer_types=None, rope_theta=1e6,
+               rope_local_base_freq=1e4, sliding_window_pattern=6,
+               rope_scaling={"rope_type": "linear", "factor": 8.0})
+    compare_configs(old, stored, "given", "stored")
+    for edits, field in (({"rope_local_base_freq": 5e4}, "rope_local_base_freq"),
+                         ({"rope_theta": 5e5}, "rope_theta"),
+                         ({"rope_scaling": None}, "rope_scaling"),
+                         ({"sliding_window_pattern": 3}, "layer_types")):
+        with pytest.raises(ConversionError, match=f"\\({field}(, |\\s)") as e:
+            compare_configs({**old, **edits}, stored, "given", "stored")
+        assert "\n" not in str(e.value)
+    nested = json.loads(json.dumps(stored))
+    nested["rope_parameters"]["sliding_attention"]["rope_theta"] = 5e4
+    with pytest.raises(ConversionError, match="rope_local_base_freq"):
+        compare_configs(nested, stored, "given", "stored")
+
+
 def test_family_defaults_left_out_are_the_same_model(hf_dirs):
-    """GLM's n_group / topk_group 1 and gpt-oss's swiglu_limit are transformers' defaults."""
+    """GLM's n_group / topk_group 1, gpt-oss's swiglu_limit, window and layer pattern are
+    transformers' defaults."""
     compare_configs(_cfg(hf_dirs, GLM, n_group=None, topk_group=None),
                     _cfg(hf_dirs, GLM), "given", "stored")
     compare_configs(_cfg(hf_dirs, OSS, swiglu_limit=None),
                     _cfg(hf_dirs, OSS, swiglu_limit=7.0), "given", "stored")
+    # gpt-oss's window 128 and alternating layers (sliding first) are transformers' defaults
+    compare_configs(_cfg(hf_dirs, OSS, sliding_window=None, layer_types=None),
+                    _cfg(hf_dirs, OSS, sliding_window=128), "given", "stored")
 
 
 def _shapes_only(ck, cfg, tmp_path):
@@ -118,3 +150,27 @@ def test_family_mismatch_found_from_tensor_shapes_alone(ckpts, hf_dirs, arch, ed
     with pytest.raises(ConversionError, match=field) as e:
         _shapes_only(ckpts(arch), _cfg(hf_dirs, arch, **edits), tmp_path)
     assert "\n" not in str(e.value)
+
+
+# The config attributes SGLang 0.5.12's DeepSeek model class reads without a default or a
+# hasattr check (python/sglang/srt/models/deepseek_v2.py: DeepseekV2ForCausalLM, its decoder
+# layers, MoE and MLA attention); a config.json without one of them does not load there.
+SGLANG_DEEPSEEK_V2_READS = (
+    "architectures", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "max_position_embeddings", "rms_norm_eps",
+    "hidden_act", "tie_word_embeddings", "pad_token_id", "n_routed_experts", "n_shared_experts",
+    "num_experts_per_tok", "n_group", "topk_group", "topk_method", "scoring_func",
+    "norm_topk_prob", "routed_scaling_factor", "first_k_dense_replace", "moe_layer_freq",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+)
+
+
+def test_deepseek_config_written_by_mcore_to_hf_has_what_sglang_reads(ckpts, hf_dirs, tmp_path):
+    """The config.json `mcore-to-hf` writes for a DeepSeek-V3 checkpoint (the stored one, kept
+    as it is) carries every attribute SGLang's model class reads, and a rotary setting in
+    either spelling (`rope_parameters`, or `rope_theta` with `rope_scaling`)."""
+    kw = conv.check_mcore_to_hf(str(ckpts(DS)), None, str(tmp_path / "o"), False)
+    cfg = kw["write_config"] or json.loads((Path(kw["side_dir"]) / "config.json").read_text())
+    missing = [k for k in SGLANG_DEEPSEEK_V2_READS if k not in cfg]
+    assert missing == [], missing
+    assert "rope_parameters" in cfg or "rope_theta" in cfg

@@ -22,6 +22,7 @@ DEEPSEEK_V3 = {
     "moe_intermediate_size": 16,  # 2048
     "num_hidden_layers": 4,  # 61
     "first_k_dense_replace": 1,  # 3 (leading dense layers)
+    "moe_layer_freq": 1,  # 1 (SGLang's DeepseekV2 model class reads it without a default)
     "num_attention_heads": 4,  # 128
     "num_key_value_heads": 4,  # 128
     "q_lora_rank": 24,  # 1536
