@@ -112,7 +112,9 @@ class RoutingReplay:
         self.chunk_of = {id(w): i for i, w in enumerate(wrapped)}
         self.routers = [self._chunk_routers(c, i) for i, c in enumerate(chunks)]  # per chunk
         self.records: dict[int, tuple] = {}  # id(sample) -> (weakref, version, [T, L, k])
-        self._acc = torch.zeros(2 * num_layers + 5, dtype=torch.float64)
+        # per layer: engine-agreement sum, its count; then replayed routers, routers, tokens
+        # without a record
+        self._acc = torch.zeros(2 * num_layers + 3, dtype=torch.float64)
         self._chg = torch.zeros(2 * num_layers, dtype=torch.float64)  # per layer: changed, seen
         self._run = None
 
@@ -380,8 +382,6 @@ class RoutingReplay:
             a, b = torch.cat(a_prev), torch.cat(b_prev)
             has = (a >= 0).all(-1) & (b >= 0).all(-1)  # [N, L]
             same = (a.sort(-1).values == b.sort(-1).values).all(-1)
-            self._acc[2 * L] += (has & ~same).sum().double()
-            self._acc[2 * L + 1] += has.sum().double()
             self._chg[:L] += (has & ~same).sum(0).double()
             self._chg[L:] += has.sum(0).double()
 
@@ -432,8 +432,8 @@ class RoutingReplay:
             have = [v for i, v in enumerate(per) if cnt[i] > 0]
             m["moe/routing_agreement/mean"] = float(sum(have) / len(have))
             m["moe/routing_agreement/min"] = float(min(have))
-        if acc[2 * L + 1] > 0:
-            m["moe/expert_change_rate"] = float(acc[2 * L] / acc[2 * L + 1])
+        if chg[L:].sum() > 0:  # overall: every layer's changes over every layer's records
+            m["moe/expert_change_rate"] = float(chg[:L].sum() / chg[L:].sum())
             for i in range(L):
                 if chg[L + i] > 0:
                     m[f"moe/expert_change_rate/layer_{i}"] = float(chg[i] / chg[L + i])
