@@ -162,9 +162,11 @@ def main(argv=None) -> int:
     gspo = HERE / "config.yaml"
     load = LoadSampler()
     load.start()
+    before_file = args.out / "eval_before.json"
+    kept = before_file.is_file()  # a rerun into the same directory keeps the base eval
     t0 = time.time()
-    before = evaluate_once(args.out / "eval_before.json", gspo, args.override)
-    before_s = time.time() - t0 if time.time() - t0 > 1.0 else None  # None: kept from a rerun
+    before = evaluate_once(before_file, gspo, args.override)
+    before_s = None if kept else time.time() - t0
     if args.eval_before_only:
         print(json.dumps(before))
         return 0
