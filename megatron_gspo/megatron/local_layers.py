@@ -96,9 +96,9 @@ class PackedDotProductAttention(DotProductAttention):
         outs = []
         for index, n, length, causal in buckets:
             if fused:
-                q = query[index].view(n, length, heads, dim).transpose(1, 2)  # [n, np, l, hn]
-                k = key[index].view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
-                v = value[index].view(n, length, groups, vdim).transpose(1, 2)  # [n, ng, l, hv]
+                q = _take(query, index).view(n, length, heads, dim).transpose(1, 2)  # [n, np, l, hn]
+                k = _take(key, index).view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
+                v = _take(value, index).view(n, length, groups, vdim).transpose(1, 2)  # [n, ng, l, hv]
                 context = torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=self.softmax_scale,
                     enable_gqa=groups != heads)  # [n, np, l, hv]
@@ -107,9 +107,9 @@ class PackedDotProductAttention(DotProductAttention):
             if window is not None:
                 pos = torch.arange(length, device=causal.device)
                 causal = causal & (pos[:, None] - pos[None, :] <= window[0])
-            q = query[index].view(n, length, heads, dim).transpose(1, 2)  # [n, np, l, hn]
-            k = key[index].view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
-            v = value[index].view(n, length, groups, vdim).transpose(1, 2)  # [n, ng, l, hv]
+            q = _take(query, index).view(n, length, heads, dim).transpose(1, 2)  # [n, np, l, hn]
+            k = _take(key, index).view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
+            v = _take(value, index).view(n, length, groups, vdim).transpose(1, 2)  # [n, ng, l, hv]
             if groups != heads:
                 k = k.repeat_interleave(heads // groups, dim=1)  # [n, np, l, hn]
                 v = v.repeat_interleave(heads // groups, dim=1)
@@ -128,7 +128,9 @@ class PackedDotProductAttention(DotProductAttention):
             context = torch.matmul(probs, v)  # [n, np, l, hv]
             outs.append(context.transpose(1, 2).reshape(n * length, heads * vdim))
         context = torch.cat(outs) if len(outs) > 1 else outs[0]  # [t, np*hv], bucket order
-        return context[inverse].view(t, 1, heads * vdim)
+        if inverse is not None:  # back to row order (None: the buckets are the row in order)
+            context = context.index_select(0, inverse)
+        return context.view(t, 1, heads * vdim)
 
 
 def _segment_plan(cu_seqlens: torch.Tensor, device):
@@ -140,7 +142,9 @@ def _segment_plan(cu_seqlens: torch.Tensor, device):
     Returns:
         (buckets, inverse): buckets is a list of (row positions [n_l * l], n_l, l, causal
         [l, l] bool mask, True where key <= query) in increasing l; inverse [t] maps each row
-        position to its place in the concatenated bucket outputs.
+        position to its place in the concatenated bucket outputs. When the buckets already are
+        the row in order (one length, or segments sorted by length), inverse is None and the
+        positions are slices (views instead of gathers).
     """
     key = (tuple(cu_seqlens.tolist()), str(device))
     if key in _PLAN_CACHE:
@@ -158,15 +162,35 @@ def _segment_plan(cu_seqlens: torch.Tensor, device):
         buckets.append((index.to(device), len(starts), length, causal.to(device)))
         order.append(index)
     order = torch.cat(order)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel())
-    plan = (buckets, inverse.to(device))
+    if torch.equal(order, torch.arange(order.numel())):  # one length, or sorted by length
+        inverse = None
+        buckets = [(_as_range(index), n, length, causal) for index, n, length, causal in buckets]
+    else:
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        inverse = inverse.to(device)
+    plan = (buckets, inverse)
     _PLAN_CACHE.clear()  # built once per micro-batch and shared by all layers
     _PLAN_CACHE[key] = plan
     return plan
 
 
 _PLAN_CACHE: dict = {}
+
+
+def _as_range(index: torch.Tensor) -> slice:
+    """The contiguous positions `index` holds (checked by the caller) as a slice."""
+    start = int(index[0])
+    return slice(start, start + index.numel())
+
+
+def _take(x: torch.Tensor, index) -> torch.Tensor:
+    """Rows `index` of x: a view for a slice, else `index_select` (its backward is an
+    `index_add`, several times cheaper on CPU than the accumulating `index_put` behind
+    `x[index]`)."""
+    if isinstance(index, slice):
+        return x if index.start == 0 and index.stop == x.shape[0] else x[index]
+    return x.index_select(0, index)
 _MASK_CACHE: dict = {}
 
 

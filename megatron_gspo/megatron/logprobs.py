@@ -19,6 +19,15 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_CHUNK = 4096
+# On the CPU a chunk's float32 temporaries are kept under glibc's largest mmap threshold (32 MiB)
+# so that they are reused from the heap instead of faulted in fresh on every call.
+CPU_CHUNK_BYTES = 16 << 20
+
+
+def _chunk_rows(logits: torch.Tensor, chunk: int) -> int:
+    if logits.device.type != "cpu":
+        return chunk
+    return max(1, min(chunk, CPU_CHUNK_BYTES // (4 * max(1, logits.shape[-1]))))
 
 
 def _mask_padded(z: torch.Tensor, vocab_start: int, vocab_size: int | None) -> torch.Tensor:
@@ -64,12 +73,14 @@ def _chunk_forward(z, t_local, in_range, vocab_start, vocab_size, group, want_en
         lp = lsm.gather(-1, t_local[:, None]).squeeze(-1)
         lse = z.gather(-1, t_local[:, None]).squeeze(-1) - lp
         ent = None
-        if want_entropy:
-            p = lsm.exp()
-            ent = -torch.bmm(p.unsqueeze(1), lsm.unsqueeze(2)).view(-1)  # -sum p log p
+        if want_entropy:  # H = lse - sum_v p_v z_v, p from the log-softmax exponentiated in place
+            p = lsm.exp_()
+            ent = lse - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
             bad = ~torch.isfinite(ent)  # -inf logits: 0 * -inf; those rows term by term
             if bool(bad.any()):
-                pl = torch.where(p[bad] > 0, p[bad] * lsm[bad], torch.zeros((), device=z.device))
+                lb = torch.log_softmax(z[bad], -1)
+                pl = torch.where(lb > float("-inf"), lb.exp() * lb,
+                                 torch.zeros((), device=z.device))
                 ent[bad] = -pl.sum(-1)
         return lse, lp, ent
     if vocab_size is not None and vocab_start + z.shape[-1] > vocab_size:
@@ -113,18 +124,28 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_ent=None):
+        """d logp / dz = (onehot - softmax) g / T, written chunk by chunk into the gradient
+        itself (float32 logits: the gradient is the only vocabulary-sized tensor made; other
+        dtypes: one float32 chunk more): (z / T - lse) in one pass, then exp, scale and the
+        one-hot added in place."""
         logits, t_local, in_range, lse = ctx.saved_tensors
         temperature, vocab_start, vocab_size, chunk = ctx.cfg
         grad = torch.empty_like(logits)
-        g = grad_out.float()
+        gt = grad_out.float() / temperature  # [N]
+        keep = None if vocab_size is None else max(vocab_size - vocab_start, 0)
         for s in range(0, logits.shape[0], chunk):
             e = min(s + chunk, logits.shape[0])
-            z = _mask_padded(logits[s:e].float() / temperature, vocab_start, vocab_size)
-            p = (z - lse[s:e, None]).exp()  # [C, V/tp] softmax slice
-            d = -p * (g[s:e, None] / temperature)
-            hot = (g[s:e] / temperature) * in_range[s:e].float()
-            d.scatter_add_(-1, t_local[s:e, None], hot[:, None])
-            grad[s:e] = d.to(grad.dtype)
+            direct = grad.dtype == torch.float32
+            d = grad[s:e] if direct else torch.empty((e - s, logits.shape[1]),
+                                                     dtype=torch.float32, device=logits.device)
+            torch.add(-lse[s:e, None], logits[s:e], alpha=1.0 / temperature, out=d)
+            d.exp_()  # [C, V/tp] softmax slice
+            if keep is not None and keep < d.shape[1]:
+                d[:, keep:] = 0.0  # padded vocabulary columns
+            d.mul_(-gt[s:e, None])
+            d.scatter_add_(-1, t_local[s:e, None], (gt[s:e] * in_range[s:e].float())[:, None])
+            if not direct:
+                grad[s:e].copy_(d)
         return grad, None, None, None, None, None, None, None
 
 
@@ -181,7 +202,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, *, temperature: float = 1.0,
     if group is not None and dist.get_world_size(group) == 1:
         group = None
     return _VocabParallelEntropy.apply(logits, float(temperature), int(vocab_start), vocab_size,
-                                       group, max(1, int(chunk_size)))
+                                       group, _chunk_rows(logits, max(1, int(chunk_size))))
 
 
 def vocab_parallel_logprobs(
@@ -220,7 +241,8 @@ def vocab_parallel_logprobs(
     z2 = logits.reshape(-1, logits.shape[-1])  # [N, V_local]
     t1 = targets.reshape(-1).long()  # [N]
     lp, ent = _VocabParallelLogProbs.apply(z2, t1, float(temperature), int(vocab_start),
-                                           vocab_size, group, max(1, int(chunk_size)),
+                                           vocab_size, group,
+                                           _chunk_rows(z2, max(1, int(chunk_size))),
                                            bool(return_entropy))
     lp = lp.reshape(lead)
     if not return_entropy:
@@ -288,6 +310,8 @@ def cp_gather(x: torch.Tensor, index: torch.Tensor, total: int, group) -> torch.
         [S] values in global order; gradient flows back to this rank's positions only.
     """
     if group is None or dist.get_world_size(group) == 1:
+        if x.shape[0] == total and torch.equal(index, torch.arange(total, device=index.device)):
+            return x  # one rank holding every position in order
         out = x.new_zeros(total)
         return out.index_put((index,), x)
     return _CPGather.apply(x, index, total, group)

@@ -131,7 +131,7 @@ def token_logprobs_full(logits: torch.Tensor, data: dict, ctx: ParallelContext,
         logits: [1, S/cp, V/tp] model output (vocab-sharded).
     """
     tgt = data["targets"][data["local_index"]]  # [S/cp]
-    out = vocab_parallel_logprobs(logits[0], tgt, temperature=temperature,
+    out = vocab_parallel_logprobs(logits.squeeze(0), tgt, temperature=temperature,
                                   vocab_start=ctx.vocab_start, vocab_size=ctx.vocab_size,
                                   group=ctx.tp_group, return_entropy=with_entropy)
     lp, ent = out if with_entropy else (out, None)
@@ -236,7 +236,7 @@ def loss_func(data: dict, settings: LossSettings, ctx: ParallelContext, num_sequ
     lp_full, ent = token_logprobs_full(output, data, ctx, settings.temperature, True)
     ent_grad = None
     if settings.entropy_coef > 0:  # vocab-parallel entropy with gradient, reduced over TP
-        e = vocab_parallel_entropy(output[0], temperature=settings.temperature,
+        e = vocab_parallel_entropy(output.squeeze(0), temperature=settings.temperature,
                                    vocab_start=ctx.vocab_start, vocab_size=ctx.vocab_size,
                                    group=ctx.tp_group)  # [S/cp]
         ent_grad = cp_gather(e, data["local_index"], data["seq_len"], ctx.cp_group)  # [S]

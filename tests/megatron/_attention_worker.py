@@ -68,7 +68,29 @@ def main() -> None:
     q2[4:9], k2[4:9], v2[4:9] = q.detach()[:5], k.detach()[:5], v.detach()[:5]
     out2 = packed(lengths2, q2, k2, v2)
 
+    # every way a row's segments can be laid out: one length (the buckets are the row: views),
+    # sorted by length (slices), unsorted (gathers); float64 and float32 (the fused kernel)
+    def vs_fallback(lens, dtype):
+        n = sum(lens)
+        xs = [torch.randn(n, h, dim, dtype=dtype, requires_grad=True) for h in (heads, groups,
+                                                                                groups)]
+        o = packed(lens, *xs)
+        g = torch.randn_like(o)
+        got = torch.autograd.grad((o * g).sum(), xs)
+        c = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        f = DotProductAttention.forward(attn, *(x.unsqueeze(1) for x in xs),
+                                        block_causal_mask(c, n, "cpu"))
+        want = torch.autograd.grad((f * g).sum(), xs)
+        return max([(o - f).abs().max().item()]
+                   + [(a - b).abs().max().item() for a, b in zip(got, want)])
+
+    layouts = {f"{name}-{str(dt)[6:]}": vs_fallback(lens, dt)
+               for name, lens in (("one_length", [6, 6, 6]), ("sorted", [2, 3, 3, 6]),
+                                  ("unsorted", [5, 2, 5, 1]))
+               for dt in (torch.float64, torch.float32)}
+
     print("RESULT " + json.dumps({
+        "layouts": layouts,
         "vs_reference": (out.detach()[:, 0] - ref).abs().max().item(),
         "vs_fallback": (out - fb).abs().max().item(),
         "grad_vs_fallback": max((a - b).abs().max().item()

@@ -108,3 +108,24 @@ def test_pi_old_forward_step_computes_no_entropy():
     _, both = step.logprob_forward_step_factory(ctx, 0.7, with_entropy=True)(
         iter([data]), lambda *a, **k: logits[None])[1](out)
     assert set(both) == {"logprobs", "entropy"}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype,allowed", [(torch.float32, 1), (torch.bfloat16, 2)])
+def test_backward_writes_the_gradient_in_place(temperature, dtype, allowed):
+    """The backward pass makes the gradient and nothing else of the vocabulary's size for
+    float32 logits (one float32 chunk more for other dtypes), and it is the float64 one."""
+    logits, targets = _inputs(4)
+    mine = logits.to(dtype).clone().requires_grad_(True)
+    lp = vocab_parallel_logprobs(mine, targets, temperature=temperature, vocab_size=REAL)
+    w = torch.randn(N, generator=torch.Generator().manual_seed(5))
+    with BigAllocations(N * REAL) as m:
+        (lp * w).sum().backward()
+    assert len(m.ops) <= allowed, m.ops
+    ref_in = logits.to(dtype)[:, :REAL].double().requires_grad_(True)
+    ref = torch.log_softmax(ref_in / temperature, -1).gather(-1, targets[:, None]).squeeze(-1)
+    (ref * w.double()).sum().backward()
+    want = torch.cat([ref_in.grad, torch.zeros(N, V - REAL, dtype=torch.float64)], 1)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2  # float32 rounding of z / T, exp
+    assert torch.allclose(mine.grad.double(), want, atol=tol, rtol=0)
+    assert mine.grad.dtype == dtype

@@ -1,6 +1,7 @@
 """The local spec's packed attention: per-length segment batches equal Megatron-Core's
-block-masked attention and an unpacked float64 reference (values and gradients, GQA), and a
-sequence's result does not depend on what else is packed in its row."""
+block-masked attention and an unpacked float64 reference (values and gradients, GQA) whether
+the row holds one length, lengths in order or in any order, and a sequence's result does not
+depend on what else is packed in its row."""
 
 import json
 import os
@@ -23,3 +24,6 @@ def test_segment_attention_matches_block_mask_and_reference():
     assert res["vs_fallback"] < 1e-12
     assert res["grad_vs_fallback"] < 1e-12
     assert res["invariant"]
+    for layout, diff in res["layouts"].items():  # values and gradients, every segment layout
+        assert diff < (1e-12 if layout.endswith("float64") else 1e-5), (layout, diff)
+    assert len(res["layouts"]) == 6
