@@ -95,10 +95,10 @@ class PackedDotProductAttention(DotProductAttention):
                  and not self.config.apply_query_key_layer_scaling)
         outs = []
         for index, n, length, causal in buckets:
+            q = _take(query, index).view(n, length, heads, dim).transpose(1, 2)  # [n, np, l, hn]
+            k = _take(key, index).view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
+            v = _take(value, index).view(n, length, groups, vdim).transpose(1, 2)  # [n, ng, l, hv]
             if fused:
-                q = _take(query, index).view(n, length, heads, dim).transpose(1, 2)  # [n, np, l, hn]
-                k = _take(key, index).view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
-                v = _take(value, index).view(n, length, groups, vdim).transpose(1, 2)  # [n, ng, l, hv]
                 context = torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=self.softmax_scale,
                     enable_gqa=groups != heads)  # [n, np, l, hv]
@@ -107,9 +107,6 @@ class PackedDotProductAttention(DotProductAttention):
             if window is not None:
                 pos = torch.arange(length, device=causal.device)
                 causal = causal & (pos[:, None] - pos[None, :] <= window[0])
-            q = _take(query, index).view(n, length, heads, dim).transpose(1, 2)  # [n, np, l, hn]
-            k = _take(key, index).view(n, length, groups, dim).transpose(1, 2)  # [n, ng, l, hn]
-            v = _take(value, index).view(n, length, groups, vdim).transpose(1, 2)  # [n, ng, l, hv]
             if groups != heads:
                 k = k.repeat_interleave(heads // groups, dim=1)  # [n, np, l, hn]
                 v = v.repeat_interleave(heads // groups, dim=1)

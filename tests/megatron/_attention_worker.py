@@ -82,7 +82,7 @@ def main() -> None:
                                         block_causal_mask(c, n, "cpu"))
         want = torch.autograd.grad((f * g).sum(), xs)
         return max([(o - f).abs().max().item()]
-                   + [(a - b).abs().max().item() for a, b in zip(got, want)])
+                   + [(a - b).abs().max().item() for a, b in zip(got, want, strict=True)])
 
     layouts = {f"{name}-{str(dt)[6:]}": vs_fallback(lens, dt)
                for name, lens in (("one_length", [6, 6, 6]), ("sorted", [2, 3, 3, 6]),
