@@ -121,6 +121,10 @@ def test_configs_and_study_load():
     assert list(spec.arms) == ["gspo", "grpo", "grpo_r2", "grpo_r3", "gspo_engine_logprobs"]
     arms = arm_configs(spec, path, LONG / "study.yaml")
     assert len(arms) == 5
+    spec, path = load_study(LONG / "study_replay.yaml")
+    assert list(spec.arms) == ["gspo", "grpo", "grpo_r2"]
+    arms = arm_configs(spec, path, LONG / "study_replay.yaml")
+    assert [cfg.train.max_steps for _, cfg in arms.values()] == [60, 60, 60]
 
 
 @pytest.mark.parametrize("arch,folder", [("dense", "base"), ("moe", "base_moe")])
