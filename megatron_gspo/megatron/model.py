@@ -59,6 +59,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_gspo.megatron.padding_idx import keep_pad_row_frozen, pad_id_of
 from megatron_gspo.megatron import deepseek_v3, gemma3, glm4_moe, gpt_oss
 from megatron_gspo.megatron.fallbacks import bind_missing_te_names
 from megatron_gspo.megatron.local_layers import PackedDotProductAttention, SequenceParallelRMSNorm
@@ -377,6 +378,9 @@ def build_gpt_model(
     )
     if hasattr(family, "post_build"):
         family.post_build(model, hf_config)
+    pad = pad_id_of(hf_config, int(_need(hf_config, "vocab_size")))
+    if pre_process and pad is not None:  # transformers' padding_idx
+        keep_pad_row_frozen(model.embedding.word_embeddings, pad)
     return model
 
 

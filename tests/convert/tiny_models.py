@@ -35,14 +35,16 @@ ARCHS = {
 }
 
 
-def make_tiny_model(arch: str, out_dir: Path, seed: int = 0):
+def make_tiny_model(arch: str, out_dir: Path, seed: int = 0, **config_overrides):
     """Build a random tiny `arch` model, give norms/biases non-trivial values, save it.
 
+    Args:
+        config_overrides: config fields on top of the tiny shape (e.g. pad_token_id).
     Returns:
         the transformers model (fp32, eval mode).
     """
     cfg_cls, extra = ARCHS[arch]
-    cfg = cfg_cls(**{**COMMON, **extra})
+    cfg = cfg_cls(**{**COMMON, **extra, **config_overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(cfg).eval()
     with torch.no_grad():
