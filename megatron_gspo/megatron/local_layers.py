@@ -130,6 +130,21 @@ class PackedDotProductAttention(DotProductAttention):
         return context.view(t, 1, heads * vdim)
 
 
+def _as_range(index: torch.Tensor) -> slice:
+    """The contiguous positions `index` holds (checked by the caller) as a slice."""
+    start = int(index[0])
+    return slice(start, start + index.numel())
+
+
+def _take(x: torch.Tensor, index) -> torch.Tensor:
+    """Rows `index` of x: a view for a slice, else `index_select` (its backward is an
+    `index_add`, several times cheaper on CPU than the accumulating `index_put` behind
+    `x[index]`)."""
+    if isinstance(index, slice):
+        return x if index.start == 0 and index.stop == x.shape[0] else x[index]
+    return x.index_select(0, index)
+
+
 def _segment_plan(cu_seqlens: torch.Tensor, device):
     """Segments of a packed row grouped by length.
 
@@ -174,20 +189,6 @@ def _segment_plan(cu_seqlens: torch.Tensor, device):
 
 _PLAN_CACHE: dict = {}
 
-
-def _as_range(index: torch.Tensor) -> slice:
-    """The contiguous positions `index` holds (checked by the caller) as a slice."""
-    start = int(index[0])
-    return slice(start, start + index.numel())
-
-
-def _take(x: torch.Tensor, index) -> torch.Tensor:
-    """Rows `index` of x: a view for a slice, else `index_select` (its backward is an
-    `index_add`, several times cheaper on CPU than the accumulating `index_put` behind
-    `x[index]`)."""
-    if isinstance(index, slice):
-        return x if index.start == 0 and index.stop == x.shape[0] else x[index]
-    return x.index_select(0, index)
 _MASK_CACHE: dict = {}
 
 

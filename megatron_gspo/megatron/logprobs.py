@@ -132,16 +132,13 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         temperature, vocab_start, vocab_size, chunk = ctx.cfg
         grad = torch.empty_like(logits)
         gt = grad_out.float() / temperature  # [N]
-        keep = None if vocab_size is None else max(vocab_size - vocab_start, 0)
+        direct = grad.dtype == torch.float32
         for s in range(0, logits.shape[0], chunk):
             e = min(s + chunk, logits.shape[0])
-            direct = grad.dtype == torch.float32
             d = grad[s:e] if direct else torch.empty((e - s, logits.shape[1]),
                                                      dtype=torch.float32, device=logits.device)
             torch.add(-lse[s:e, None], logits[s:e], alpha=1.0 / temperature, out=d)
-            d.exp_()  # [C, V/tp] softmax slice
-            if keep is not None and keep < d.shape[1]:
-                d[:, keep:] = 0.0  # padded vocabulary columns
+            _mask_padded(d, vocab_start, vocab_size).exp_()  # [C, V/tp] softmax slice
             d.mul_(-gt[s:e, None])
             d.scatter_add_(-1, t_local[s:e, None], (gt[s:e] * in_range[s:e].float())[:, None])
             if not direct:

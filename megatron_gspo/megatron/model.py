@@ -59,10 +59,10 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_gspo.megatron.padding_idx import keep_pad_row_frozen, pad_id_of
 from megatron_gspo.megatron import deepseek_v3, gemma3, glm4_moe, gpt_oss
 from megatron_gspo.megatron.fallbacks import bind_missing_te_names
 from megatron_gspo.megatron.local_layers import PackedDotProductAttention, SequenceParallelRMSNorm
+from megatron_gspo.megatron.padding_idx import keep_pad_row_frozen, pad_id_of
 
 bind_missing_te_names()  # the MoE router without Transformer Engine (GPU or CPU)
 

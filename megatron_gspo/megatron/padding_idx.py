@@ -33,10 +33,9 @@ def keep_pad_row_frozen(embedding: torch.nn.Module, pad_id: int) -> None:
     """
 
     def hook(module, args, output):
-        ids = args[0]  # [b, s]
-        mask = ids == pad_id  # [b, s]
-        if not torch.is_grad_enabled() or not output.requires_grad or not bool(mask.any()):
+        if not torch.is_grad_enabled() or not output.requires_grad:
             return output
+        mask = args[0] == pad_id  # [b, s] (no host sync on whether any is set)
         if getattr(module, "reduce_scatter_embeddings", False):
             # output [s / tp, b, h]: this rank's contiguous slice of the sequence
             tp = module.tp_group.size()
