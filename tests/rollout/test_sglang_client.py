@@ -205,3 +205,49 @@ def test_router_url_gets_generation_workers_get_weights(engine, tiny_model_dir):
         eng.shutdown()
         worker.stop_thread()
         router.stop_thread()
+
+
+def test_health_check_lost_as_a_batch_finishes_is_asked_once_more(engine, monkeypatch, caplog):
+    """SGLang 0.5.12 answers a health request that lands right after a batch only at the end of
+    the next batch (503 after its health timeout when none runs): the client asks once more,
+    and says why a server is not healthy when the second one fails too."""
+    import asyncio
+    import logging
+    import time
+
+    import aiohttp
+
+    from megatron_gspo.rollout.standin.server import StandinServer
+
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "0.5")  # read at start, as upstream
+    srv = StandinServer(engine).start_in_thread()
+    eng = SGLangEngine(server_urls=[srv.url], backoff_s=0.01)
+    caplog.set_level(logging.INFO, logger="megatron_gspo.rollout.sglang.client")
+    try:
+        assert len(eng.generate(_batch(n=1))) == 2
+        srv.faults.health_race = 1
+        n0 = srv.stats["health_generations"]
+        assert eng.health()
+        assert srv.stats["health_generations"] == n0 + 2
+        assert "HTTP 503" in caplog.text and "asked once more" in caplog.text
+        srv.faults.health_race = 2
+        assert not eng.health()
+        assert "SGLang server not healthy" in caplog.text
+
+        async def queued_then_a_batch():  # the queued request is answered by the next batch
+            async with aiohttp.ClientSession() as s:
+                health = asyncio.ensure_future(s.get(srv.url + "/health_generate"))
+                await asyncio.sleep(0.05)
+                t0 = time.monotonic()
+                async with s.post(srv.url + "/generate", json={
+                        "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}) as r:
+                    assert r.status == 200
+                async with await health as r:
+                    return r.status, time.monotonic() - t0
+
+        srv.faults.health_race = 1
+        status, waited = asyncio.run(queued_then_a_batch())
+        assert status == 200 and waited < 0.5
+    finally:
+        eng.shutdown()
+        srv.stop_thread()

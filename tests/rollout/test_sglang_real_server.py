@@ -1,10 +1,11 @@
 """SGLang 0.5.12's real HTTP server on CPU (tier `sglang_real`, installed by
 scripts/sglang_cpu.sh), launched through the project's launcher: served log-probs against a
 recompute (fp32 and bf16), tensor, disk and distributed (gloo) weight syncs each verified by
-served log-probs, abort and timeouts, the API key, context-length 400s and out-of-vocabulary
-prompts as per-sample failures, the stand-in's answers next to the real ones, and the shared
-memory manager of CPU payloads leaving the client's output pipe alone. Two servers (fp32, bf16)
-are shared by the module."""
+served log-probs, abort and timeouts, the API key, context-length 400s (and the rid one leaves
+taken) and out-of-vocabulary prompts as per-sample failures, health checks right after
+generations, the stand-in's answers next to the real ones, and the shared memory manager of
+CPU payloads leaving the client's output pipe alone. Two servers (fp32, bf16) are shared by
+the module."""
 
 from __future__ import annotations
 
@@ -192,6 +193,14 @@ def test_api_key_context_and_vocabulary_failures(fp32):
 
     assert asyncio.run(raw("/generate", json={"input_ids": [5]})) == (
         401, '{"error":"Unauthorized"}')
+    # the rid of a request refused for its length stays taken (the stand-in copies this; the
+    # client's rids are unique per engine for it)
+    auth = {"Authorization": f"Bearer {tier.API_KEY}"}
+    for n, want in ((120, "maximum context length of 128"),
+                    (2, "Duplicate request ID detected: held-1")):
+        status, text = asyncio.run(raw("/generate", headers=auth, json={
+            "rid": "held-1", "input_ids": [5] * n, "sampling_params": {"max_new_tokens": 20}}))
+        assert status == 400 and want in text, text
     eng = _attach(fp32)
     try:
         sp = SamplingParams(max_new_tokens=20)
@@ -206,6 +215,25 @@ def test_api_key_context_and_vocabulary_failures(fp32):
         assert eng.metrics["failed"] == 2 and eng.health()
     finally:
         eng.shutdown()
+
+
+def test_health_right_after_generations_is_healthy(fp32, caplog):
+    """A health check sent as a generation finishes may land where SGLang's scheduler only
+    queues it (then 503 after 20 s, no batch following): `health()` asks once more, so every
+    round is healthy; how many needed the second request is printed."""
+    import logging
+
+    tier.wait_idle(fp32.urls[0])
+    caplog.set_level(logging.INFO, logger="megatron_gspo.rollout.sglang.client")
+    eng = _attach(fp32)
+    try:
+        sp = SamplingParams(max_new_tokens=4)
+        for _ in range(12):
+            assert eng.generate([GenerateRequest([5, 6], sp)])[0].response_ids
+            assert eng.health()
+    finally:
+        eng.shutdown()
+    print(f"health checks asked twice: {caplog.text.count('asked once more')} of 12")
 
 
 def test_standin_answers_like_the_real_server(fp32, model_dir):

@@ -72,6 +72,29 @@ def test_over_long_sample_is_a_per_sample_failure_not_the_run(standin):
         eng.shutdown()
 
 
+def test_rid_of_a_request_refused_for_its_length_stays_taken(standin):
+    """SGLang 0.5.12 registers a request's rid before its length check and never drops it
+    when the check refuses it: that rid gets 400 "Duplicate request ID" for good, while a rid
+    of a request that ran is free again. A second engine in the same process (or a restarted
+    run whose process id repeats) must not reuse the first one's rids."""
+    long = {"input_ids": [5] * 250, "sampling_params": {"max_new_tokens": 10}}
+    short = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+    assert _post(standin.url, "/generate", {**long, "rid": "r1"})[0] == 400
+    assert _post(standin.url, "/generate", {**short, "rid": "r1"}) == (
+        400, '{"error": {"message": "Duplicate request ID detected: r1"}}')
+    for _ in range(2):
+        assert _post(standin.url, "/generate", {**short, "rid": "r2"})[0] == 200
+    for _ in range(2):  # the same slot of the first batch of two engines
+        eng = SGLangEngine(server_urls=[standin.url], backoff_s=0.01, max_retries=0)
+        try:
+            bad, good = eng.generate(_reqs(prompt_len=250, max_new=10, n=1) +
+                                     _reqs(prompt_len=3, max_new=4, n=1))
+            assert "context length" in bad.metadata["rollout_error"]
+            assert "rollout_error" not in good.metadata and good.response_ids
+        finally:
+            eng.shutdown()
+
+
 def test_client_caps_max_new_tokens_to_the_context(standin):
     eng = SGLangEngine(server_urls=[standin.url], backoff_s=0.01, context_length=256)
     try:

@@ -41,6 +41,7 @@ import asyncio
 import itertools
 import logging
 import os
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -166,6 +167,10 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
         self._started = False
         self._closed = False
         self._batches = itertools.count()
+        # rids unique across engines and processes (pids repeat across containers): SGLang
+        # 0.5.12 answers 400 to a rid it holds, and holds for good the rid of a request it
+        # refused for its length (tokenizer_manager.py registers it before the check)
+        self._rid_prefix = f"mg-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._tasks: set[asyncio.Future] = set()
         self._update_group: Any = None
         self._open_updates: list[str] = []  # servers with an open weight-update session
@@ -200,9 +205,6 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
             return self.router_url
         cands = [u for u in self.urls if u != avoid] or self.urls
         return min(cands, key=lambda u: self._inflight.get(u, 0))
-
-    def _dead_server(self) -> ServerProcess | None:
-        return next((p for p in [*self.procs, self.router_proc] if p and not p.alive()), None)
 
     def _fit_context(self, prompt_len: int, sp: dict[str, Any]) -> str | None:
         """Cap `sp["max_new_tokens"]` to the context length; an error when the prompt alone
@@ -291,7 +293,7 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
             if dead is not None:
                 raise RolloutError(f"{where}: {dead.describe()}")
             url = self._pick(avoid)
-            rid = f"mg-{os.getpid()}-{batch}-{slot.out_idx}-{attempt}"
+            rid = f"{self._rid_prefix}-{batch}-{slot.out_idx}-{attempt}"
             self._inflight[url] = self._inflight.get(url, 0) + 1
             try:
                 out = await self._post_generate(url, {**body, "rid": rid}, where)
@@ -412,18 +414,6 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
             return
         await self._all("/resume_memory_occupation", {"tags": todo})
         self.released_tags -= set(todo)
-
-    async def ahealth(self) -> bool:
-        if self._dead_server() is not None:
-            return False
-        # While memory is released a health generation would run on unmapped memory (and keep
-        # the server busy): only ask for an answer that does not generate.
-        path = "/model_info" if self.memory_released else "/health_generate"
-        try:
-            await self._all(path, get=True, timeout=30.0)
-        except RolloutError:
-            return False
-        return True
 
     # -------------------------------------------------------------- shutdown
     async def ashutdown(self) -> None:

@@ -35,6 +35,10 @@ from megatron_gspo.rollout.base import RolloutError
 
 #: Highest server port SGLang accepts: port + 10000 must stay a valid port (see module doc).
 MAX_SERVER_PORT = 55535
+#: entrypoints/http_server.py HEALTH_CHECK_TIMEOUT: a health generation that gets no answer
+#: within this many seconds is answered 503 (read from this variable at start, default 20).
+HEALTH_CHECK_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
+HEALTH_CHECK_TIMEOUT_S = 20.0
 #: Environment variable that turns /health's one-token generation off (SGLang environ.py).
 HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 # utils/hf_transformers/common.py CONTEXT_LENGTH_KEYS, in SGLang's order.

@@ -1,6 +1,6 @@
 """Server lifecycle of the SGLang engine (mixed into `sglang.SGLangEngine`): launch servers and
-router, wait for health, read and check every server's `GET /server_info` (tp_size equal to the
-configuration, dp_size 1, the context length), stop what was launched.
+router, wait for health, read and check every server's `GET /server_info` (tp_size equal to
+the configuration, dp_size 1, the context length), answer `ahealth`, stop what was launched.
 
 The context length is the server's `context_length` (its --context-length), else the model
 config at its `model_path` when that is a local directory (SGLang's derivation, see
@@ -185,6 +185,44 @@ class SGLangServers:
             if time.monotonic() > deadline:
                 raise RolloutError(f"{url} not healthy after {self.startup_timeout_s:.0f} s")
             await asyncio.sleep(0.5)
+
+    def _dead_server(self) -> ServerProcess | None:
+        return next((p for p in [*self.procs, self.router_proc] if p and not p.alive()), None)
+
+    async def ahealth(self) -> bool:
+        """Every server answers `/health_generate` (`/model_info` while memory is released);
+        why one is not healthy is logged. A failed health generation is asked once more:
+        SGLang 0.5.12's scheduler only queues a health request that arrives in the loop
+        iteration right after a batch and answers it at the end of the next batch
+        (managers/scheduler.py `process_input_requests`, `maybe_send_health_check_signal`), so
+        with no batch following a well server answers 503 after 20 s (seen on 1 of 30 checks
+        right after a generation on a loaded 2-core machine)."""
+        dead = self._dead_server()
+        if dead is not None:
+            log.warning("SGLang server not healthy: %s", dead.describe())
+            return False
+        # While memory is released a health generation would run on unmapped memory (and keep
+        # the server busy): only ask for an answer that does not generate.
+        path = "/model_info" if self.memory_released else "/health_generate"
+        try:
+            await self.astart()
+        except RolloutError as e:
+            log.warning("SGLang servers not healthy: %s", e)
+            return False
+
+        async def one(url: str, attempt: int = 1) -> bool:
+            try:
+                await self._post(url, path, get=True, timeout=30.0)
+                return True
+            except RolloutError as e:
+                if attempt == 2 or path != "/health_generate":
+                    log.warning("SGLang server not healthy: %s", e)
+                    return False
+                log.info("%s; asked once more (a health check that arrives as a batch "
+                         "finishes is answered only by the next batch)", e)
+                return await one(url, 2)
+
+        return all(await asyncio.gather(*(one(u) for u in self.urls)))
 
     async def _stop_processes(self) -> None:
         procs = [p for p in [self.router_proc, *self.procs] if p is not None]

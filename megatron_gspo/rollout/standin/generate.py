@@ -1,7 +1,7 @@
 """The generation side of the stand-in SGLang server (`standin_server.StandinServer` mixes it
-in): `/generate` (micro-batched into one embedded-engine batch), `/health`, `/health_generate`,
-`/model_info`, `/server_info`, `/abort_request`, `/pause_generation`, `/continue_generation`,
-switchable faults and the `--api-key` check.
+in; `control.ControlEndpoints` has /health, /model_info, /server_info and the control calls):
+`/generate` (micro-batched into one embedded-engine batch), switchable faults and the
+`--api-key` check.
 
 Strict where SGLang 0.5.12 is (rules in `sglang_protocol`, each naming its upstream file):
 over-long requests get SGLang's 400; `/health` runs a one-token generation unless
@@ -16,7 +16,11 @@ Faults (POST /standin/faults or `.faults`), each counting down per /generate cal
 (503), `drop` (close the connection), `slow` (answer `delay_s` late), `abort` (finish reason
 abort with half the output, as after /abort_request), `cut` (body cut mid-way), `garbage`
 (200 with a non-JSON body), `nested` (200 with JSON nested too deeply to parse), `bad_ids` (a
-negative token id); `crash` stops serving (a subprocess exits with code 1).
+negative token id); `crash` stops serving (a subprocess exits with code 1). `health_race`
+counts down per health generation instead: the request lands in the scheduler's loop iteration
+right after a batch, where SGLang only queues it (managers/scheduler.py
+`process_input_requests`), so it is answered at the end of the next batch and gets 503 after
+the health timeout (`SGLANG_HEALTH_CHECK_TIMEOUT`, 20 s) when none runs.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from aiohttp import web
 
 from megatron_gspo.rollout.base import SamplingParams
 from megatron_gspo.rollout.sglang.protocol import (
+    HEALTH_CHECK_TIMEOUT_ENV,
+    HEALTH_CHECK_TIMEOUT_S,
     HEALTH_GENERATION_ENV,
     auth_allowed,
     context_length_of,
@@ -41,9 +47,6 @@ from megatron_gspo.rollout.sglang.protocol import (
     prompt_ids_error,
 )
 
-# entrypoints/http_server.py HEALTH_CHECK_TIMEOUT: a health generation that gets no answer
-# within this many seconds fails.
-HEALTH_CHECK_TIMEOUT_S = 20.0
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Faults:
     garbage: int = 0
     nested: int = 0
     bad_ids: int = 0
+    health_race: int = 0
 
 
 #: managers/schedule_batch.py FINISH_ABORT.to_json() of an aborted request.
@@ -147,7 +151,13 @@ class GenerationEndpoints:
             health_generation = env_bool(os.environ, HEALTH_GENERATION_ENV, True)
         self.health_generation = health_generation
         self.aborts: list[str] = []  # rids of /abort_request calls ("*" for abort_all)
+        self.live_rids: set[str] = set()  # tokenizer_manager.py rid_to_state
         self.in_flight = 0
+        self.health_timeout_s = float(os.environ.get(HEALTH_CHECK_TIMEOUT_ENV,
+                                                     HEALTH_CHECK_TIMEOUT_S))
+        # health requests queued by `health_race`, answered one per finished batch
+        # (scheduler.py maybe_send_health_check_signal pops one per batch result)
+        self._health_waiting: list[asyncio.Future] = []
         self.stats.update(health_generations=0)
 
     # ------------------------------------------------------------ generation
@@ -179,6 +189,11 @@ class GenerationEndpoints:
                 if not fut.done():
                     fut.set_result(outs[k : k + len(rows_i)])
                 k += len(rows_i)
+            while self._health_waiting:
+                waiter = self._health_waiting.pop(0)
+                if not waiter.done():
+                    waiter.set_result(None)
+                    break
 
     async def _run_rows(self, rows: list, rid: str) -> list:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -217,10 +232,27 @@ class GenerationEndpoints:
             params = [_params(d) for d in sps]
         except (TypeError, ValueError) as e:
             return _bad(str(e))
+        rid = body.get("rid") or uuid.uuid4().hex
+        keys = [rid] if isinstance(rid, str) else [str(r) for r in rid]
+        dup = next((k for k in keys if k in self.live_rids), None)
+        if dup is not None:  # managers/tokenizer_manager.py _init_req_state
+            return _error(f"Duplicate request ID detected: {dup}")
+        # the request's state is registered before its length is checked, and a request the
+        # check refuses never drops it (SGLang 0.5.12): its rid stays taken for good
+        self.live_rids.update(keys)
         for p, d in zip(prompts, sps, strict=True):
             msg = length_error(len(p), d.get("max_new_tokens"), self.context_length)
             if msg:
                 return _error(msg)
+        try:
+            return await self._generate_rows(request, body, rid, single, prompts, sps, params)
+        finally:
+            self.live_rids.difference_update(keys)
+
+    async def _generate_rows(self, request: web.Request, body: dict, rid: str, single: bool,
+                             prompts: list, sps: list, params: list) -> web.StreamResponse:
+        """The checked request's rows through the batcher, answered as SGLang does."""
+        f = self.faults
         bad = next((e for e in (prompt_ids_error(p, self.engine.vocab_size) for p in prompts)
                     if e), None)
         if bad:  # upstream the embedding's IndexError ends the scheduler, and the server
@@ -242,7 +274,6 @@ class GenerationEndpoints:
         skips = [bool(d.get("skip_special_tokens", True))
                  for d, s in zip(sps, params, strict=True) for _ in range(s.n)]
         self.stats["generate_calls"] += 1
-        rid = body.get("rid") or uuid.uuid4().hex
         slow, aborted, bad_ids = f.slow > 0, f.abort > 0, f.bad_ids > 0
         f.slow, f.abort, f.bad_ids = f.slow - slow, f.abort - aborted, f.bad_ids - bad_ids
         self.in_flight += 1
@@ -355,89 +386,3 @@ class GenerationEndpoints:
         request.transport.close()  # type: ignore[union-attr]
         self._stopped.set()  # the serving thread then closes the listener
         raise asyncio.CancelledError()
-
-    # ------------------------------------------------------------ information
-    async def health(self, request: web.Request) -> web.Response:
-        """entrypoints/http_server.py `health_generate` (serves /health and /health_generate)."""
-        if self.faults.crash:
-            return await self._crash(request)  # type: ignore[return-value]
-        if request.path == "/health" and not self.health_generation:
-            return web.Response(status=200)
-        if self.released:  # a generation on released (unmapped) memory gets no answer
-            return web.Response(status=503)
-        self.stats["health_generations"] += 1
-        self.in_flight += 1
-        try:
-            rows = [([0], SamplingParams(max_new_tokens=1, temperature=0.0))]
-            await asyncio.wait_for(self._run_rows(rows, f"HEALTH_CHECK_{uuid.uuid4().hex}"),
-                                   HEALTH_CHECK_TIMEOUT_S)
-        except Exception:
-            return web.Response(status=503)
-        finally:
-            self.in_flight -= 1
-        return web.Response(status=200)
-
-    async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"model_path": self.model_path, "is_generation": True,
-             "weight_version": self.weight_version,
-             "model_type": getattr(self.engine.model.config, "model_type", None)}
-        )
-
-    async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
-             "context_length": self.context_length_arg, "version": "standin",
-             "weight_version": self.weight_version,
-             # SGLang's /server_info lists every ServerArgs field
-             "enable_return_routed_experts": getattr(self, "enable_return_routed_experts", False)}
-        )
-
-    # ------------------------------------------------------------ control
-    async def release_if_idle(self, request: web.Request) -> web.StreamResponse:
-        """/release_memory_occupation; while requests are in flight the server ends, as
-        upstream, where the scheduler asserts it is idle
-        (managers/scheduler_update_weights_mixin.py) and the failed assertion ends it."""
-        if self.in_flight or self._queue:
-            return await self.die(request, "AssertionError: release_memory_occupation should "
-                                  f"be called only when server is idle ({self.in_flight} "
-                                  "requests in flight)")
-        return await self.release(request)  # type: ignore[attr-defined]
-
-    async def pause(self, request: web.Request) -> web.Response:
-        text = await request.text()
-        mode = (await request.json()).get("mode", "abort") if text.strip() else "abort"
-        if mode == "abort":  # requests not yet started come back with finish reason abort
-            for rows, fut, _ in self._queue:
-                if not fut.done():
-                    fut.set_result([([], [], "abort_waiting")] * len(rows))
-            self._queue = []
-        self._paused = True
-        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
-
-    async def cont(self, request: web.Request) -> web.Response:
-        if not (await request.text()).strip():  # FastAPI's body validation, as upstream
-            return web.json_response(MISSING_BODY, status=400)
-        self._paused = False
-        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
-
-    async def abort(self, request: web.Request) -> web.Response:
-        b = await request.json()
-        self.aborts.append("*" if b.get("abort_all") else str(b.get("rid")))
-        keep = []
-        for rows, fut, rid in self._queue:  # only requests not yet started can be aborted
-            if b.get("abort_all") or rid == b.get("rid"):
-                if not fut.done():
-                    fut.set_result([([], [], "abort_waiting")] * len(rows))
-            else:
-                keep.append((rows, fut, rid))
-        self._queue = keep
-        return web.Response(status=200)
-
-    async def set_faults(self, request: web.Request) -> web.Response:
-        b = await request.json()
-        for k, v in b.items():
-            if not hasattr(self.faults, k):
-                return _bad(f"unknown fault {k!r}")
-            setattr(self.faults, k, type(getattr(self.faults, k))(v))
-        return web.json_response({"success": True})

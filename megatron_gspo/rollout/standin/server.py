@@ -34,6 +34,7 @@ from aiohttp import web
 from megatron_gspo.rollout.base import SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.sglang.protocol import grpc_port_error, served_dtype
+from megatron_gspo.rollout.standin.control import ControlEndpoints
 from megatron_gspo.rollout.standin.generate import (
     Faults,
     GenerationEndpoints,
@@ -46,7 +47,7 @@ from megatron_gspo.rollout.standin.weights import WeightEndpoints, weights_diges
 _BATCHER: web.AppKey[asyncio.Task] = web.AppKey("batcher", asyncio.Task)
 
 
-class StandinServer(GenerationEndpoints, WeightEndpoints):
+class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
     """aiohttp app serving an `EmbeddedEngine` under SGLang's endpoint names.
 
     Args:
