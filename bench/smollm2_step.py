@@ -20,15 +20,20 @@ Plain transformers, the same batch and token ids:
   sync        load_state_dict of the trained model into the generating one
 Both sides run in the same process, interleaved rep by rep (project, transformers, project,
 ...), and each phase reports its best of --reps: on a shared, busy machine the best rep is the
-one least disturbed by other jobs. The last line is `ratio=<project step / transformers step>`.
+one least disturbed by other jobs; next to it, the minor page faults of that rep's phase (a
+phase whose large tensors land on fresh pages is seconds slower on this VM, so a side whose
+best rep still faulted far more than the other's was not measured warm). The last line is
+`ratio=<project step / transformers step>`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -44,6 +49,24 @@ def _prompts(tok, n: int) -> list[list[int]]:
             (ROOT / "examples" / "smollm2" / "data" / "train.jsonl").read_text().splitlines()[:n]]
     return [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
                                     add_generation_prompt=True, tokenize=False) for r in rows]
+
+
+class _Phases:
+    """Wall time and minor page faults of each timed phase of one rep (on this VM the first
+    touch of a fresh page costs microseconds: a phase whose tensors land on new pages is
+    seconds slower, so the faults say whether a rep was a warm one)."""
+
+    def __init__(self):
+        self.t: dict[str, float] = {}
+        self.faults: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        yield
+        self.t[name] = time.perf_counter() - t0
+        self.faults[name] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
 
 def _best_of(n: int, fn) -> float:
@@ -79,7 +102,7 @@ class Project:
         self.engine = EmbeddedEngine(model_dir, dtype="float32", seed=1)
         self.version = 0
 
-    def step(self, prompt_texts: list[str], args) -> tuple[dict, list]:
+    def step(self, prompt_texts: list[str], args) -> tuple[_Phases, list]:
         from megatron_gspo.loop import sync as sync_phase
         from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
 
@@ -87,23 +110,20 @@ class Project:
                             ignore_eos=True)
         reqs = [GenerateRequest(self.tok(t, add_special_tokens=False)["input_ids"], sp)
                 for t in prompt_texts]
-        t = {}
-        t0 = time.perf_counter()
-        samples = self.engine.generate(reqs)
-        t["generation"] = time.perf_counter() - t0
+        ph = _Phases()
+        with ph("generation"):
+            samples = self.engine.generate(reqs)
         rng = random.Random(0)
         for s in samples:
             s.advantage = rng.uniform(-1, 1)
-        t0 = time.perf_counter()
-        old = self.learner.forward_logprobs(samples)
-        t["pi_old"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.learner.train_step(samples, old)
-        t["training"] = time.perf_counter() - t0
+        with ph("pi_old"):
+            old = self.learner.forward_logprobs(samples)
+        with ph("training"):
+            self.learner.train_step(samples, old)
         self.version += 1
-        t["sync"] = _best_of(args.sync_repeats, lambda: sync_phase.sync_weights(
+        ph.t["sync"] = _best_of(args.sync_repeats, lambda: sync_phase.sync_weights(
             self.learner, self.engine, self.hf, self.cfg, version=self.version))
-        return t, samples
+        return ph, samples
 
 
 class Plain:
@@ -137,37 +157,32 @@ class Plain:
         logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()  # [B, T-1, V]
         return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1]
 
-    def step(self, prompt_texts: list[str], samples, args) -> dict:
-        t = {}
+    def step(self, prompt_texts: list[str], samples, args) -> _Phases:
+        ph = _Phases()
         enc = self.tok(prompt_texts, return_tensors="pt", padding=True, add_special_tokens=False)
         enc = {k: v.repeat_interleave(args.group, 0) for k, v in enc.items()}
-        t0 = time.perf_counter()
-        with torch.no_grad():
+        with ph("generation"), torch.no_grad():
             self.gen.generate(**enc, do_sample=True, temperature=1.0, top_k=None, top_p=None,
                               max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                               pad_token_id=self.tok.pad_token_id)
-        t["generation"] = time.perf_counter() - t0
         ids, att, resp = self._batch(samples)
         adv = torch.tensor([s.advantage for s in samples])
-        t0 = time.perf_counter()
-        with torch.no_grad():
+        with ph("pi_old"), torch.no_grad():
             self._logprobs(self.train, ids, att)
-        t["pi_old"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        lp = self._logprobs(self.train, ids, att)
-        m = resp[:, 1:]
-        loss = -(adv * (lp * m).sum(1) / m.sum(1)).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.train.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        t["training"] = time.perf_counter() - t0
+        with ph("training"):
+            lp = self._logprobs(self.train, ids, att)
+            m = resp[:, 1:]
+            loss = -(adv * (lp * m).sum(1) / m.sum(1)).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.train.parameters(), 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         def sync():
             with torch.no_grad():
                 self.gen.load_state_dict(self.train.state_dict())
 
-        t["sync"] = _best_of(args.sync_repeats, sync)
-        return t
+        ph.t["sync"] = _best_of(args.sync_repeats, sync)
+        return ph
 
 
 def main() -> int:
@@ -193,25 +208,33 @@ def main() -> int:
     loads = []
     for _ in range(args.reps):
         loads.append(os.getloadavg()[0])
-        t, samples = proj.step(texts, args)
-        runs["project"].append(t)
+        ph, samples = proj.step(texts, args)
+        runs["project"].append(ph)
         runs["transformers"].append(plain.step(texts, samples, args))
-    best = {side: {p: min(r[p] for r in rs) for p in PHASES} for side, rs in runs.items()}
+    # per side and phase, the rep with the shortest time, and that rep's page faults
+    pick = {side: {p: min(rs, key=lambda r, p=p: r.t[p]) for p in PHASES}
+            for side, rs in runs.items()}
+    best = {side: {p: r.t[p] for p, r in pk.items()} for side, pk in pick.items()}
+    faults = {side: {p: r.faults.get(p) for p, r in pk.items()} for side, pk in pick.items()}
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     print(f"SmolLM2-135M GSPO step phases, CPU ({os.cpu_count()} cores, torch "
           f"{torch.get_num_threads()} threads), {args.prompts} prompts x {args.group} samples x "
           f"{args.new_tokens} new tokens ({tokens} tokens trained); best of {args.reps} "
           f"interleaved reps; 1-min load at each rep: {[round(x, 1) for x in loads]}")
-    print(f"{'phase':<12}{'project s':>11}{'transformers s':>16}{'ratio':>8}")
+    print(f"{'phase':<12}{'project s':>11}{'transformers s':>16}{'ratio':>8}"
+          f"{'faults k (project / transformers)':>36}")
     for p in PHASES:
         a, b = best["project"][p], best["transformers"][p]
-        print(f"{p:<12}{a:>11.2f}{b:>16.2f}{a / b if b else float('nan'):>8.2f}")
+        fa, fb = faults["project"][p], faults["transformers"][p]
+        ft = "" if fa is None else f"{fa / 1e3:.0f} / {fb / 1e3:.0f}"
+        print(f"{p:<12}{a:>11.2f}{b:>16.2f}{a / b if b else float('nan'):>8.2f}{ft:>36}")
     tot = {side: sum(best[side].values()) for side in best}
     print(f"{'step':<12}{tot['project']:>11.2f}{tot['transformers']:>16.2f}"
           f"{tot['project'] / tot['transformers']:>8.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": runs, "best": best, "loads": loads,
-                                               "args": vars(args)}, indent=1))
+        reps = {s: [{"s": r.t, "faults": r.faults} for r in rs] for s, rs in runs.items()}
+        out = {"runs": reps, "best": best, "faults": faults, "loads": loads, "args": vars(args)}
+        Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"ratio={tot['project'] / tot['transformers']:.3f}")
     return 0
 
