@@ -20,9 +20,10 @@ Plain transformers, the same batch and token ids:
   sync        load_state_dict of the trained model into the generating one
 Both sides run in the same process, interleaved rep by rep (project, transformers, project,
 ...), and each phase reports its best of --reps: on a shared, busy machine the best rep is the
-one least disturbed by other jobs; next to it, the minor page faults of that rep's phase (a
-phase whose large tensors land on fresh pages is seconds slower on this VM, so a side whose
-best rep still faulted far more than the other's was not measured warm). The last line is
+one least disturbed by other jobs; next to it, the minor page faults of that rep's phase (not
+for the sync, a best of back-to-back repeats). A phase whose large tensors land on fresh pages
+is seconds slower on this VM, so a side whose best rep still faulted far more than the other's
+was not measured warm. The last line is
 `ratio=<project step / transformers step>`.
 """
 
