@@ -121,6 +121,9 @@ def config_fields(cfg: dict, use_te: bool) -> dict:
         activation_func_clamp_value=float(cfg.get("swiglu_limit", 7.0)),
         glu_linear_offset=1.0,
         bias_activation_fusion=False,
+        # TEGroupedMLP (the TE spec's grouped-GEMM experts, megatron-core transformer/moe/
+        # experts.py) asserts not (add_bias_linear and bias_dropout_fusion)
+        bias_dropout_fusion=False,
         num_moe_experts=int(cfg["num_local_experts"]),
         moe_router_topk=int(cfg["num_experts_per_tok"]),
         moe_ffn_hidden_size=int(cfg["intermediate_size"]),

@@ -63,6 +63,7 @@ from megatron_gspo.megatron import deepseek_v3, gemma3, glm4_moe, gpt_oss
 from megatron_gspo.megatron.fallbacks import bind_missing_te_names
 from megatron_gspo.megatron.local_layers import PackedDotProductAttention, SequenceParallelRMSNorm
 from megatron_gspo.megatron.padding_idx import keep_pad_row_frozen, pad_id_of
+from megatron_gspo.megatron.te_conditions import te_build_problems
 
 bind_missing_te_names()  # the MoE router without Transformer Engine (GPU or CPU)
 
@@ -279,7 +280,10 @@ def build_model_config(
             kw.update(moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0
                       else "none", moe_aux_loss_coeff=moe_aux_loss_coeff)
     kw.update(overrides)
-    return config_cls(**kw)
+    config = config_cls(**kw)
+    for problem in te_build_problems(config) if use_te else ():
+        raise ModelConfigError(f"{arch} on the Transformer Engine spec: {problem}")
+    return config
 
 
 def _layer_spec(config: TransformerConfig, use_te: bool) -> ModuleSpec:

@@ -68,3 +68,38 @@ def test_fused_expert_slices_deinterleave_and_round_trip():
     mc = adapter.hf_to_mcore(full.__getitem__, dims, padded_vocab=160)
     back = adapter.mcore_to_hf(mc, dims)
     assert sorted(back) == sorted(full) and all(torch.equal(back[k], full[k]) for k in full)
+
+
+def _te_grouped_mlp_refuses(c) -> bool:
+    """Megatron-Core 0.16.1's TEGroupedMLP.__init__ (transformer/moe/experts.py) asserts
+    `not (self.config.add_bias_linear and config.bias_dropout_fusion)`; the TE spec builds
+    TEGroupedMLP for grouped-GEMM experts. The condition is read from the installed source, so
+    a changed upstream check shows here."""
+    import inspect
+
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    src = " ".join(inspect.getsource(TEGroupedMLP.__init__).split())
+    assert "assert not ( self.config.add_bias_linear and config.bias_dropout_fusion )" in src
+    return bool(c.num_moe_experts and c.moe_grouped_gemm and c.add_bias_linear
+                and c.bias_dropout_fusion)
+
+
+def test_te_spec_config_passes_te_grouped_mlp_bias_check():
+    """gpt-oss on the Transformer Engine spec (what `transformer_impl: auto` picks where TE
+    imports) builds TEGroupedMLP experts with biases: the config must not ask for the bias +
+    dropout fusion TEGroupedMLP refuses. The early check builds with use_te=False (local spec,
+    no grouped GEMM): that config is valid too and keeps its biases."""
+    te = build_model_config(dict(GPT_OSS), use_te=True)
+    assert te.moe_grouped_gemm and te.add_bias_linear
+    assert not _te_grouped_mlp_refuses(te)
+    local = build_model_config(dict(GPT_OSS), use_te=False)
+    assert local.add_bias_linear and not local.moe_grouped_gemm
+    assert not _te_grouped_mlp_refuses(local)
+
+
+def test_te_spec_config_asking_for_the_refused_fusion_is_a_one_line_error():
+    with pytest.raises(ModelConfigError) as e:
+        build_model_config(dict(GPT_OSS), use_te=True, bias_dropout_fusion=True)
+    assert "bias_dropout_fusion" in str(e.value) and "\n" not in str(e.value)
+    build_model_config(dict(GPT_OSS), use_te=False, bias_dropout_fusion=True)  # local: fine
