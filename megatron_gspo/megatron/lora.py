@@ -72,11 +72,15 @@ class LoraSettings:
 
 
 def target_of(name: str) -> str | None:
-    """The target kind of a module name of a GPTModel chunk (None: not a LoRA target)."""
+    """The target kind of a module name of a GPTModel chunk (None: not a LoRA target):
+    "experts.grouped" for the TE spec's grouped-GEMM experts (Megatron-Core 0.16.1
+    transformer/moe/experts.py: TEGroupedMLP's `mlp.experts.linear_fc1` / `linear_fc2`)."""
     if ".experts.local_experts." in name:
         if name.endswith(".linear_fc1"):
             return "experts.fc1"
         return "experts.fc2" if name.endswith(".linear_fc2") else None
+    if name.endswith((".mlp.experts.linear_fc1", ".mlp.experts.linear_fc2")):
+        return "experts.grouped"
     for suffix, kind in ((".self_attention.linear_qkv", "qkv"),
                          (".self_attention.linear_proj", "proj"),
                          (".mlp.linear_fc1", "fc1"), (".mlp.linear_fc2", "fc2")):
@@ -157,6 +161,11 @@ def attach(chunks: list, settings: LoraSettings, seed: int = 1234) -> int:
 
     from megatron_gspo.megatron import weights
 
+    if "experts" in settings.targets and any(
+            target_of(n) == "experts.grouped" for c in chunks for n, _ in c.named_modules()):
+        raise LoraError("model.lora.targets: 'experts' on grouped-GEMM experts of the "
+                        "Transformer Engine spec is not supported; use "
+                        "model.transformer_impl=local")
     count = 0
     seen: set[str] = set()
     for vp, chunk in enumerate(chunks):
@@ -169,9 +178,7 @@ def attach(chunks: list, settings: LoraSettings, seed: int = 1234) -> int:
             if kind is None or kind.split(".")[0] not in settings.targets:
                 continue
             if not hasattr(m, "weight") or m.weight is None:
-                raise LoraError(f"model.lora: {name} has no weight to adapt (grouped experts "
-                                "of the Transformer Engine spec are not supported; use "
-                                "model.transformer_impl=local)")
+                raise LoraError(f"model.lora: {name} has no weight to adapt")
             expert = kind.startswith("experts")
             if expert:
                 group, size = (ps.get_expert_tensor_parallel_group(),

@@ -55,3 +55,37 @@ def test_lora_parallel_layouts_match_single_process(single, workdir):
         assert rep["failures"] == [], f"rank {rank}"
     assert {"dense.tp2", "dense.tp2sp", "dense.pp2", "dense.dp2", "dense.dp2-distopt", "moe.ep2",
             "moe.tp2sp-ep2"} <= set(reps[0]["info"])
+
+
+def test_lora_refuses_te_grouped_gemm_experts_with_its_reason():
+    """The TE spec's grouped-GEMM experts (Megatron-Core 0.16.1 transformer/moe/experts.py:
+    TEGroupedMLP holds `linear_fc1` / `linear_fc2`, TEGroupedLinear modules with one `weight<j>`
+    per local expert, directly under `mlp.experts`) get the promised one-line refusal, not
+    "matches no layer". A stand-in module tree with upstream's names (TE needs CUDA)."""
+    import torch
+
+    from megatron_gspo.megatron.lora import LoraError, LoraSettings, attach, target_of
+
+    class GroupedLinear(torch.nn.Module):  # TEGroupedLinear: weight0..weight{E-1}, no .weight
+        def __init__(self):
+            super().__init__()
+            self.weight0 = torch.nn.Parameter(torch.zeros(4, 4))
+            self.weight1 = torch.nn.Parameter(torch.zeros(4, 4))
+
+    layer = torch.nn.Module()
+    layer.mlp = torch.nn.Module()
+    layer.mlp.experts = torch.nn.Module()
+    layer.mlp.experts.linear_fc1, layer.mlp.experts.linear_fc2 = GroupedLinear(), GroupedLinear()
+    chunk = torch.nn.Module()
+    chunk.decoder = torch.nn.Module()
+    chunk.decoder.layers = torch.nn.ModuleList([layer])
+    assert target_of("decoder.layers.0.mlp.experts.linear_fc1") is not None
+    assert target_of("decoder.layers.0.mlp.experts.linear_fc2") is not None
+    assert target_of("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1") == "experts.fc1"
+    with pytest.raises(LoraError) as e:
+        attach([chunk], LoraSettings(rank=2, targets=("experts",)))
+    msg = str(e.value)
+    assert "Transformer Engine" in msg and "transformer_impl=local" in msg and "\n" not in msg
+    assert all(p.requires_grad for p in chunk.parameters())  # refused before anything changed
+    # without the experts target the grouped layers are simply not adapted (no refusal)
+    assert target_of("decoder.layers.0.mlp.linear_fc1") == "fc1"
