@@ -107,6 +107,10 @@ run_rollout() {
         [[ -d "$model" ]] || die "MODEL_DIR is not a directory: $model"
     fi
 
+    # docker/Dockerfile sets CUDA_DEVICE_MAX_CONNECTIONS=1 for Megatron (the learner); it
+    # serialises a server's kernels (rollout/sglang/launch.py drops it for the servers the
+    # learner launches, LEARNER_ONLY_ENV), so the servers started here do not get it either.
+    unset CUDA_DEVICE_MAX_CONNECTIONS
     local n=$(( gpus / tp )) i pids=() name
     name=$(hostname -s 2>/dev/null || hostname)
     # Servers die with this script (the learner's job step ending, Ctrl-C, or one server failing).
