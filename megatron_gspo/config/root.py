@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from megatron_gspo.config.ranges import check_ranges
 from megatron_gspo.config.schema import ConfigError, apply_overrides, from_dict, to_dict
 from megatron_gspo.config.sections import (
     LORA_TARGETS,
@@ -92,10 +93,7 @@ class Config:
             raise ConfigError(f"{unused[0]}: set while algorithm.kl_coef is 0 (KL off, no "
                               "reference model is built); set kl_coef > 0 or drop it")
         self._validate_lora()
-        if self.reward.url is not None and not self.reward.url.startswith(("http://",
-                                                                            "https://")):
-            raise ConfigError(f"reward.url: expected an http:// or https:// URL, got "
-                              f"{self.reward.url!r}")
+        check_ranges(self)  # clip inside the ratio bound, a correction that runs, reward.url
         if self.reward.url is not None and self.agent.enabled:
             raise ConfigError("reward.url: not used with agent.enabled (the environment scores "
                               "the episodes); drop it or score inside the environment")

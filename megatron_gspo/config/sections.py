@@ -101,7 +101,8 @@ class RolloutConfig:
     engine: str = option("embedded", "rollout engine", choices=("embedded", "sglang"))
     group_size: int = option(8, "responses sampled per prompt (G); at least 2, as the "
                              "advantages are relative to the prompt's group", ge=2)
-    temperature: float = option(1.0, "sampling temperature (the learner uses the same)", gt=0)
+    temperature: float = option(1.0, "sampling temperature (the learner uses the same; below "
+                                "1e-6 engines sample greedily)", ge=1e-6)
     top_p: float = option(1.0, "nucleus sampling threshold", gt=0, le=1)
     top_k: int = option(-1, "top-k sampling (-1 disables)", ge=-1)
     max_new_tokens: int = option(512, "maximum generated tokens per response", ge=1)
@@ -197,7 +198,9 @@ class AlgorithmConfig:
         "or seq-mean-token-sum-norm (Dr. GRPO: token sums over N x rollout.max_new_tokens; "
         "with advantage_scale none)",
         choices=("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"))
-    logratio_bound: float = option(20.0, "bound on log-ratios before exp", gt=0)
+    logratio_bound: float = option(20.0, "bound on log-ratios before exp (at most 50: e^50 "
+                                   "times the largest advantage stays finite in float32)",
+                                   gt=0, le=50)
     mini_batches: int = option(4, "optimizer steps per rollout batch (global mini-batches)", ge=1)
     micro_batch_tokens: int = option(4096, "token budget of one packed micro-batch", ge=1)
     kl_coef: float = option(0.0, "weight beta of the KL to the frozen reference policy; 0 = off "
@@ -236,22 +239,25 @@ class AlgorithmConfig:
 class PrecisionConfig:
     old_logprobs: str = option("auto", "source of pi_old: learner recompute, engine, or audited",
                                choices=("recompute", "rollout", "auto"))
-    audit_fraction: float = option(0.25, "share of steps audited when reusing engine log-probs",
-                                   ge=0, le=1)
+    audit_fraction: float = option(0.25, "share of steps audited when reusing engine log-probs "
+                                   "(step 0 and each step s where floor(s x f) grows: 0.25 "
+                                   "audits steps 0, 4, 8, ...)", ge=0, le=1)
     tolerance: float = option(0.05, "max share of audited sequences whose mismatch exceeds the "
                               "clip range before `auto` recomputes", ge=0, le=1)
     mismatch_scale: float = option(1.0, "a sequence is out of range when |d_i| > scale x clip eps",
                                    gt=0)
     recheck_interval: int = option(5, "in fallback, audit every N steps to decide on returning",
                                    ge=1)
-    correction: str = option("none", "correction of engine mismatch on audited steps: mask "
-                             "(drop sequences), tis (truncated weight), mis (drop sequences "
-                             "whose weight exceeds the cap), icepop (drop tokens outside a "
-                             "ratio band)", choices=("none", "mask", "tis", "mis", "icepop"))
+    correction: str = option(
+        "none", "correction of engine mismatch, on every step that computes the learner's log-"
+        "probs: each step with old_logprobs recompute (or auto falling back), else only audited "
+        "steps (audit_fraction; 0 never audits: refused). mask (drop sequences), tis (truncated "
+        "weight), mis (drop sequences whose weight exceeds the cap), icepop (drop tokens outside "
+        "a ratio band)", choices=("none", "mask", "tis", "mis", "icepop"))
     mask_bound: float = option(1e-3, "`mask`: drop sequences with |d_i| above this", gt=0)
     tis_cap: float = option(2.0, "`tis` / `mis`: cap C of the weight exp(d_i), d_i = mean "
-                            "log-ratio learner/engine (min(exp(d_i), C), or dropped above C)",
-                            gt=0)
+                            "log-ratio learner/engine (min(exp(d_i), C), or dropped above C); "
+                            "at least 1, the weight of a sequence both agree on", ge=1)
     icepop_low: float = option(0.5, "`icepop`: drop tokens with pi_learner/pi_engine below this",
                                gt=0, lt=1)
     icepop_high: float = option(5.0, "`icepop`: drop tokens with pi_learner/pi_engine above this",
@@ -309,7 +315,8 @@ class RewardConfig:
                                   "before rollout.max_new_tokens cost up to "
                                   "reward.overlong_penalty, linearly; 0 = off", ge=0)
     overlong_penalty: float = option(1.0, "DAPO soft overlong punishment: penalty at the "
-                                     "generation limit", gt=0)
+                                     "generation limit (at most 1e15, the reward bound)",
+                                     gt=0, le=1e15)
 
 
 @dataclass
