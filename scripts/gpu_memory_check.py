@@ -26,6 +26,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "scripts"))
+
+import repo_tests  # noqa: E402
+
+repo_tests.bind()  # `tests` is this repository's folder, whatever else is on the path
 
 SHAPES = {"qwen3-1.7b": ROOT / "examples" / "qwen3_gpu" / "shapes" / "Qwen3-1.7B" / "config.json"}
 

@@ -25,6 +25,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+if "tests" not in sys.modules:  # a regular `tests` package elsewhere on the path (the GPU
+    sys.path.insert(1, str(ROOT / "scripts"))  # kit's folder) would shadow this namespace one
+    import repo_tests
+
+    repo_tests.bind(ROOT)
+    sys.path.remove(str(ROOT / "scripts"))
 
 from megatron_gspo.data.sample import Sample  # noqa: E402
 
