@@ -49,7 +49,7 @@ import signal
 import sys
 from typing import Any, ClassVar
 
-from megatron_gspo.agent.tools import sandbox_os
+from megatron_gspo.agent.tools import sandbox_os, sandbox_seccomp
 from megatron_gspo.agent.tools.base import ToolError, truncate_output
 from megatron_gspo.agent.tools.sandbox_boot import BOOTSTRAP, INIT, LAUNCH
 from megatron_gspo.agent.tools.sandbox_os import PIDS_ROOT as _PIDS_ROOT, isolation_prefix
@@ -127,6 +127,10 @@ class PythonSandbox:
         self.isolate_network = isolate_network
         self.max_code_chars = max_code_chars
         self.max_processes = int(max_processes)
+        try:
+            self._seccomp = sandbox_seccomp.filter_program().hex()
+        except ValueError as e:
+            raise SandboxUnavailable(f"python tool: {e}") from None
         sandbox_os.sweep_once()
 
     def _command(self, tmp: str, cgroup: str | None) -> tuple[list[str], bool]:
@@ -139,7 +143,8 @@ class PythonSandbox:
         files = sandbox_os.readable_files() if self.landlock else ()
         child = [sys.executable, "-I", "-S", "-c", BOOTSTRAP, tmp, str(self.cpu_seconds),
                  str(self.memory_bytes), str(self.max_file_bytes), str(self.max_processes),
-                 "1" if self._audit_hook else "0", "1" if self.landlock else "0", *files]
+                 "1" if self._audit_hook else "0", "1" if self.landlock else "0",
+                 self._seccomp, *files]
         procs = os.path.join(cgroup, "cgroup.procs") if cgroup is not None else ""
         launch = ["/bin/sh", "-c", LAUNCH, "sh", str(os.getpid()), procs]
         return [*sandbox_os.death_prefix(), *launch, *prefix, *init, *child], ns
