@@ -144,16 +144,18 @@ class LearnerState:
         sd["adam_step"] = None if is_loading else self._adam_step()
         return sd
 
-    def _adam_steps(self) -> list[dict]:
-        return [st for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-                for st in getattr(getattr(o, "optimizer", None), "state", {}).values()
-                if "step" in st]
-
     def _adam_step(self) -> float | None:
-        """Adam's step count (bias correction); None before the first step."""
-        for st in self._adam_steps():
-            return float(st["step"])
-        return None
+        """Adam's step count (bias correction); None before the first step. Per parameter
+        (torch's AdamW) or per param group (TE's FusedAdam): `megatron.adam_step`."""
+        from megatron_gspo.megatron import adam_step
+
+        return adam_step.read(self.optimizer)
+
+    def _restore_adam_step(self, step: float) -> None:
+        """Put a saved step count back wherever the optimizer keeps it."""
+        from megatron_gspo.megatron import adam_step
+
+        adam_step.restore(self.optimizer, step)
 
     def save_checkpoint(self, path: str) -> None:
         """Save model, optimizer and scheduler (torch_dist format) to directory `path`."""
@@ -211,9 +213,7 @@ class LearnerState:
         self.optimizer.load_state_dict(loaded["optimizer"])
         if loaded.get("adam_step") is not None:
             # the distributed optimizer's reshardable format restores its dummy step (1)
-            for st in self._adam_steps():
-                st["step"] = torch.full_like(st["step"], loaded["adam_step"]) \
-                    if isinstance(st["step"], torch.Tensor) else loaded["adam_step"]
+            self._restore_adam_step(loaded["adam_step"])
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps = int(loaded["steps"])
 
