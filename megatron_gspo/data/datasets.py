@@ -122,6 +122,22 @@ def _as_messages(value: Any, system_prompt: str | None) -> list[dict[str, str]]:
     return messages
 
 
+def _check_encodable(value: Any, key: str) -> None:
+    """_BadRow when a string of the prompt (its text, or a message's content) holds a lone
+    surrogate (JSON "\\ud800"), which is not text any tokenizer can encode."""
+    texts = [value] if isinstance(value, str) else [
+        m.get("content") for m in value if isinstance(m, dict)] if isinstance(value, list) else []
+    for j, t in enumerate(texts):
+        if not isinstance(t, str):
+            continue
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            where = f"message {j} of {key!r}" if isinstance(value, list) else repr(key)
+            raise _BadRow(f"prompt {where} holds a lone surrogate {t[e.start]!r} at character "
+                          f"{e.start} (not encodable text)") from None
+
+
 class PromptDataset:
     """All valid rows of one JSONL or Parquet file, tokenized.
 
@@ -246,6 +262,7 @@ class PromptDataset:
         prompt = row[self.prompt_key]
         if isinstance(prompt, str) and not prompt.strip():
             raise _BadRow(f"empty prompt in {self.prompt_key!r}")
+        _check_encodable(prompt, self.prompt_key)  # the tokenizer raises on a lone surrogate
         label = None
         if self.label_key is not None:
             if self.label_key not in row:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import Config, ConfigError
-from megatron_gspo.loop.early_checks import check_agent_labels, is_moe
+from megatron_gspo.loop.early_checks import check_rows, is_moe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -354,10 +354,11 @@ def _dataset(cfg: Config, tok, path: str, split: str | None = None):
                                  max_prompt_length=d.max_prompt_length,
                                  skip_bad_rows=d.skip_bad_rows,
                                  split=split or d.train_split, dataset_config=d.dataset_config)
+    # labels the scorer cannot read, prompts with no room in the context: bad rows
+    check_rows(cfg, ds, read_hf_config(cfg.model.path) if cfg.model.path else None)
     if cfg.agent.enabled:
         from megatron_gspo.agent.loop import check_opening_prompts
 
-        check_agent_labels(cfg, ds)
         check_opening_prompts(cfg, tok, ds.items)  # room under agent.max_total_tokens
     return ds
 

@@ -2,7 +2,7 @@
 one line (a ConfigError naming the field) instead of a traceback after minutes of start-up:
 the model's architecture, the run and checkpoint directories, the parallel layout against the
 world size and the model, the KL reference, the agent environment, chat template and labels,
-routing replay.
+routing replay; once prompts are tokenized, rows whose label or length the run cannot use.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
     if cfg.agent.enabled:
         _check_agent(cfg)
         _check_agent_chat(cfg, tok)
+        _check_agent_context(cfg, hf_config)
     elif cfg.data.apply_chat_template and not getattr(tok, "chat_template", None):
         raise ConfigError("data.apply_chat_template: the tokenizer of "
                           f"{cfg.model.tokenizer or cfg.model.path} has no chat template; set "
@@ -186,28 +187,65 @@ def _check_agent_chat(cfg: Config, tok) -> None:
         raise ConfigError(f"agent.chat_template: {msg}") from None
 
 
-def check_agent_labels(cfg: Config, ds) -> None:
-    """Agent mode: the environment's `check_label(label)` (when it has one) on every row; a
-    bad label is a bad row (DatasetError naming it, or skipped with data.skip_bad_rows)."""
+def check_rows(cfg: Config, ds, hf_config: dict | None) -> None:
+    """Rows the run cannot use, found once the prompts are tokenized: a label the scorer cannot
+    read (agent mode: the environment's `check_label`; else the reward function's,
+    `rewards.registry.label_check`), a prompt that leaves no room for a response in the model's
+    context (`model_context`; None: not checked). Each is a bad row: a DatasetError naming it,
+    or with data.skip_bad_rows skipped and counted; no usable row left is an error."""
     from megatron_gspo.data.datasets import DatasetError
 
-    check = getattr(_env_class(cfg), "check_label", None)
-    if not callable(check):
-        return
+    check = _label_check(cfg)
+    context = None if hf_config is None else model_context(hf_config)
     keep = []
     for item in ds.items:
-        try:
-            check(item.label)
-        except (ValueError, TypeError) as e:
-            msg = f"{ds.path} row {item.row}: label {item.label!r:.40}: {e}"
-            if not cfg.data.skip_bad_rows:
-                raise DatasetError(msg + " (set skip_bad_rows to skip such rows)") from None
-            ds.skipped.append(msg)
+        msg = None
+        if context is not None and len(item.prompt_ids) >= context:
+            msg = (f"prompt has {len(item.prompt_ids)} tokens, which leaves no room for a "
+                   f"response in the model's context of {context} tokens")
+        elif check is not None:
+            try:
+                check(item.label)
+            except (ValueError, TypeError) as e:
+                msg = f"label {item.label!r:.40}: {e}"
+        if msg is None:
+            keep.append(item)
             continue
-        keep.append(item)
+        msg = f"{ds.path} row {item.row}: {msg}"
+        if not cfg.data.skip_bad_rows:
+            raise DatasetError(msg + " (set skip_bad_rows to skip such rows)") from None
+        ds.skipped.append(msg)
     if not keep:
         raise DatasetError(f"{ds.path}: no usable rows ({len(ds.skipped)} bad rows skipped)")
     ds.items = keep
+
+
+def _label_check(cfg: Config):
+    """check_label(label) of the scorer of this run, or None (a reward service, no labels)."""
+    if cfg.agent.enabled:
+        check = getattr(_env_class(cfg), "check_label", None)
+        return check if callable(check) else None
+    if cfg.reward.url or cfg.data.label_key is None:
+        return None
+    from megatron_gspo.rewards.registry import get_reward_fn, label_check
+
+    return label_check(get_reward_fn(cfg.reward.name))
+
+
+def model_context(hf_config: dict) -> int:
+    """Most tokens (prompt and response) the model takes: the context length SGLang derives
+    from its config (`rollout.sglang.protocol.context_length_of`)."""
+    from megatron_gspo.rollout.sglang.protocol import context_length_of
+
+    return context_length_of(hf_config)
+
+
+def _check_agent_context(cfg: Config, hf_config: dict) -> None:
+    """agent.max_total_tokens fits the model's context."""
+    ctx = model_context(hf_config)
+    if cfg.agent.max_total_tokens > ctx:
+        raise ConfigError(f"agent.max_total_tokens: {cfg.agent.max_total_tokens} is above the "
+                          f"context of {cfg.model.path} ({ctx} tokens); use at most {ctx}")
 
 
 def check_resume_mode(cfg: Config, state: dict, path) -> None:

@@ -116,6 +116,41 @@ def label_answer(label: Any) -> str:
     return boxed if boxed is not None else text.strip()
 
 
+def check_math_label(label: Any) -> None:
+    """A label the math rewards can read: a finite number (not a boolean) or a string with a
+    final answer (`label_answer` not empty) and encodable text.
+
+    Raises:
+        ValueError naming what is wrong (the dataset row is then a bad row).
+    """
+    if isinstance(label, bool) or not isinstance(label, (str, int, float)):
+        raise ValueError(f"a math label is a number or a string, not {type(label).__name__}")
+    if isinstance(label, float) and not math.isfinite(label):
+        raise ValueError(f"a math label must be finite, got {label}")
+    if isinstance(label, str):
+        try:
+            label.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the label holds a lone surrogate at character {e.start}") \
+                from None
+        if not label_answer(label):
+            raise ValueError("the label holds no answer (empty, or an empty #### / \\boxed{})")
+
+
+def check_exact_label(label: Any) -> None:
+    """A label `exact_match` can compare: a string or finite number, or a non-empty list of
+    them (any one may match). Raises ValueError naming what is wrong."""
+    items = list(label) if isinstance(label, (list, tuple)) else [label]
+    if not items:
+        raise ValueError("an exact_match label list must not be empty")
+    for x in items:
+        if not isinstance(x, (str, int, float)):
+            raise ValueError(f"an exact_match label is a string, a number or a list of them, "
+                             f"not {type(x).__name__}")
+        if isinstance(x, float) and not math.isfinite(x):
+            raise ValueError(f"an exact_match label must be finite, got {x}")
+
+
 def answers_match(answer: str, label: Any, rel_tol: float = 1e-6, abs_tol: float = 1e-6,
                   timeout_s: float | None = 5.0) -> bool:
     """Compare an extracted answer with a label (rules 1-3 of the module docstring).
@@ -211,3 +246,10 @@ def exact_match_reward(response_text: str, label: Any, sample_metadata: dict | N
 
     got = norm(response_text)
     return float(any(got == norm(x) for x in labels))
+
+
+# The label check of each reward (`rewards.registry.label_check`): rows whose label it refuses
+# are bad rows at load time instead of a reward of 0 for every sample of theirs.
+math_reward.check_label = check_math_label
+math_boxed_strict_reward.check_label = check_math_label
+exact_match_reward.check_label = check_exact_label

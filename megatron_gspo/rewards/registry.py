@@ -6,7 +6,9 @@ A reward function has the signature
     reward_fn(response_text: str, label, sample_metadata: dict) -> float
 
 where `sample_metadata` holds the sample's metadata plus "prompt", "finish_reason", "index"
-and "group_index".
+and "group_index". A reward function may carry a `check_label(label)` attribute that raises
+ValueError for a label it cannot read (`label_check`); the trainer then treats such rows as bad
+data rows at load time (the built-in math and exact_match rewards have one).
 """
 
 from __future__ import annotations
@@ -99,6 +101,13 @@ def get_reward_fn(spec: str) -> RewardFn:
     except ValueError:
         pass  # builtins without a signature
     return fn
+
+
+def label_check(fn: RewardFn) -> Callable[[Any], None] | None:
+    """The reward function's `check_label(label)` (raises ValueError for a label it cannot
+    read), or None when it has none."""
+    check = getattr(fn, "check_label", None)
+    return check if callable(check) else None
 
 
 def _import_module(module_name: str, spec: str):
