@@ -137,3 +137,46 @@ def test_seccomp_filter_checks_the_architecture_first(arch):
     assert ops[1 + 1 + ops[1][2]] == (0x06, 0, 0, 0x80000000)  # foreign arch: kill
     with pytest.raises(ValueError, match="architecture"):
         sandbox_seccomp.filter_program("mips")
+
+
+def test_daemon_threads_at_exit_are_not_reported_as_killed():
+    """glibc loads libgcc_s when a daemon thread exits at interpreter shutdown: it must be
+    readable, else the run aborts and the model is told "[killed (CPU or memory limit)]"."""
+    sb = PythonSandbox(cpu_seconds=3, wall_timeout_s=30)
+    code = ("import threading, time\n"
+            "def spin():\n"
+            "    while True:\n"
+            "        sum(range(1000))\n"
+            "for _ in range(4):\n"
+            "    threading.Thread(target=spin, daemon=True).start()\n"
+            "time.sleep(0.05)\n"
+            "print('done')\n")
+    for _ in range(3):
+        assert asyncio.run(sb({"code": code})) == "done"
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_installed_packages_in_the_stdlib_dir_stay_out(isolate):
+    """pyenv keeps site-packages inside lib/python3.X, the standard library's directory: its
+    files stay unreadable (and, in the mount namespace, unlisted) with the hook off."""
+    import sysconfig
+
+    site = os.path.join(sysconfig.get_paths()["stdlib"], "site-packages")
+    names = [n for n in os.listdir(site) if os.path.isfile(os.path.join(site, n))
+             ] if os.path.isdir(site) else []
+    if not names:
+        pytest.skip("no site-packages with files inside the standard library's directory")
+    sb = PythonSandbox(cpu_seconds=3, wall_timeout_s=30, max_output_chars=20000,
+                       isolate_network=isolate)
+    sb._audit_hook = False
+    target = os.path.join(site, names[0])
+    code = (f"import os, json\n"
+            f"try:\n    print('READ', open({target!r}, 'rb').read(20))\n"
+            f"except OSError as e:\n    print('refused', e.errno)\n"
+            f"print('LISTED', len(os.listdir({site!r})))\n"
+            f"print(json.dumps([1]), len(open(os.__file__).read()) > 0)\n")
+    rc, out, err, _ = asyncio.run(sb.run(code))
+    assert rc == 0, err
+    assert "READ" not in out and "refused" in out and "[1] True" in out, out
+    if isolate:
+        assert "LISTED 0" in out, out

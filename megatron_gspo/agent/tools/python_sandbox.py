@@ -139,7 +139,8 @@ class PythonSandbox:
         # in a PID namespace a shell is init (so the program's death by signal reads as 128+N);
         # in its own mount namespace it makes every mount read-only and the temp dir a tmpfs
         ns = "--pid" in prefix and "--mount-proc" in prefix
-        init = ("/bin/sh", "-c", INIT, "sh", tmp, str(self.max_disk_bytes)) if ns else ()
+        init = ("/bin/sh", "-c", INIT, "sh", tmp, str(self.max_disk_bytes),
+                ":".join(sandbox_os.hidden_dirs())) if ns else ()
         files = sandbox_os.readable_files() if self.landlock else ()
         child = [sys.executable, "-I", "-S", "-c", BOOTSTRAP, tmp, str(self.cpu_seconds),
                  str(self.memory_bytes), str(self.max_file_bytes), str(self.max_processes),

@@ -22,8 +22,9 @@ def _boot():
     with open(os.path.join(tmp, "main.py"), "w") as f:
         f.write(src)
     code = compile(src, "main.py", "exec")
-    ro = tuple(os.path.realpath(p) for p in sys.path if p and os.path.isdir(p))
-    err = _confine(tmp, ro, tuple(argv[9:]), use_landlock, bytes.fromhex(argv[8]))
+    ro, ro_files, ro_list = _readable(sys.path)
+    err = _confine(tmp, ro, ro_files + tuple(argv[9:]), ro_list, use_landlock,
+                   bytes.fromhex(argv[8]))
     if err:
         sys.stderr.write("sandbox: cannot confine the program: " + err + "\n")
         sys.stderr.flush()
@@ -131,7 +132,7 @@ def _boot():
             if inside(path, tmp_roots):
                 return
             # no directory fds outside: a dir_fd would let relative paths escape the check
-            if not writing and inside(path, ro) and not is_dir(path):
+            if not writing and (inside(path, ro) or path in ro_files) and not is_dir(path):
                 return
             raise PermissionError(f"sandbox: access to {path!r} is denied")
         if event in path_events:
@@ -139,7 +140,8 @@ def _boot():
                 t = type(a)
                 if t is str or t is bytes or not (t is int or t is bool or t is tuple or a is None):
                     path = resolve(a)
-                    if not (inside(path, tmp_roots) or (event in list_events and inside(path, ro))):
+                    if not (inside(path, tmp_roots) or (event in list_events and (
+                            inside(path, ro) or path in ro_list))):
                         raise PermissionError(f"sandbox: access to {path!r} is denied")
 
     import types
@@ -152,7 +154,28 @@ def _boot():
     return code, g
 
 
-def _confine(tmp, ro, files, use_landlock, prog):
+def _readable(path):
+    # The interpreter's directories on sys.path, readable by the program: (trees, single files,
+    # directories whose names alone may be listed). A directory holding site-packages or
+    # dist-packages (pyenv's stdlib) is split into its other entries: installed packages stay
+    # out of reach.
+    import os
+    hidden = ("site-packages", "dist-packages")
+    trees, files, listed = [], [], []
+    for p in dict.fromkeys(os.path.realpath(p) for p in path if p and os.path.isdir(p)):
+        names = os.listdir(p)
+        if not any(h in names for h in hidden):
+            trees.append(p)
+            continue
+        listed.append(p)
+        for n in names:
+            q = os.path.join(p, n)
+            if n not in hidden:
+                (trees if os.path.isdir(q) else files).append(os.path.realpath(q))
+    return tuple(trees), tuple(files), tuple(listed)
+
+
+def _confine(tmp, ro, files, ro_list, use_landlock, prog):
     # Landlock (when asked), then the seccomp filter `prog` (struct sock_filter[]). Returns ""
     # once the process is confined, else what failed. ctypes leaves sys.modules again before
     # the user's program runs (and the audit hook refuses its events anyway).
@@ -161,7 +184,7 @@ def _confine(tmp, ro, files, use_landlock, prog):
         libc = ctypes.CDLL(None, use_errno=True)
         sc = libc.syscall
         sc.restype = ctypes.c_long
-        err = _landlock(libc, sc, tmp, ro, files) if use_landlock else ""
+        err = _landlock(libc, sc, tmp, ro, files, ro_list) if use_landlock else ""
         if err:
             return "Landlock: " + err
         if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
@@ -180,7 +203,7 @@ def _confine(tmp, ro, files, use_landlock, prog):
             del sys.modules[name]
 
 
-def _landlock(libc, sc, tmp, ro, files):
+def _landlock(libc, sc, tmp, ro, files, ro_list):
     import os, ctypes, struct
     abi = sc(444, None, 0, 1)  # landlock_create_ruleset(NULL, 0, LANDLOCK_..._VERSION)
     if abi < 1:
@@ -202,7 +225,7 @@ def _landlock(libc, sc, tmp, ro, files):
     rw = fs & ((1 << 1) | read_file | read_dir | (1 << 4) | (1 << 5) | (1 << 7) | (1 << 8)
                | (1 << 13) | (1 << 14))
     rules = [(tmp, rw)] + [(p, read_file | read_dir) for p in ro] + [
-        (p, read_file) for p in files]
+        (p, read_file) for p in files] + [(p, read_dir) for p in ro_list]
     for path, allowed in rules:
         try:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
@@ -222,20 +245,26 @@ def _landlock(libc, sc, tmp, ro, files):
     return ""
 
 _c, _g = _boot()
-del _boot, _confine, _landlock
+del _boot, _readable, _confine, _landlock
 exec(_c, _g)
 """
 
-# Init of the PID namespace: in its own mount namespace, remount every mount read-only, mount
+# Init of the PID namespace: in its own mount namespace, remount every mount read-only, hide
+# the directories in $3 (':'-separated: the installed packages) under an empty tmpfs, mount
 # a size-limited tmpfs (the working directory's byte quota) on the temp dir and enter it; then
 # run the program and pass on its status. A mount that cannot be remounted (odd names) stays as
 # it was; Landlock and the audit hook still cover it. Only ever run inside a new mount
 # namespace. The tmpfs vanishes with the namespace, however the sandbox ends.
 INIT = r"""
-T=$1; Q=$2; shift 2
+T=$1; Q=$2; H=$3; shift 3
 while read -r _dev m _rest; do
     mount -o remount,bind,ro "$m" 2>/dev/null
 done < /proc/self/mounts
+IFS=:
+for h in $H; do
+    mount -t tmpfs -o "size=4k,nr_inodes=1,mode=0,ro,nosuid,nodev,noexec" hidden "$h" || exit 125
+done
+unset IFS
 if ! mount -t tmpfs -o "size=$Q,nr_inodes=4096,mode=0700,nosuid,nodev,noexec" sandbox "$T"
 then
     echo "sandbox: cannot mount the size-limited working directory" >&2

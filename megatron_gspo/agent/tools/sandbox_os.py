@@ -142,6 +142,9 @@ _LIB_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib/aarch64
              "/usr/local/lib")
 
 
+_DLOPENED = ("libgcc_s.so.1",)
+
+
 @functools.lru_cache(maxsize=1)
 def readable_files() -> tuple[str, ...]:
     """Shared libraries the standard library's extension modules load (their DT_NEEDED
@@ -152,8 +155,10 @@ def readable_files() -> tuple[str, ...]:
     dynload = os.path.join(sysconfig.get_paths()["stdlib"], "lib-dynload")
     todo = sorted(glob.glob(os.path.join(dynload, "*.so")))
     seen, found = set(), {"/etc/ld.so.cache"}
-    while todo:
-        for name in _needed(todo.pop()):
+    # the C library loads libgcc_s at run time (pthread_exit, e.g. a daemon thread at exit)
+    extra = list(_DLOPENED)
+    while todo or extra:
+        for name in extra or _needed(todo.pop()):
             if name in seen:
                 continue
             seen.add(name)
@@ -162,12 +167,27 @@ def readable_files() -> tuple[str, ...]:
             if lib is not None:
                 found.add(lib)
                 todo.append(lib)
+        extra = []
     out = set()
     for p in found:
         if os.path.isfile(p):
             out.add(p)
             out.add(os.path.realpath(p))
     return tuple(sorted(out))
+
+
+@functools.lru_cache(maxsize=1)
+def hidden_dirs() -> tuple[str, ...]:
+    """Installed-package directories inside the interpreter's standard library (pyenv layouts:
+    lib/python3.X/site-packages), which the sandbox's mount namespace covers with an empty
+    tmpfs (Landlock already refuses reads of their files; this hides their names too)."""
+    out = []
+    for key in ("stdlib", "platstdlib"):
+        for name in ("site-packages", "dist-packages"):
+            p = os.path.realpath(os.path.join(sysconfig.get_paths()[key], name))
+            if os.path.isdir(p) and ":" not in p and p not in out:
+                out.append(p)
+    return tuple(out)
 
 
 def make_pids_cgroup(max_processes: int) -> str | None:
