@@ -7,6 +7,7 @@ from typing import Any
 from megatron_gspo.agent.tools.base import Tool, ToolError, ToolResult, ToolSet, tool_schema
 from megatron_gspo.agent.tools.calculator import Calculator
 from megatron_gspo.agent.tools.python_sandbox import PythonSandbox
+from megatron_gspo.config.sections import check_python_limits
 
 __all__ = [
     "Calculator", "PythonSandbox", "Tool", "ToolError", "ToolResult", "ToolSet", "build_toolset",
@@ -34,6 +35,7 @@ def build_toolset(
     if calculator:
         tools.append(Calculator())
     if python:
-        kw = {"wall_timeout_s": max(timeout_s - 1.0, 0.5), **(python_kwargs or {})}
+        given = check_python_limits(python_kwargs, "python_kwargs")
+        kw = {"wall_timeout_s": max(timeout_s - 1.0, 0.5), **given}
         tools.append(PythonSandbox(**kw))
     return ToolSet(tools, timeout_s=timeout_s, max_output_chars=max_output_chars)

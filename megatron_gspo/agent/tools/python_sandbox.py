@@ -53,6 +53,7 @@ from megatron_gspo.agent.tools import sandbox_os, sandbox_seccomp
 from megatron_gspo.agent.tools.base import ToolError, truncate_output
 from megatron_gspo.agent.tools.sandbox_boot import BOOTSTRAP, INIT, LAUNCH
 from megatron_gspo.agent.tools.sandbox_os import PIDS_ROOT as _PIDS_ROOT, isolation_prefix
+from megatron_gspo.config.sections import check_python_limits
 
 __all__ = ["PythonSandbox", "SandboxUnavailable", "_PIDS_ROOT", "isolation_prefix"]
 
@@ -107,10 +108,12 @@ class PythonSandbox:
         max_processes: int = 16,
         require_landlock: bool = True,
     ):
-        if cpu_seconds <= 0 or memory_mb <= 0 or wall_timeout_s <= 0 or max_output_chars <= 0:
-            raise ValueError("PythonSandbox: limits must be positive")
-        if max_disk_mb <= 0:
-            raise ValueError("PythonSandbox: max_disk_mb must be positive")
+        # typed and bounded (a limit the kernel cannot take would fail every call)
+        check_python_limits(dict(
+            cpu_seconds=cpu_seconds, memory_mb=memory_mb, wall_timeout_s=wall_timeout_s,
+            max_output_chars=max_output_chars, max_file_mb=max_file_mb, max_disk_mb=max_disk_mb,
+            isolate_network=isolate_network, max_code_chars=max_code_chars,
+            max_processes=max_processes, require_landlock=require_landlock), "python_kwargs")
         self.landlock = sandbox_os.landlock_abi() > 0
         if require_landlock and not self.landlock:
             raise SandboxUnavailable(
