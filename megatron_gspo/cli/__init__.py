@@ -116,16 +116,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan(cfg, args) -> int:
     """`megatron-gspo plan`: print the table; exit 1 when the layout does not fit."""
-    import json
-    from pathlib import Path
-
+    from megatron_gspo.cli.plan import checked_model_config
     from megatron_gspo.config import ConfigError
     from megatron_gspo.megatron import memory_report as mr
 
-    src = Path(args.model_config or cfg.model.path or "")
-    src = src / "config.json" if src.is_dir() else src
+    hf = checked_model_config(cfg, args)  # the flags, and model and layout as training checks
     try:
-        hf = json.loads(src.read_text())
         x = mr.inputs_from_config(cfg, hf, gpu_bytes=mr.parse_bytes(args.gpu_memory),
                                   gpus_per_node=args.gpus_per_node, nodes=args.nodes)
         plan = mr.build_plan(x)

@@ -37,19 +37,8 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
     Raises:
         ConfigError naming the field.
     """
-    from megatron_gspo.megatron.parallel import ParallelLayout, ParallelLayoutError, check_layout
-
-    check_model(cfg.model.path, hf_config)
-    p = cfg.parallel
-    layout = ParallelLayout(tensor=p.tensor, pipeline=p.pipeline,
-                            virtual_pipeline=p.virtual_pipeline, expert=p.expert,
-                            expert_tensor=p.expert_tensor, context=p.context,
-                            sequence_parallel=p.sequence_parallel)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        check_layout(layout, world, hf_config)
-    except ParallelLayoutError as e:
-        raise ConfigError(f"parallel: {e}") from None
+    check_model_layout(cfg, hf_config, world)
     check_memory(cfg, hf_config, world)
     if cfg.agent.enabled:
         _check_agent(cfg)
@@ -75,6 +64,32 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
                           "episodes' environment tokens have no engine routing); use 'r2'")
 
 
+def check_model_layout(cfg: Config, hf_config: dict, world: int,
+                       model: str | None = None) -> None:
+    """The learner can build the model of `hf_config` (`check_model`) in the layout of
+    `parallel.*` on `world` ranks (`megatron.parallel.check_layout`: divisibility by the world
+    size, heads, layers, experts). Training checks this at start, `megatron-gspo plan` before
+    its arithmetic.
+
+    Args:
+        model: what to name in errors about the model (default model.path).
+    Raises:
+        ConfigError naming the field.
+    """
+    from megatron_gspo.megatron.parallel import ParallelLayout, ParallelLayoutError, check_layout
+
+    check_model(model or cfg.model.path, hf_config)
+    p = cfg.parallel
+    layout = ParallelLayout(tensor=p.tensor, pipeline=p.pipeline,
+                            virtual_pipeline=p.virtual_pipeline, expert=p.expert,
+                            expert_tensor=p.expert_tensor, context=p.context,
+                            sequence_parallel=p.sequence_parallel)
+    try:
+        check_layout(layout, world, hf_config)
+    except ParallelLayoutError as e:
+        raise ConfigError(f"parallel: {e}") from None
+
+
 def check_memory(cfg: Config, hf_config: dict, world: int, gpu_bytes: int | None = None) -> None:
     """The memory plan (`megatron-gspo plan`) of this layout on this GPU: a ConfigError naming
     the biggest term when it cannot fit. Skipped without CUDA unless `gpu_bytes` is given."""
@@ -91,10 +106,17 @@ def check_memory(cfg: Config, hf_config: dict, world: int, gpu_bytes: int | None
 
 
 def check_model(path: str | None, hf_config: dict) -> None:
-    """The learner can build the model of `hf_config` (supported architecture, activation,
-    biases, rope scaling, head counts): a ConfigError naming model.path otherwise."""
+    """The learner can build the model of `hf_config` (positive sizes, supported architecture,
+    activation, biases, rope scaling, head counts): a ConfigError naming model.path otherwise."""
     from megatron_gspo.megatron.model import ModelConfigError, build_model_config
 
+    sizes = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+             "num_key_value_heads", "head_dim", "intermediate_size")
+    for key in sizes:  # the required ones are named by build_model_config when missing
+        v = hf_config.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"model.path: {path}: config.json {key}={v!r}; expected a "
+                              "positive integer")
     try:
         build_model_config(hf_config, use_te=False)
     except ModelConfigError as e:
