@@ -9,7 +9,11 @@
 #   demo            the tiny demo on CUDA (learner + embedded engine), 20 steps, metrics.jsonl
 #   bench_learner   bench/learner_step.py: random Qwen3-0.6B-shape model, bf16, local spec:
 #                   tokens/s, MFU, peak memory
-#   bench_logprobs  bench/token_logprobs.py on CUDA
+#   memory          scripts/gpu_memory_check.py: resident bytes vs the memory plan, and the
+#                   colocated loop's moments in the order the code runs them (allocated,
+#                   reserved, driver free at each server memory call)
+#   bench_logprobs  bench/token_logprobs.py on CUDA (algo.logprobs and the learner's chunked
+#                   backward, megatron/logprobs.py)
 # and end with a markdown summary (docs/gpu-results.md format). Exits 0 even when stages fail:
 # the summary says which. Exit 2 only for bad arguments.
 #
@@ -37,11 +41,11 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 die() { echo "gpu_checks.sh: $*" >&2; exit 2; }
 
-STAGES=(wheels selfcheck learner demo bench_learner bench_logprobs)
+STAGES=(wheels selfcheck learner demo bench_learner memory bench_logprobs)
 # Seconds per stage. Together 480 s: the GPU machine is lent for about ten minutes, start-up
 # included, and a command may run 600 s.
-declare -A LIMIT=([wheels]=45 [selfcheck]=75 [learner]=105 [demo]=90 [bench_learner]=90
-                  [bench_logprobs]=75)
+declare -A LIMIT=([wheels]=40 [selfcheck]=70 [learner]=100 [demo]=80 [bench_learner]=70
+                  [memory]=60 [bench_logprobs]=60)
 
 mode=gpu
 kit=$root/.whl
@@ -184,11 +188,12 @@ for s in "${selected[@]}"; do
         bench_learner)
             run_stage bench_learner "$py" bench/learner_step.py "${bench_learner_args[@]}" \
                 --json "$work/bench_learner.json" ;;
+        memory)
+            run_stage memory "$py" scripts/gpu_memory_check.py --json "$work/memory.json" ;;
         bench_logprobs)
             run_stage bench_logprobs "$py" bench/token_logprobs.py "${bench_logprobs_args[@]}" \
                 --json "$work/bench_logprobs.json" ;;
     esac
-    [[ "$mode" == gpu && "$s" == bench_learner ]] && LIMIT[memory]=45 && run_stage memory "$py" scripts/gpu_memory_check.py --json "$work/memory.json"
 done
 
 commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || true)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -41,6 +42,7 @@ MARKER = "<!-- runs: newest first -->"
 STAGE_TITLES = {"wheels": "wheels (offline install)", "selfcheck": "tools/gpu_selfcheck.py",
                 "learner": "scripts/gpu_learner_check.py", "demo": "tiny demo",
                 "bench_learner": "bench/learner_step.py",
+                "memory": "scripts/gpu_memory_check.py",
                 "bench_logprobs": "bench/token_logprobs.py"}
 
 
@@ -301,6 +303,13 @@ def stage_numbers(name: str, work: Path) -> str:
         if s.get("matmul_tflops"):
             text += f"; measured 8192^3 bf16 matmul {s['matmul_tflops']:.0f} TFLOP/s"
         return text
+    if name == "memory":
+        s = _load_json(work / "memory.json")
+        spec = importlib.util.spec_from_file_location(
+            "gpu_memory_check", ROOT / "scripts" / "gpu_memory_check.py")
+        gmc = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gmc)  # stdlib imports only at module level
+        return gmc.summary_line(s) if s else "no report"
     if name == "bench_logprobs":
         s = _load_json(work / "bench_logprobs.json")
         if not s or not s["rows"]:

@@ -161,13 +161,14 @@ def judge(rows: list, parts: dict, resident: int, cuda: bool) -> list[str]:
 
 
 def room(L, engine, cuda: bool):
-    """The checkpoint's context of loop/train.py: colocated.py's `learner_room` with its
-    CHECKPOINT_PARTS where it exists, else `checkpoint_room` (before issue 42's rework)."""
+    """The checkpoint's context of loop/train.py: colocated.py's `learner_room` with the parts
+    a checkpoint reads where it exists, else `checkpoint_room` (before issue 42's rework)."""
+    from megatron_gspo.megatron import learner_state
     from megatron_gspo.rollout.multinode import colocated
 
     if hasattr(colocated, "learner_room"):
-        return colocated.learner_room(L, engine, colocated.CHECKPOINT_PARTS, "checkpoint",
-                                      cuda=cuda)
+        parts = getattr(learner_state, "CHECKPOINT_PARTS", ("weights", "main", "moments"))
+        return colocated.learner_room(L, engine, parts, "checkpoint", cuda=cuda)
     return colocated.checkpoint_room(L, engine, cuda=cuda)
 
 
@@ -211,6 +212,26 @@ def colocated_order(L, hf: dict, batch, old, before, cuda: bool) -> tuple[list, 
     out["offloaded_bytes"] = moved
     out["allocated_after_offload"] = rows[0]["allocated"]
     return rows, out
+
+
+def summary_line(res: dict) -> str:
+    """The memory stage's cell of scripts/gpu_checks.sh's summary (from the --json report):
+    the plan's figures, and what the learner held where the servers took memory."""
+    def sz(b):
+        return "n/a" if b is None else size(b)
+
+    text = (f"{res['model']}: resident {sz(res['resident_bytes'])} (plan "
+            f"{sz(res['plan_bytes'])}), training peak {sz(res['train_peak_above_resident'])} "
+            f"(plan {sz(res['plan_activation_logits'])}); learner reserved when the servers "
+            "took memory: " + ", ".join(
+                f"{m['moment']} {m['event']} {sz(m['reserved'])} (expected "
+                f"{sz(m['expected'])}, driver free {sz(m['free'])})"
+                for m in res.get("moments", []) if "expected" in m))
+    found = res.get("order_findings", [])
+    if found:
+        judged = "" if res.get("order_judged") else " (CPU, not judged)"
+        text += f"; {len(found)} finding(s){judged}, first: {found[0]}"
+    return text
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
-STAGES = ["wheels", "selfcheck", "learner", "demo", "bench_learner", "bench_logprobs"]
+STAGES = ["wheels", "selfcheck", "learner", "demo", "bench_learner", "memory", "bench_logprobs"]
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_kit  # noqa: E402
 
@@ -60,10 +60,14 @@ def test_stage_list_fits_the_gpu_budget():
     assert rows[-1] == ["total", str(sum(limits))]
     # One device command may run 600 s and the machine is lent for about ten minutes in all.
     assert sum(limits) <= 540 and all(v >= 30 for v in limits)
+    [said] = re.findall(r"^# Seconds per stage\. Together (\d+) s", SCRIPT.read_text(), re.M)
+    assert int(said) == sum(limits)  # the header says what the limits add to
     r = run_checks("--list", "--stages", "demo,wheels", env={"GPU_CHECKS_LIMIT_DEMO": "7"})
-    assert r.stdout.splitlines() == ["wheels\t45", "demo\t7", "total\t52"]
+    assert r.stdout.splitlines() == ["wheels\t40", "demo\t7", "total\t47"]
     r = run_checks("--list", "--cpu-dry-run", "--stages", "demo")  # a CPU gets 3x as long
-    assert r.stdout.splitlines() == ["demo\t270", "total\t270"]
+    assert r.stdout.splitlines() == ["demo\t240", "total\t240"]
+    r = run_checks("--list", "--stages", "memory", env={"GPU_CHECKS_LIMIT_MEMORY": "9"})
+    assert r.returncode == 0 and r.stdout.splitlines() == ["memory\t9", "total\t9"]
 
 
 @pytest.mark.parametrize("args, env, message", [
@@ -129,7 +133,8 @@ def write_work(work: Path) -> None:
     stage, with the files the passing stages write."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "stages.tsv").write_text("wheels\t0\t3.2\t45\nbench_learner\t0\t40.0\t90\n"
-                                     "bench_logprobs\t124\t75.1\t75\nlearner\t1\t12.0\t105\n")
+                                     "bench_logprobs\t124\t75.1\t75\nlearner\t1\t12.0\t105\n"
+                                     "memory\t1\t30.0\t60\n")
     (work / "kit.json").write_text(json.dumps({"wheels": ["megatron_core-0.16.1-x.whl"],
                                                "total_bytes": 3 * 2**20, "problems": []}))
     (work / "bench_learner.json").write_text(json.dumps({
@@ -138,6 +143,19 @@ def write_work(work: Path) -> None:
         "rows": [{"model": "qwen3-0.6b", "params": 596049920, "tokens": 32768,
                   "tok_s": 50000.0, "step": 0.655, "mfu": 0.181, "peak_tflops": 989.0,
                   "peak_mem_gib": 30.5}]}))
+    gib = 2**30
+    (work / "memory.json").write_text(json.dumps({
+        "model": "qwen3-0.6b", "resident_bytes": 9.5 * gib, "plan_bytes": 9.4 * gib,
+        "train_peak_above_resident": 12.0 * gib, "plan_activation_logits": 14.0 * gib,
+        "order_judged": True,
+        "moments": [{"moment": "start-up", "event": "launch", "allocated": 0,
+                     "reserved": 2.5 * gib, "free": 130 * gib, "expected": 0},
+                    {"moment": "generation", "event": "release all", "allocated": 0,
+                     "reserved": 0, "free": 130 * gib},
+                    {"moment": "weight sync", "event": "resume weights", "allocated": 1.1 * gib,
+                     "reserved": 1.2 * gib, "free": 131 * gib, "expected": 1 * gib}],
+        "order_findings": ["start-up: servers launch while the learner holds 2.500 GiB"],
+        "failures": ["start-up: servers launch while the learner holds 2.500 GiB"]}))
     (work / "learner.json").write_text(json.dumps({
         "stages": {"ref": {"status": "given"}, "gpu": {"status": "FAIL"}},
         "failures": ["dense.local.grad[x]: |diff|=1e-3 |ref|=1"]}))
@@ -154,16 +172,23 @@ def test_summary_reports_each_stage(tmp_path):
     assert lines[0] == "### 2026-12-01 01:02 UTC: GPU run"
     assert "- device: 1 x NVIDIA H200, 140 GiB, sm 9.0, driver 580.1" in lines
     assert "- versions: python 3.12.3, torch 2.11.0 (CUDA 13.0), megatron-core 0.16.1" in lines
-    assert "- time: 130 s of the 315 s the stages were allowed" in lines
+    assert "- time: 160 s of the 375 s the stages were allowed" in lines
     rows = {ln.split(" | ")[0][2:]: ln.split(" | ") for ln in lines if ln.startswith("| ")}
     assert rows["wheels (offline install)"][1] == "ok"
     assert rows["bench/token_logprobs.py"][1] == "TIMEOUT (limit 75 s)"
     assert rows["scripts/gpu_learner_check.py"][1] == "FAILED (exit 1)"
     assert "1 failure(s), first: dense.local.grad" in rows["scripts/gpu_learner_check.py"][3]
+    assert rows["scripts/gpu_memory_check.py"][1] == "FAILED (exit 1)"
+    mem = rows["scripts/gpu_memory_check.py"][3]
+    assert "resident 9.500 GiB (plan 9.400 GiB)" in mem
+    assert "training peak 12.000 GiB (plan 14.000 GiB)" in mem
+    assert "start-up launch 2.500 GiB (expected 0.00 MiB, driver free 130.000 GiB)" in mem
+    assert "weight sync resume weights 1.200 GiB (expected 1.000 GiB" in mem
+    assert "1 finding(s), first: start-up: servers launch" in mem
     bench = rows["bench/learner_step.py"][3]
     assert "596,049,920 params" in bench and "50,000 tok/s" in bench and "MFU 18.1%" in bench
     assert "989 TFLOP/s" in bench and "peak memory 30.5 GiB" in bench and "780 TFLOP/s" in bench
-    assert lines[-1] == "Failed: bench_logprobs, learner (logs in checks.log)."
+    assert lines[-1] == "Failed: bench_logprobs, learner, memory (logs in checks.log)."
     assert "CPU dry run" in gpu_kit.render_summary(work, "dry", env=env).splitlines()[0]
 
 
