@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                 conv.hf_to_mcore, world, hf_dir=args.hf, out=args.out, dtype=dtype, **common
             )
         else:
-            if args.max_shard_size <= 0:
-                raise ConversionError(f"--max-shard-size must be > 0, got {args.max_shard_size}")
+            if not 0 < args.max_shard_size < float("inf"):  # nan, inf: no shard size
+                raise ConversionError(f"--max-shard-size must be a finite number > 0 (GB), got "
+                                      f"{args.max_shard_size}")
             with _held(args.ckpt) as ckpt:  # a training run cannot rotate it away meanwhile
                 _refuse_lora(ckpt)
                 plan = conv.check_mcore_to_hf(ckpt, args.hf_config, args.out, args.force)
