@@ -47,6 +47,22 @@ def has_zero_variance(group: Sequence[Sample], eps: float = 1e-8) -> bool:
     return max(rewards) - min(rewards) <= eps
 
 
+def mark_failed_if_every_episode_failed(samples: Sequence[Sample]) -> None:
+    """Agent mode (asynchronous rollouts): a group whose every episode ended in an error
+    (`env_error`: environment, tool parser, chat template) holds no reward to learn from; its
+    samples get the failed-sample mark, so the group is dropped and counted like one with a
+    failed generation, and a run whose every episode fails stops with one line (the producer's
+    `MAX_DROPPED_ROUNDS`) instead of training on reward 0, as the synchronous agent rollout
+    stops on a step whose every episode failed."""
+    if not samples or not all("env_error" in s.metadata for s in samples):
+        return
+    first = samples[0].metadata
+    why = (f"every one of the group's {len(samples)} episodes failed; the first "
+           f"{first.get('error_kind', 'environment')} error: {first['env_error']}")
+    for s in samples:
+        s.metadata.setdefault("rollout_error", why)
+
+
 def renumber(groups: Sequence[Sequence[Sample]]) -> list[Sample]:
     """Flatten groups; set group_index to the group's position and index to the sample's.
 

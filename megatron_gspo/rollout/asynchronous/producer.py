@@ -25,7 +25,8 @@ prompt instead.
 
 Agent mode: episodes run through an engine wrapper that takes the same pause gate per model
 turn, so episodes stay in flight across weight updates; a token's version is its turn's. Each
-group is played in its own worker and handed over as soon as its episodes end.
+group is played in its own worker and handed over as soon as its episodes end; a group whose
+every episode failed is discarded like a group with a failed sample.
 
 Checkpoints (`state_dict`): the finished, untrained groups (whole Samples) and the prompts of
 the groups in flight; on resume finished groups are trained exactly once and in-flight ones
@@ -48,7 +49,11 @@ from megatron_gspo.data.sample import Sample
 from megatron_gspo.rollout.asynchronous.gate import GatedEngine, UpdateGate
 from megatron_gspo.rollout.asynchronous.stats import step_report
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
-from megatron_gspo.rollout.groups import has_zero_variance, renumber
+from megatron_gspo.rollout.groups import (
+    has_zero_variance,
+    mark_failed_if_every_episode_failed,
+    renumber,
+)
 
 
 # The producer stops (RolloutError) once this many steps' worth of groups in a row were all
@@ -382,6 +387,7 @@ class AsyncProducer:
                                     for t in (s.turn_ids or [0] * len(s.response_ids))]
                 s.group_index = g.seq
                 s.validate()
+            mark_failed_if_every_episode_failed(out)
             self._finish(g, out, scored=True)
 
     def _finish(self, g: _Group, samples: list[Sample], scored: bool = False) -> None:
