@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--nodes", type=int, default=1)
     m.add_argument("--model-config", default=None,
                    help="directory or config.json with the model's shape (default: model.path)")
+    m.add_argument("--ledger-spec", default=None, metavar="PATH",
+                   help="also write the device-memory ledger's spec of one GPU to PATH (a CPU "
+                   "run with MEGATRON_GSPO_DEVICE_LEDGER=PATH reports what that GPU would hold)")
     m.add_argument("overrides", nargs="*")
     sub.add_parser("fields", help="list every config field with its type, default and doc")
     s = sub.add_parser("study", help="run the arms of an A/B study (megatron_gspo/study/)")
@@ -128,6 +131,9 @@ def _plan(cfg, args) -> int:
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"plan: {type(e).__name__}: {e}") from None
     print(mr.format_plan(plan, x, None if plan.fits else mr.suggest(x)))
+    if args.ledger_spec:  # the device-memory ledger of one GPU of this plan
+        mr.ledger_spec(plan, x, args.config.rsplit("/", 1)[-1].removesuffix(".yaml")).dump(
+            args.ledger_spec)
     return 0 if plan.fits else 1
 
 

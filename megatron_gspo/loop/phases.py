@@ -23,12 +23,12 @@ from megatron_gspo.algo.precision import (
     finalize_audit,
     sequence_mismatch,
 )
-from megatron_gspo.run import faults
+from megatron_gspo.run import device_ledger, faults
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.data.batch import pad_rows
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rewards.overlong import apply_overlong
-from megatron_gspo.loop.sync import colocated_sglang
+from megatron_gspo.loop.sync import colocated_sglang, released_after_rollout
 from megatron_gspo.rollout.base import RolloutError
 
 
@@ -50,6 +50,8 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
     from megatron_gspo.rollout.base import SamplingParams
     from megatron_gspo.rollout.groups import GroupSampler
 
+    device_ledger.note("moment", "generation")
+    device_ledger.note("generating")
     if producer is None and hasattr(engine, "generator"):  # per-step seed: same after a resume
         engine.generator.manual_seed(cfg.train.seed * 1_000_003 + step)
     if producer is not None:  # asynchronous rollouts: the oldest finished groups
@@ -76,7 +78,7 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
     if not samples:
         raise RolloutError(f"step {step}: no group to train: {_why_no_group(m)}")
     if colocated_sglang(cfg):  # hand the GPUs to the learner until the next weight sync
-        engine.release_memory()
+        engine.release_memory(released_after_rollout(cfg))
     rewards = torch.tensor([float(s.reward) for s in samples])
     lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
     m.update({

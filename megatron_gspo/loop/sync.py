@@ -14,9 +14,23 @@ from megatron_gspo.data.sample import Sample
 from megatron_gspo.loop import build
 from megatron_gspo.loop.build import DTYPES
 from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.run import device_ledger
 
 def colocated_sglang(cfg: Config) -> bool:
     return cfg.rollout.engine == "sglang" and cfg.rollout.colocate
+
+
+def released_after_rollout(cfg: Config) -> tuple[str, ...] | None:
+    """SGLang memory regions released after each rollout (None: all of them).
+
+    With LoRA only the KV cache and the CUDA graphs are released: the servers' weights stay.
+    SGLang keeps its weights in a torch_memory_saver region without CPU backup (the default of
+    `--enable-weights-cpu-backup`), so a released weights region comes back as fresh,
+    uninitialised memory on resume; a full sync makes it whole again, but LoRA sends only the
+    adapted layers after the first sync. Keeping the weights costs the servers' weight bytes
+    on the GPU while the learner trains (`megatron-gspo plan` adds them to the training
+    moment), whereas a full sync or a CPU backup would move every weight each step."""
+    return ("kv_cache", "cuda_graph") if cfg.model.lora.rank else None
 
 
 def offloading(cfg: Config) -> bool:
@@ -44,16 +58,17 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
     dtype = DTYPES[r.dtype] if r.engine == "embedded" else DTYPES[cfg.model.dtype]
     offload = offloading(cfg)
     if offload:  # optimizer state away before the servers resume; weights after the stream
-        from megatron_gspo.rollout.multinode.colocated import offload_around_stream
+        from megatron_gspo.rollout.multinode.colocated import STATE_PARTS, offload_after_stream
 
         learner.onload(["weights"] if "weights" in learner.offloaded_parts() else [])
+        learner.offload(STATE_PARTS)
     # LoRA: the frozen weights reach the engine once (this process's first sync); after that
     # only the adapted layers' merged weights change, so only they are sent
     only = getattr(learner, "lora", None) is not None and getattr(learner, "synced_base", False)
     buckets = _finite(export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
                                         dtype=dtype, only_adapted=only), version)
     if offload:
-        buckets = offload_around_stream(learner, buckets)
+        buckets = offload_after_stream(learner, buckets)
     if _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
         from megatron_gspo.rollout.multinode.sync import multinode_sync
 
@@ -83,6 +98,7 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
             if engine is not None:
                 engine.resume_memory()  # no-op unless released after the rollout
             send()
+    device_ledger.note("sglang_weights_sent", not only)
     if r.engine == "sglang" and r.verify_sync_interval and version % r.verify_sync_interval == 0:
         st["probe_max_diff"] = verify_sync(learner, engine, cfg, version)
     order = st.pop("order", None)
@@ -105,7 +121,7 @@ def verify_sync(learner, engine, cfg: Config, version: int) -> float:
     the learner recomputes the log-probs of what they generated, and a difference above
     `PROBE_TOLERANCE` of the served dtype is one RolloutError naming the sync. Returns the
     largest difference (rank 0; 0.0 elsewhere). An offloaded learner is brought back for the
-    recompute the way a checkpoint brings it back (`colocated.checkpoint_room`)."""
+    recompute (its weights only) the way a checkpoint brings it back (`colocated.learner_room`)."""
     from megatron_gspo.rollout.sglang.weights import (PROBE_PROMPT, PROBE_TOLERANCE,
                                                       check_sync_probe)
 
@@ -126,11 +142,11 @@ def verify_sync(learner, engine, cfg: Config, version: int) -> float:
     samples = broadcast_samples(samples)
     if isinstance(samples, str):
         raise RolloutError(samples)
-    from megatron_gspo.rollout.multinode.colocated import checkpoint_room
+    from megatron_gspo.rollout.multinode.colocated import PROBE_PARTS, learner_room
 
-    # an offloaded learner (rollout.offload_learner) comes back for the recompute as for a
-    # checkpoint: on GPUs the servers first release their KV cache and CUDA graphs
-    with checkpoint_room(learner, engine):
+    # an offloaded learner (rollout.offload_learner) brings its weights back for the
+    # recompute: on GPUs the servers first release their KV cache and CUDA graphs
+    with learner_room(learner, engine, PROBE_PARTS, "sync probe"):
         mine = learner.forward_logprobs(samples, temperature=cfg.rollout.temperature)
     if not lead:
         return 0.0

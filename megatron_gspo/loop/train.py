@@ -21,8 +21,10 @@ from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.run.checkpoint import Checkpointer
 from megatron_gspo.config import Config, save_config, to_dict
 from megatron_gspo.megatron.fallbacks import fallback_summary
+from megatron_gspo.megatron.learner_state import CHECKPOINT_PARTS
 from megatron_gspo.run.metrics import MetricsLogger
 from megatron_gspo.rollout.multinode import colocated as colocated_sync
+from megatron_gspo.run import device_ledger
 from megatron_gspo.run.rundir import RunDirLock, RunError, check_fresh_start
 
 
@@ -80,14 +82,24 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     elif not cfg.model.lora.rank:
         build.load_initial_weights(cfg, learner, hf_config)
     ref_bytes = build.load_reference(cfg, learner, hf_config)  # initial weights, also on resume
+    if rank0:  # the device-memory ledger (when installed) models rank 0's GPU
+        device_ledger.note("moment", "resume" if latest is not None else "start-up")
+        cleanup.callback(device_ledger.write_report)
+    learner.note_memory()
     # Rank 0's engine; with colocated servers on several nodes every node leader also holds its
     # node's servers (built collectively). Started once the learner holds its weights, so that
     # an offloaded learner (rollout.offload_learner) leaves SGLang the whole GPU.
     every_node = build.colocated_on_every_node(cfg)
     offload = sync.offloading(cfg)  # rollout.offload_learner: SGLang gets the whole GPU
-    if offload:
+    if offload:  # and its cache returned: SGLang sizes its KV cache from the free memory
         learner.offload()
+        colocated_sync.free_learner_cache()
     engine = build.rollout_engine(cfg, hf_config, tokenizer) if rank0 or every_node else None
+    if engine is not None and sync.colocated_sglang(cfg):
+        device_ledger.note("sglang_launch")
+        # the first sync runs as every later one: the servers hold only their weights while
+        # the learner brings its weights back and exports them
+        engine.release_memory(colocated_sync.RESUME_AFTER)
     if engine is not None:
         cleanup.callback(engine.shutdown)  # launched servers stop, also on errors
     phases.wait_for_rank0()  # rank 0's servers may take long to start
@@ -141,7 +153,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
             m.update(rollout_m)
         samples = phases.broadcast(samples)
         if every_node and engine is not None and not rank0:  # this node's servers, as rank 0's
-            engine.release_memory()
+            engine.release_memory(sync.released_after_rollout(cfg))
+        device_ledger.note("moment", "training")
         if offload:  # the learner back once every server released its memory
             colocated_sync.learner_back(learner)
         m["time/rollout"] = time.perf_counter() - t_step
@@ -202,7 +215,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
             state = {"step": step + 1, "precision": controller.state_dict(),
                      "data": prompts.state_dict() if rank0 else None,
                      "async": producer.state_dict() if producer else None}
-            with colocated_sync.checkpoint_room(learner, engine):
+            with colocated_sync.learner_room(learner, engine, CHECKPOINT_PARTS, "checkpoint"):
                 path = ckpt.save(step + 1, learner, state)
             log.event(f"checkpoint {path}")
 

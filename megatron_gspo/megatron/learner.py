@@ -27,6 +27,7 @@ from megatron_gspo.megatron.learner_state import LearnerState
 from megatron_gspo.megatron import deepseek_v3
 from megatron_gspo.megatron.model import build_gpt_model, build_model_config
 from megatron_gspo.megatron.optimizer import (OptimSettings, all_ranks_agree, build_optimizer,
+from megatron_gspo.run import device_ledger
                                               current_lr, grads_finite, wrap_ddp)
 
 
@@ -150,10 +151,13 @@ class Learner(LearnerState):
                                     else m for m in self.reference_chunks]
 
     # ----------------------------------------------------------------------------- packing
-    def _micro_batches(self, samples: list[Sample], old_logprobs) -> list[MicroBatch]:
+    def _micro_batches(self, samples: list[Sample], old_logprobs,
+                       needs=("weights", "grads", "reference")) -> list[MicroBatch]:
+        """Packed micro-batches; `needs`: the learner parts the pass reads (main weights and
+        moments wait for the optimizer step, a forward-only pass reads no gradients)."""
         from megatron.core import parallel_state as ps
 
-        self._require_resident(("weights", "grads", "reference"))  # main / moments may wait
+        self._require_resident(needs)
         min_mbs = self.batching.num_microbatches or 1
         if len(self.model) > 1:  # the interleaved schedule needs >= PP micro-batches
             min_mbs = max(min_mbs, self.layout.pipeline)
@@ -230,7 +234,8 @@ class Learner(LearnerState):
         if reference and self.reference_model is None and not base:
             raise ValueError("no reference model was built (kl_coef is 0)")
         model = self.reference_model if reference and not base else self.model
-        mbs = self._micro_batches(samples, None)
+        mbs = self._micro_batches(samples, None, ("reference",) if reference and not base
+                                  else ("weights",))
         data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
         off = lora_.adapters_off(self.chunks) if base else contextlib.nullcontext()
         with self._forward_only(policy=not reference or base,
@@ -268,7 +273,7 @@ class Learner(LearnerState):
             # (`megatron.router_replay`), so MoE models keep the two passes
             return (self.forward_logprobs(samples, temperature=temp),
                     self.forward_logprobs(samples, temperature=temp, reference=True))
-        mbs = self._micro_batches(samples, None)
+        mbs = self._micro_batches(samples, None, ("weights", "reference"))
         data = [step.device_batch(mb, self.device, self.ctx) for mb in mbs]
         with self._forward_only(policy=True, reference=True):
             out = self._run(paired_logprob_forward_step_factory(self.ctx, temp), data, True,
@@ -395,6 +400,7 @@ class Learner(LearnerState):
             return {"grad_norm": float("nan"), "lr": lr, "update_skipped": 1.0}
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
+        self.note_memory()  # Adam's moments exist from the first step on
             self.scheduler.step(increment=1)
             self.steps += 1
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
@@ -412,7 +418,8 @@ class Learner(LearnerState):
         t0 = time.perf_counter()
         if self.offload_outside_step:  # main weights + moments in host memory until the step
             self.offload(("main", "moments"))
-        metrics = self.forward_backward(samples, old_logprobs, ref_logprobs)
+        with device_ledger.transient("activations", "logits / log-probs"):
+            metrics = self.forward_backward(samples, old_logprobs, ref_logprobs)
         t1 = time.perf_counter()
         metrics.update(self.optimizer_step(math.isfinite(metrics["loss"])))
         t2 = time.perf_counter()

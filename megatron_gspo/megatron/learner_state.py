@@ -18,6 +18,9 @@ import torch.distributed as dist
 from megatron_gspo.megatron import weights
 
 
+CHECKPOINT_PARTS = ("weights", "main", "moments")  # what `save_checkpoint` reads
+
+
 class LearnerState:
     """Weights, reference and checkpoint methods of `Learner`."""
 
@@ -97,7 +100,25 @@ class LearnerState:
         for part in parts:
             tensors, keep = groups[part]
             total += o.offload(part, tensors, keep=keep, skip=wptrs if part != "weights" else None)
+        self.note_memory()
         return total
+
+    def note_memory(self) -> None:
+        """Tell the device-memory ledger (`run.device_ledger`, when one is installed) which of
+        this rank's parts are on the device now (Adam moments exist after the first step or a
+        checkpoint load; the KL reference when one is built and kept on the device)."""
+        from megatron_gspo.run import device_ledger
+
+        if not device_ledger.active():
+            return
+        from megatron_gspo.megatron.offload import optimizer_tensors
+
+        away = set(self.offloaded_parts())
+        exists = {"weights": True, "grads": True, "main": True,
+                  "moments": bool(optimizer_tensors(self.optimizer)[1]),
+                  "reference": bool(getattr(self, "reference_chunks", None))
+                  and not getattr(self, "reference_offload", False)}
+        device_ledger.note("set_learner", {p: e and p not in away for p, e in exists.items()})
 
     def offloaded_bytes(self) -> int:
         """Bytes of this rank's accelerator memory now released by `offload`."""
@@ -107,7 +128,9 @@ class LearnerState:
     def onload(self, parts=None) -> int:
         """Bring offloaded `parts` (default: all) back; returns the bytes restored."""
         o = self._offloader()
-        return sum(o.onload(p) for p in (self.offloaded_parts() if parts is None else parts))
+        n = sum(o.onload(p) for p in (self.offloaded_parts() if parts is None else parts))
+        self.note_memory()
+        return n
 
     def _require_resident(self, parts=None) -> None:
         off = [p for p in self.offloaded_parts() if parts is None or p in parts]
@@ -168,7 +191,9 @@ class LearnerState:
 
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
-        away = self.offloaded_parts()  # saved from resident tensors, offloaded again after
+        # saved from resident tensors, offloaded again after; the gradient buffer and the KL
+        # reference are not saved, so they stay where they are
+        away = [p for p in self.offloaded_parts() if p in CHECKPOINT_PARTS]
         self.onload(away)
         dist.barrier()
         install_checkpoint_results_queue()  # its server dies with this process
@@ -177,7 +202,8 @@ class LearnerState:
         if dist.get_rank() == 0:  # the config `convert mcore-to-hf` rebuilds and checks with
             from megatron_gspo.convert.sources import write_model_info
 
-            write_model_info(path, self.hf_config, str(self.params_dtype).removeprefix("torch."))
+            write_model_info(path, self.hf_config, str(self.params_dtype).removeprefix("torch."),
+                             getattr(self, "model_source", None))
             if getattr(self, "lora", None) is not None:
                 from megatron_gspo.megatron.lora_io import write_adapter_info
 

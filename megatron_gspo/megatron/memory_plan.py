@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_gspo.convert.base import num_routed_experts
+from megatron_gspo.run.device_ledger import sglang_kv_tokens  # noqa: F401 - SGLang's KV sizing
 
 GiB = 2**30
 
@@ -286,13 +287,6 @@ def kv_cell_bytes(d: Dims, tp: int, kv_bytes: int = 2) -> int:
     return max(1, d.kv_heads // tp) * 2 * d.head_dim * d.layers * kv_bytes
 
 
-def sglang_kv_tokens(free_bytes: int, weight_bytes: int, mem_fraction: float,
-                     cell_bytes: int) -> int:
-    """KV-cache tokens SGLang 0.5.12 allocates: (free x f - weights) // cell (0 when that is
-    negative: SGLang then refuses to start)."""
-    return max(0, int(free_bytes * mem_fraction - weight_bytes) // cell_bytes)
-
-
 def mem_fraction_for(free_bytes: int, weight_bytes: int, kv_tokens: int,
                      cell_bytes: int) -> float:
     """The `--mem-fraction-static` that gives `kv_tokens` tokens of KV cache (inverse of
@@ -309,6 +303,7 @@ class Plan:
     moments: list[tuple[str, int, list[str]]] = field(default_factory=list)
     kv_tokens: int | None = None
     kv_tokens_needed: int = 0
+    host_bytes: int = 0  # pinned host memory of one rank's offloaded learner (not GPU memory)
     problems: list[str] = field(default_factory=list)
 
     def term(self, name: str) -> int:

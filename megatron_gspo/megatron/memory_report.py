@@ -171,16 +171,102 @@ def build_plan(x: PlanInputs) -> Plan:
         learner_gen = [] if x.offload_learner else ["learner weights", *state]
         gen = ["CUDA contexts, NCCL", *learner_gen, *sglang]
         plan.moments.append(("generation", sum(plan.term(n) for n in gen), gen))
+        if x.lora:  # the servers keep their weights while the learner trains (LoRA)
+            for i, (name, _, parts) in enumerate(plan.moments[:-1]):
+                parts = [*parts, "SGLang weights"]
+                plan.moments[i] = (name, sum(plan.term(n) for n in parts), parts)
         sync = ["CUDA contexts, NCCL", "learner weights",
                 *([] if x.offload_learner else state), "SGLang weights", "weight-sync bucket"]
         plan.moments.append(("weight sync", sum(plan.term(n) for n in sync), sync))
+        _room_moments(plan, x, gen, at_launch)
         if free * (1 - x.mem_fraction) < CUDA_GRAPH_BYTES:
             plan.problems.append(
                 f"rollout.mem_fraction {x.mem_fraction}: leaves "
                 f"{free * (1 - x.mem_fraction) / GiB:.1f} GiB of the {free / GiB:.1f} GiB free "
                 f"at launch for CUDA graphs and activations (< {CUDA_GRAPH_BYTES / GiB:.0f} GiB)")
+    plan.host_bytes = pinned_host_bytes(x)
     plan.check()
     return plan
+
+
+def _room_moments(plan: Plan, x: PlanInputs, gen: list[str], at_launch: list[str]) -> None:
+    """Start-up, resume, checkpoint and sync-probe moments of colocated SGLang, in the order
+    the loop runs them (`rollout.multinode.colocated`): the learner is built with its weights,
+    gradient buffer, main weights (and on resume the moments read from the checkpoint), then
+    offloaded with its cache returned before the servers start; a checkpoint brings back the
+    parts it saves (weights, main weights, moments) while the servers keep only their weights;
+    a sync probe brings back the learner's weights alone."""
+    built = ["CUDA contexts, NCCL", "learner weights", "gradient buffer", "main weights",
+             "KL reference"]
+    launched = ["CUDA contexts, NCCL", *at_launch, "SGLang weights", "SGLang KV cache",
+                "SGLang CUDA graphs"]
+    for name, extra in (("start-up", []), ("resume", ["optimizer moments"])):
+        parts = max((built + extra, launched), key=lambda ps: sum(plan.term(n) for n in ps))
+        plan.moments.append((name, sum(plan.term(n) for n in parts), parts))
+    for name, back in (("checkpoint", ["learner weights", "main weights", "optimizer moments"]),
+                       ("sync probe", ["learner weights"])):
+        parts = ["CUDA contexts, NCCL", "SGLang weights", *back] if x.offload_learner else gen
+        plan.moments.append((name, sum(plan.term(n) for n in parts), parts))
+
+
+def pinned_host_bytes(x: PlanInputs) -> int:
+    """Pinned host memory of one rank's offloaded learner (`megatron.offload`): one host buffer
+    per offloaded storage (the weight buffer, each main-weight shard and each Adam moment
+    tensor), each rounded up to a power of two by torch's CachingHostAllocator
+    (aten/src/ATen/core/CachingHostAllocator.h); gradients are dropped, not copied."""
+    if not (x.offload_learner or x.offload_outside_step):
+        return 0
+    lb = _worst_learner(x)
+    shards = _main_shard_numels(x)
+    main_b = 0 if x.param_bytes == 4 else 4
+    per_storage = [n * main_b for n in shards if main_b] + [n * 4 for n in shards] * 2
+    if x.offload_learner:
+        per_storage.append(lb.weights)
+    return sum(_pow2(n) for n in per_storage if n)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _main_shard_numels(x: PlanInputs) -> list[int]:
+    """Elements of this rank's main-weight shard of each trainable parameter (the fp32 copy
+    the optimizer steps; the whole parameter without the distributed optimizer)."""
+    etp = x.tp if x.etp is None else x.etp
+    out = []
+    for vp in range(x.vpp):
+        ps = mp.chunk_params(x.dims, tp=x.tp, pp=x.pp, ep=x.ep, etp=etp, vpp=x.vpp, pp_rank=0,
+                             vp_stage=vp, vocab_multiple=x.vocab_multiple, lora=x.lora)
+        for expert, group in ((False, x.dp * x.cp), (True, x.tp * x.cp * x.dp // (x.ep * etp))):
+            sel = [p for p in ps if p.expert == expert and p.trainable]
+            if not sel:
+                continue
+            _, spans, buckets = mp.buffer_ranges([p.numel for p in sel], [p.shared for p in sel],
+                                                 group, x.distributed_optimizer)
+            for s, e in spans:
+                n = mp.shard_elements([(s, e)], buckets, group, 0) if \
+                    x.distributed_optimizer else e - s
+                if n:
+                    out.append(n)
+    return out
+
+
+def ledger_spec(plan: Plan, x: PlanInputs, name: str, tolerance: float = 0.05):
+    """The device-memory ledger's spec (`run.device_ledger`) for one GPU of this plan: part
+    sizes, the plan's figure per moment (training: the larger of forward/backward and the
+    optimizer step) and SGLang's KV sizing inputs."""
+    from megatron_gspo.run.device_ledger import LedgerSpec
+
+    moments = {n: b for n, b, _ in plan.moments}
+    train = [b for n, b, _ in plan.moments if n in ("training", "forward/backward",
+                                                    "optimizer step")]
+    moments["training"] = max(train)
+    moments.pop("forward/backward", None)
+    moments.pop("optimizer step", None)
+    return LedgerSpec(name=name, gpu_bytes=x.gpu_bytes, sizes={n: b for n, b, _ in plan.rows},
+                      plan_moments=moments, plan_kv_tokens=plan.kv_tokens,
+                      mem_fraction=x.mem_fraction,
+                      kv_cell_bytes=mp.kv_cell_bytes(x.dims, x.server_tp), tolerance=tolerance)
 
 
 def _total_params(x: PlanInputs) -> int:
@@ -244,6 +330,9 @@ def format_plan(plan: Plan, x: PlanInputs, suggestion: str | None = None) -> str
     for name, total, _ in plan.moments:
         lines.append(f"  {name:<22} {total / GiB:8.2f} GiB  "
                      f"({100 * total / plan.gpu_bytes:.0f}% of the GPU)")
+    if plan.host_bytes:
+        lines.append(f"  {'pinned host memory':<22} {plan.host_bytes / GiB:8.2f} GiB  per rank, "
+                     "offloaded learner in CPU memory (power-of-two blocks)")
     lines.append("")
     if plan.fits:
         lines.append("fits")

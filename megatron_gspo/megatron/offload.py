@@ -44,13 +44,16 @@ class StorageOffload:
         self.kept: dict[str, int] = {}  # bytes left in place (storages that cannot resize)
 
     def offloaded(self, part: str | None = None) -> bool:
-        return bool(self.parts.get(part)) if part else any(self.parts.values())
+        """`part` (or any part) is off the device: offloaded and not yet onloaded, also when
+        it had no storage of its own to release (fp32 main weights are the weights; Adam's
+        moments before the first step)."""
+        return part in self.parts if part else bool(self.parts)
 
     def offload(self, part: str, tensors: Iterable[torch.Tensor], *, keep: bool = True,
                 skip: set[int] | None = None) -> int:
         """Release the storages of `tensors` (each once; `skip`: storage pointers to leave);
         with `keep` their bytes go to host memory first. Returns the bytes released."""
-        if self.parts.get(part):
+        if part in self.parts:
             return 0
         seen = set(skip or ())
         recs = []

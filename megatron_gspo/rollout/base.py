@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from megatron_gspo.data.sample import Sample
+from megatron_gspo.run import device_ledger
 
 T = TypeVar("T")
 
@@ -291,6 +292,7 @@ class RolloutEngine(ABC):
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Synchronous `arelease_memory` of `tags` (None = all regions)."""
         self._run(self.arelease_memory(list(tags) if tags else None))
+        device_ledger.note("sglang_release", list(tags or MEMORY_TAGS))
         self.released_tags |= set(tags or MEMORY_TAGS)
         self.memory_calls.append("release " + (",".join(tags) if tags else "all"))
 
@@ -301,6 +303,7 @@ class RolloutEngine(ABC):
         if not todo:
             return
         self._run(self.aresume_memory(todo))
+        device_ledger.note("sglang_resume", todo)
         self.released_tags -= set(todo)
         self.memory_calls.append("resume " + ",".join(todo))
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.run import device_ledger
 from megatron_gspo.rollout.sglang.weights import LiveBytes
 from megatron_gspo.rollout.weight_sync import FLATTENED_BUCKET, flatten_bucket, group_by_dtype, \
     serialize
@@ -42,9 +43,13 @@ def _dist() -> bool:
 
 
 def free_learner_cache() -> None:
-    """Return the learner's cached accelerator memory to the device, then barrier all ranks."""
+    """Return the learner's cached accelerator memory to the device, then barrier all ranks.
+
+    Memory a process frees stays in torch's caching allocator (reserved by that process, used
+    as far as SGLang and the driver can tell) until `torch.cuda.empty_cache()` returns it."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    device_ledger.note("empty_cache")
     if _dist():
         dist.barrier()
 
@@ -200,10 +205,13 @@ def in_memory_order(engine: Any, send: Callable[[], None]) -> list[str] | None:
         on rank 0, the memory calls since the last sync with "stream" where `send` ran.
     """
     free_learner_cache()
+    device_ledger.note("moment", "weight sync")
     if engine is not None:
         engine.resume_memory(RESUME_FIRST)
-    send()
+    with device_ledger.transient("weight-sync bucket"):
+        send()
     free_learner_cache()
+    device_ledger.note("moment", "generation")  # the servers' KV cache and graphs come back
     if engine is None:
         return None
     n_calls = len(engine.memory_calls)
@@ -254,12 +262,13 @@ def colocated_sync(
 # before the servers resume their weights, its weights once the stream is sent (before the KV
 # cache comes back), and everything returns after the rollout released the servers.
 STATE_PARTS = ("grads", "main", "moments", "reference")
+PROBE_PARTS = ("weights",)  # what the sync probe's forward reads
 
 
-def offload_around_stream(learner: Any, buckets: Iterable[list]) -> Iterable[list]:
-    """Offload the learner's state now; yield `buckets`, then offload its weights once the last
-    bucket was taken (every rank iterates the stream)."""
-    learner.offload(STATE_PARTS)
+def offload_after_stream(learner: Any, buckets: Iterable[list]) -> Iterable[list]:
+    """Yield `buckets`; after the last one the learner's weights are offloaded (every rank
+    iterates the stream). The caller offloads the learner's state before the stream starts:
+    before it frees the learner's cache and the servers resume their weights."""
     yield from buckets
     learner.offload(("weights",))
 
@@ -272,26 +281,32 @@ def learner_back(learner: Any) -> None:
 
 
 @contextlib.contextmanager
-def checkpoint_room(learner: Any, engine: Any, cuda: bool | None = None):
-    """Around a checkpoint save (which reads every learner tensor): an offloaded learner comes
-    back and is offloaded again after; on GPUs the servers first release their KV cache and
-    CUDA graphs (their weights stay) so that it fits, and take them back after."""
-    away = learner.offloaded_parts()
+def learner_room(learner: Any, engine: Any, parts: Sequence[str], moment: str,
+                 cuda: bool | None = None):
+    """Around a checkpoint save (`learner_state.CHECKPOINT_PARTS`) or the sync probe's forward
+    (`PROBE_PARTS`): those of `parts` that are offloaded come back and are offloaded again
+    after. On GPUs the servers first release their KV cache and CUDA graphs (their weights
+    stay) so that the parts fit, and take them back only once the learner has returned its
+    cache to the device. `moment`: the device-memory ledger's name for the time inside."""
+    away = [p for p in learner.offloaded_parts() if p in parts]
     if not away:
+        device_ledger.note("moment", moment)
         yield
         return
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    cuda = (torch.cuda.is_available() or device_ledger.models_gpu()) if cuda is None else cuda
     tags = ("kv_cache", "cuda_graph")
     if cuda and engine is not None:
         engine.release_memory(tags)
     if cuda and _dist():
         dist.barrier()
+    device_ledger.note("moment", moment)
     learner.onload(away)
     try:
         yield
     finally:
         learner.offload(away)
-        if cuda and _dist():
-            dist.barrier()  # every rank offloaded again
+        if cuda:
+            free_learner_cache()  # every rank offloaded again, its cache returned
+            device_ledger.note("moment", "generation")
         if cuda and engine is not None:
             engine.resume_memory(tags)

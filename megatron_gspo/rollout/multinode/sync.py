@@ -40,6 +40,7 @@ from megatron_gspo.rollout.multinode.servers import (
     node_engine,
 )
 from megatron_gspo.rollout.sglang.weights import LiveBytes
+from megatron_gspo.run import device_ledger
 from megatron_gspo.rollout.weight_sync import (
     FLATTENED_BUCKET,
     flatten_bucket,
@@ -192,9 +193,12 @@ def multinode_sync(
             extra.append(torch.cuda.max_memory_allocated() - base)
 
     free_learner_cache()
+    device_ledger.note("moment", "weight sync")
     _resume(layout, own, RESUME_FIRST)
-    send()
+    with device_ledger.transient("weight-sync bucket"):
+        send()
     free_learner_cache()
+    device_ledger.note("moment", "generation")  # the servers' KV cache and graphs come back
     n_calls = len(own.memory_calls) if own is not None else 0
     _resume(layout, own, RESUME_AFTER)
     if not isinstance(engine, MultiNodeEngine):
