@@ -1,14 +1,21 @@
-"""Benchmark: chunked `token_logprobs` vs materialised `log_softmax(...).gather(...)`.
+"""Benchmark: chunked token log-probs vs materialised `log_softmax(...).gather(...)`.
 
 Measures, for each (tokens, vocab, dtype) case, the peak memory beyond the logits themselves
-and the median forward time of both methods. Each measurement runs in a fresh subprocess so
-peak RSS (CPU) or peak allocated memory (CUDA) belongs to that method alone.
+and the median time of
+- the forward of `algo.logprobs.token_logprobs` (rollout-side and loss code) against the
+  materialised forward;
+- forward + backward of the learner's `megatron.logprobs.vocab_parallel_logprobs` (one TP rank),
+  whose autograd backward recomputes the softmax chunk by chunk into the gradient, against
+  forward + backward of the materialised log-softmax (the gradient of the logits is in both).
+Each measurement runs in a fresh subprocess so peak RSS (CPU) or peak allocated memory (CUDA)
+belongs to that method alone.
 
     python bench/token_logprobs.py [--repeats 3] [--small-only] [--cases 256x1000:float32,...]
         [--json OUT.json]
 
-The last line is `ratio_memory=<x> ratio_time=<y>` for the last float32 case
-(ours / materialised; targets: memory <= 0.25, time <= 1.2).
+The last line is `ratio_memory=<x> ratio_time=<y>` of the forward for the last float32 case
+(ours / materialised; targets: memory <= 0.25, time <= 1.2); the rows carry the learner's
+forward + backward ratios as `learner_ratio_memory` / `learner_ratio_time`.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import time
 
 CASES = [(1024, 151_936, "float32"), (1024, 151_936, "bfloat16"),
          (8192, 151_936, "float32"), (8192, 151_936, "bfloat16")]
+# forward + backward: the learner's vocab_parallel_logprobs and the materialised reference
+BACKWARD_METHODS = ("learner", "learner_materialised")
 
 
 def _child(tokens: int, vocab: int, dtype: str, method: str, repeats: int) -> dict:
@@ -30,17 +39,28 @@ def _child(tokens: int, vocab: int, dtype: str, method: str, repeats: int) -> di
     import torch
 
     from megatron_gspo.algo.logprobs import token_logprobs
+    from megatron_gspo.megatron.logprobs import vocab_parallel_logprobs
 
     torch.manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    backward = method in BACKWARD_METHODS
     logits = torch.empty(tokens, vocab, dtype=getattr(torch, dtype), device=dev)
     logits.normal_(0, 3)
+    logits.requires_grad_(backward)
     targets = torch.randint(0, vocab, (tokens,), device=dev)
+
+    def materialised():
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
 
     def run():
         if method == "chunked":
             return token_logprobs(logits, targets)
-        return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+        if method == "materialised":
+            return materialised()
+        lp = vocab_parallel_logprobs(logits, targets) if method == "learner" else materialised()
+        lp.sum().backward()  # [N] -> the logits' gradient, [N, V]
+        out, logits.grad = logits.grad, None
+        return out
 
     if dev == "cuda":
         torch.cuda.synchronize()
@@ -110,27 +130,33 @@ def main() -> None:
     if not any(c[2] == "float32" for c in cases):
         ap.error("at least one float32 case is needed for the ratio line")
     gib = 2**30
-    print(f"{'tokens':>7} {'vocab':>8} {'dtype':>9} {'logits GiB':>10} | "
+    print(f"{'tokens':>7} {'vocab':>8} {'dtype':>9} {'pass':>8} {'logits GiB':>10} | "
           f"{'chunked +GiB':>12} {'chunked s':>9} | {'material +GiB':>13} {'material s':>10} | "
           f"{'mem ratio':>9} {'time ratio':>10}")
     last, rows = None, []
     for tokens, vocab, dtype in cases:
-        ours = _measure(tokens, vocab, dtype, "chunked", args.repeats)
-        ref = _measure(tokens, vocab, dtype, "materialised", args.repeats)
-        rm = ours["extra_bytes"] / max(ref["extra_bytes"], 1)
-        rt = ours["time_s"] / ref["time_s"]
-        print(f"{tokens:>7} {vocab:>8} {dtype:>9} {ours['logits_bytes'] / gib:>10.2f} | "
-              f"{ours['extra_bytes'] / gib:>12.3f} {ours['time_s']:>9.3f} | "
-              f"{ref['extra_bytes'] / gib:>13.3f} {ref['time_s']:>10.3f} | "
-              f"{rm:>9.3f} {rt:>10.3f}", flush=True)
-        rows.append({"tokens": tokens, "vocab": vocab, "dtype": dtype,
-                     "logits_gib": ours["logits_bytes"] / gib,
-                     "chunked_extra_gib": ours["extra_bytes"] / gib,
-                     "chunked_s": ours["time_s"],
-                     "materialised_extra_gib": ref["extra_bytes"] / gib,
-                     "materialised_s": ref["time_s"], "ratio_memory": rm, "ratio_time": rt})
-        if dtype == "float32":
-            last = (rm, rt)
+        row = {"tokens": tokens, "vocab": vocab, "dtype": dtype}
+        for label, mine, theirs, prefix in (("fwd", "chunked", "materialised", ""),
+                                            ("fwd+bwd", "learner", "learner_materialised",
+                                             "learner_")):
+            ours = _measure(tokens, vocab, dtype, mine, args.repeats)
+            ref = _measure(tokens, vocab, dtype, theirs, args.repeats)
+            rm = ours["extra_bytes"] / max(ref["extra_bytes"], 1)
+            rt = ours["time_s"] / ref["time_s"]
+            print(f"{tokens:>7} {vocab:>8} {dtype:>9} {label:>8} "
+                  f"{ours['logits_bytes'] / gib:>10.2f} | {ours['extra_bytes'] / gib:>12.3f} "
+                  f"{ours['time_s']:>9.3f} | {ref['extra_bytes'] / gib:>13.3f} "
+                  f"{ref['time_s']:>10.3f} | {rm:>9.3f} {rt:>10.3f}", flush=True)
+            mine = "chunked" if not prefix else "learner"
+            row.update({"logits_gib": ours["logits_bytes"] / gib,
+                        f"{mine}_extra_gib": ours["extra_bytes"] / gib,
+                        f"{mine}_s": ours["time_s"],
+                        f"{prefix}materialised_extra_gib": ref["extra_bytes"] / gib,
+                        f"{prefix}materialised_s": ref["time_s"],
+                        f"{prefix}ratio_memory": rm, f"{prefix}ratio_time": rt})
+            if dtype == "float32" and not prefix:
+                last = (rm, rt)
+        rows.append(row)
     print(f"device={ours['device']}")
     print(f"ratio_memory={last[0]:.3f} ratio_time={last[1]:.3f}")
     if args.json:

@@ -157,7 +157,8 @@ if [[ "$mode" == gpu ]]; then
     demo_args=(train.max_steps=20 train.eval_interval=20)
     bench_learner_args=(--models qwen3-0.6b --dtype bfloat16 --spec local --samples 32
                         --prompt 256 --response 768 --microbatches 4 --steps 3 --matmul-probe)
-    bench_logprobs_args=(--repeats 3)
+    # the 8192-token cases (forward, and the learner's forward + backward) fit the limit
+    bench_logprobs_args=(--cases "8192x151936:float32,8192x151936:bfloat16" --repeats 3)
     kit_args=()
 else
     demo_args=(train.max_steps=2 train.eval_interval=2 train.eval_prompts=16)

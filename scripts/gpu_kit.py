@@ -315,8 +315,10 @@ def stage_numbers(name: str, work: Path) -> str:
         if not s or not s["rows"]:
             return "no report"
         return "; ".join(f"{r['tokens']}x{r['vocab']} {r['dtype']}: memory ratio "
-                         f"{r['ratio_memory']:.3f}, time ratio {r['ratio_time']:.2f}"
-                         for r in s["rows"])
+                         f"{r['ratio_memory']:.3f}, time ratio {r['ratio_time']:.2f}" + (
+                             f", learner fwd+bwd {r['learner_ratio_memory']:.3f} / "
+                             f"{r['learner_ratio_time']:.2f}" if "learner_ratio_time" in r
+                             else "") for r in s["rows"])
     return ""
 
 
