@@ -26,8 +26,8 @@ from megatron_gspo.megatron import parallel, router_replay, step
 from megatron_gspo.megatron.learner_state import LearnerState
 from megatron_gspo.megatron import deepseek_v3
 from megatron_gspo.megatron.model import build_gpt_model, build_model_config
-from megatron_gspo.megatron.optimizer import (OptimSettings, all_ranks_agree, build_optimizer,
 from megatron_gspo.run import device_ledger
+from megatron_gspo.megatron.optimizer import (OptimSettings, all_ranks_agree, build_optimizer,
                                               current_lr, grads_finite, wrap_ddp)
 
 
@@ -399,8 +399,8 @@ class Learner(LearnerState):
             self.optimizer.zero_grad()
             return {"grad_norm": float("nan"), "lr": lr, "update_skipped": 1.0}
         ok, grad_norm, _ = self.optimizer.step()
-        if ok:
         self.note_memory()  # Adam's moments exist from the first step on
+        if ok:
             self.scheduler.step(increment=1)
             self.steps += 1
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
