@@ -166,15 +166,23 @@ def load_reference(cfg: Config, learner_, hf_config: dict) -> int:
 
 
 def tokenizer(cfg: Config):
-    """The Hugging Face tokenizer of `model.tokenizer` (default `model.path`)."""
+    """The Hugging Face tokenizer of `model.tokenizer` (default `model.path`), carrying the stop
+    ids of `model.path`'s generation_config.json as `generation_stop_ids`."""
     from transformers import AutoTokenizer
+
+    from megatron_gspo.rollout.generation_config import generation_stop_ids
 
     path = cfg.model.tokenizer or cfg.model.path
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {path}: "
                           f"{str(e).splitlines()[0]}") from None
+    try:  # the model's generation_config.json stop ids (`SamplingParams.for_rollouts`)
+        tok.generation_stop_ids = generation_stop_ids(cfg.model.path) if cfg.model.path else []
+    except ValueError as e:
+        raise ConfigError(f"model.path: {e}") from None
+    return tok
 
 
 STANDIN_MODULE = "megatron_gspo.rollout.standin.server"

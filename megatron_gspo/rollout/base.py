@@ -90,8 +90,8 @@ class SamplingParams:
         Args:
             rollout: the `rollout` config section (max_new_tokens, temperature, top_p, top_k,
                 group_size, stop_token_ids).
-            tok: the tokenizer; its ChatML end tokens and end-of-sequence token are added to the
-                configured stop tokens.
+            tok: the tokenizer; its ChatML end tokens, end-of-sequence token and
+                `generation_stop_ids` (when set) are added to the configured stop tokens.
         Returns:
             SamplingParams with n = the group size.
         """
@@ -101,9 +101,11 @@ class SamplingParams:
             tid = tok.convert_tokens_to_ids(t) if t in vocab else None
             if tid is not None and tid not in ids:
                 ids.append(int(tid))
-        eos = getattr(tok, "eos_token_id", None)
-        if eos is not None and eos not in ids:
-            ids.append(int(eos))
+        # the end-of-sequence token, and the model's generation_config.json stop ids
+        # (`rollout.generation_config`: Gemma 3's <end_of_turn>), set by `loop.build.tokenizer`
+        for t in (getattr(tok, "eos_token_id", None), *getattr(tok, "generation_stop_ids", ())):
+            if t is not None and int(t) not in ids:
+                ids.append(int(t))
         return cls(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                    top_p=rollout.top_p, top_k=rollout.top_k, n=rollout.group_size,
                    stop_token_ids=tuple(ids))
