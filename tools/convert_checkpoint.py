@@ -16,4 +16,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_gspo.cli.convert import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog=None))  # usage lines name this script

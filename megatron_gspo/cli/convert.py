@@ -23,8 +23,8 @@ import sys
 from contextlib import contextmanager
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-gspo convert", description=__doc__.split("\n")[0])
+def _parser(prog: str | None = "megatron-gspo convert") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron-Core dist checkpoint")
     a.add_argument("--hf", required=True, help="HF model directory")
@@ -93,9 +93,14 @@ def _held(ckpt: str):
         raise gone from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry of `megatron-gspo convert` and tools/convert_checkpoint.py; returns the exit code."""
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = "megatron-gspo convert") -> int:
+    """Entry of `megatron-gspo convert` and tools/convert_checkpoint.py; returns the exit code.
+
+    Args:
+        argv: the arguments (default: sys.argv[1:]).
+        prog: the program name in usage lines (None: the script's file name).
+    """
+    args = _parser(prog).parse_args(argv)
     from megatron_gspo.convert.base import ConversionError
     from megatron_gspo.convert.guards import check_out_writable
 
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             "progress": not args.no_progress,
         }
         if args.cmd == "hf-to-mcore":
-            conv.check_hf_to_mcore(args.hf, args.out, args.force)
+            conv.check_hf_to_mcore(args.hf, args.out, args.force, (args.tp, args.pp, args.ep))
             conv.launch(
                 conv.hf_to_mcore, world, hf_dir=args.hf, out=args.out, dtype=dtype, **common
             )
@@ -125,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                                       f"{args.max_shard_size}")
             with _held(args.ckpt) as ckpt:  # a training run cannot rotate it away meanwhile
                 _refuse_lora(ckpt)
-                plan = conv.check_mcore_to_hf(ckpt, args.hf_config, args.out, args.force)
+                plan = conv.check_mcore_to_hf(ckpt, args.hf_config, args.out, args.force,
+                                              (args.tp, args.pp, args.ep))
                 conv.launch(
                     conv.mcore_to_hf,
                     world,

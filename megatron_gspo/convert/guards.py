@@ -23,12 +23,15 @@ from megatron_gspo.convert.registry import get_adapter
 VOCAB_PAD_MULTIPLE = 128  # as megatron_gspo.megatron.model pads the vocabulary
 
 
-def check_out_disjoint(out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None]):
+def check_out_disjoint(out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None],
+                       out_flag: str = "--out"):
     """Refuse an output directory that is, contains, or lies inside one of `inputs`.
 
     Args:
         out: the output directory (need not exist).
-        inputs: what names each input in the message (e.g. "--hf") -> its path (None: skip).
+        inputs: what names each input in the message (a flag such as "--hf", or a phrase
+            starting with "the ") -> its path (None: skip).
+        out_flag: how the output is named in the message.
     """
     o = Path(os.path.realpath(out))
     for flag, path in inputs.items():
@@ -43,8 +46,9 @@ def check_out_disjoint(out: str | os.PathLike, inputs: Mapping[str, str | os.Pat
             how = "is inside"
         else:
             continue
+        name = flag if flag.startswith("the ") else f"the input {flag}"
         raise ConversionError(
-            f"--out {out} {how} the input {flag} {path}; choose an output directory outside "
+            f"{out_flag} {out} {how} {name} {path}; choose an output directory outside "
             "the inputs (--force would delete or mix with input files)"
         )
 

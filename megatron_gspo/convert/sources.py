@@ -31,16 +31,76 @@ FORMAT = "megatron_gspo/dist_checkpoint/v1"
 _STEP_RE = re.compile(r"^step_\d{8}$")
 
 
-def write_model_info(model_dir: str | os.PathLike, hf_config: dict, dtype: str) -> None:
+def write_model_info(model_dir: str | os.PathLike, hf_config: dict, dtype: str,
+                     source: str | os.PathLike | None = None) -> None:
     """Store the Hugging Face config a learner checkpoint was written with (rank 0 only).
 
     Args:
         model_dir: the torch_dist folder just written.
         hf_config: the learner's parsed config.json.
         dtype: parameter dtype name ("float32", "bfloat16", "float16").
+        source: the initial weights (`model.load_checkpoint` or `model.path`), recorded with
+            their `weights_fingerprint`.
     """
     info = {"hf_config": hf_config, "dtype": dtype}
+    if source is not None:
+        info.update(source=str(source), source_fingerprint=weights_fingerprint(source))
     (Path(model_dir) / MODEL_INFO).write_text(json.dumps(info, indent=1, default=str) + "\n")
+
+
+def read_model_info(model_dir: str | os.PathLike) -> dict | None:
+    """What `write_model_info` stored (None: nothing stored or unreadable)."""
+    try:
+        info = json.loads((Path(model_dir) / MODEL_INFO).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("hf_config"), dict) else None
+
+
+_WEIGHT_GLOBS = ("*.safetensors", "*.distcp", "*.bin", "*.pt")
+_SAMPLE = 1 << 16
+
+
+def weights_fingerprint(model_dir: str | os.PathLike) -> str | None:
+    """A cheap identity of the weights in `model_dir` (Hugging Face or torch_dist): sha256 over
+    each weight file's name and size and 64 KiB read at its start, middle and end. A copy
+    matches; other weights (another model, a fine-tune of the same one) differ. None when the
+    directory holds no weight file."""
+    import hashlib
+
+    d = Path(model_dir)
+    files = sorted({p for g in _WEIGHT_GLOBS for p in d.glob(g) if p.is_file()})
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            for at in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
+                fh.seek(at)
+                h.update(fh.read(_SAMPLE))
+    return h.hexdigest()
+
+
+def other_weights(given: str | os.PathLike, recorded: str | None,
+                  fingerprint: str | None = None) -> str | None:
+    """Why the weights in `given` are not the `recorded` ones (path, and their fingerprint
+    when one was stored), as a phrase; None when they are the same or nothing tells."""
+    if not recorded:
+        return None
+    same_path = os.path.realpath(given) == os.path.realpath(recorded)
+    if fingerprint is None:  # recorded without one: compare with the recorded path's files
+        if same_path or not Path(recorded).is_dir():
+            return None
+        fingerprint = weights_fingerprint(recorded)
+        if fingerprint is None:
+            return None
+    if weights_fingerprint(given) == fingerprint:
+        return None
+    if same_path:
+        return f"the weights in {given} changed since the checkpoint was written"
+    return f"{given} holds other weights than {recorded}, which the checkpoint was trained from"
 
 
 @dataclass
@@ -64,6 +124,24 @@ class CheckpointSource:
     side_dir: Path | None = None
     dtype: str | None = None
     notes: list[str] = field(default_factory=list)
+
+    def inputs(self, given: str | os.PathLike, flag: str = "--ckpt") -> dict:
+        """What an output directory must stay apart from (`guards.check_out_disjoint`): the
+        path as given, the checkpoint, and for a run checkpoint its checkpoint directory and
+        the run directory holding it."""
+        out = {flag: given, f"{flag} checkpoint": self.root}
+        if self.kind == "run":
+            out[f"the checkpoint dir of {flag}"] = self.root.parent
+            out[f"the run dir of {flag}"] = run_dir_of(self.root)
+        return out
+
+
+def run_dir_of(step: Path) -> Path | None:
+    """The run directory of run checkpoint `step` (RUN/checkpoints/step_N, or a run dir with
+    its config.yaml two levels up), None when the checkpoints live elsewhere
+    (`checkpoint.dir`)."""
+    run = step.parent.parent
+    return run if step.parent.name == "checkpoints" or (run / "config.yaml").is_file() else None
 
 
 def _step_dir(path: Path, notes: list[str]) -> Path | None:

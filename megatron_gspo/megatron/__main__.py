@@ -27,7 +27,8 @@ def _samples(n, prompt, response, vocab, seed):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Megatron-Core GSPO learner smoke run")
+    ap = argparse.ArgumentParser(prog="python -m megatron_gspo.megatron",
+                                 description="Megatron-Core GSPO learner smoke run")
     ap.add_argument("--hf-config", required=True, help="path to a Hugging Face config.json")
     for flag in ("tp", "pp", "ep", "cp"):
         ap.add_argument(f"--{flag}", type=int, default=1)

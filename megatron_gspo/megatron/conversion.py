@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.convert import get_adapter
-from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.base import ConversionError, num_routed_experts
 from megatron_gspo.convert.guards import (
     check_config_against_shapes,
     check_out_disjoint,
@@ -80,12 +80,36 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def check_hf_to_mcore(hf_dir: str, out: str, force: bool) -> dict:
-    """Validate inputs of `hf_to_mcore` without touching torch.distributed; returns the config."""
+_FLAGS = {"tensor": "--tp", "pipeline": "--pp", "expert": "--ep"}
+
+
+def check_conversion_layout(tp: int, pp: int, ep: int, hf_config: dict) -> None:
+    """The (tp, pp, ep) layout fits the model (heads, layers, experts, ...), checked before any
+    process starts: ConversionError naming the convert flags (not the train fields)."""
+    import re
+
+    from megatron_gspo.megatron.parallel import ParallelLayoutError, check_layout
+
+    cfg = dict(hf_config)
+    try:
+        check_layout(_layout(tp, pp, ep, bool(num_routed_experts(cfg))),
+                     conversion_world_size(tp, pp, ep), cfg)
+    except ParallelLayoutError as e:
+        msg = re.sub(r"parallel\.(tensor|pipeline|expert)\b", lambda m: _FLAGS[m[1]], str(e))
+        msg = msg.replace("pipeline*virtual_pipeline = ", "--pp ")
+        raise ConversionError(f"--tp {tp} --pp {pp} --ep {ep}: {msg}") from None
+
+
+def check_hf_to_mcore(hf_dir: str, out: str, force: bool,
+                      layout: tuple[int, int, int] = (1, 1, 1)) -> dict:
+    """Validate inputs of `hf_to_mcore` without touching torch.distributed (the output, the
+    config, the (tp, pp, ep) `layout` against it, then the tensors); returns the config."""
     check_out_disjoint(out, {"--hf": hf_dir})
     if Path(out).exists() and not force:
         raise ConversionError(f"output directory {out} exists (pass --force to overwrite)")
-    adapter = get_adapter(read_config(hf_dir))
+    config = read_config(hf_dir)
+    adapter = get_adapter(config)
+    check_conversion_layout(*layout, config)
     reader = HFCheckpointReader(hf_dir)
     validate_hf_checkpoint(reader, adapter, adapter.dims(reader.config))
     return reader.config
@@ -159,7 +183,8 @@ def _shared_temp_dir(target: Path) -> Path:
     return Path(obj[0])
 
 
-def check_mcore_to_hf(ckpt: str, hf_config_dir: str | None, out: str, force: bool) -> dict:
+def check_mcore_to_hf(ckpt: str, hf_config_dir: str | None, out: str, force: bool,
+                      layout: tuple[int, int, int] = (1, 1, 1)) -> dict:
     """Validate inputs of `mcore_to_hf` without touching torch.distributed.
 
     Resolves ``--ckpt`` (converted or run checkpoint, see `convert.sources`), picks the config
@@ -187,14 +212,15 @@ def check_mcore_to_hf(ckpt: str, hf_config_dir: str | None, out: str, force: boo
             f"{ckpt}: no Hugging Face config stored with the checkpoint and none found through "
             "the run's config.yaml; pass --hf-config DIR"
         )
-    check_out_disjoint(out, {"--ckpt": ckpt, "--ckpt checkpoint": src.root,
-                             "--hf-config": hf_config_dir, "model.path of the run": side})
+    check_out_disjoint(out, {**src.inputs(ckpt), "--hf-config": hf_config_dir,
+                             "model.path of the run": side})
     if Path(out).exists() and not force:
         raise ConversionError(f"output directory {out} exists (pass --force to overwrite)")
     adapter = get_adapter(cfg)
     from megatron_gspo.megatron.checkpoint_io import normalize_hf_config
 
     adapter.dims(normalize_hf_config(cfg))
+    check_conversion_layout(*layout, cfg)
     if src.stored_config is not None and cfg is not src.stored_config:
         compare_configs(cfg, src.stored_config, cfg_name, stored_name)
     shapes = checkpoint_shapes(src.dist_dir)
@@ -303,6 +329,31 @@ def mcore_to_hf(
         shutdown()
 
 
+def _body(fn: Callable, kwargs: dict, rank: int = 0) -> None:
+    """`fn(**kwargs)`, a full disk under its output as a one-line ConversionError.
+
+    A failed save reports every rank's write error on rank 0 (the coordinator) only; another
+    rank whose error says nothing of a full disk waits a moment, so that the launcher, which
+    reports the first process to fail, reports rank 0's error."""
+    from megatron_gspo.run.diskfull import disk_full
+
+    try:
+        fn(**kwargs)
+    except BaseException as e:  # (torch's CheckpointException is a BaseException)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        msg = disk_full(e, kwargs.get("out") or kwargs.get("merged") or ".")
+        if msg is not None:
+            raise ConversionError(msg) from None
+        if rank != 0:
+            import time
+
+            time.sleep(3.0)
+        if not isinstance(e, Exception):  # torch's spawn reports Exceptions only
+            raise RuntimeError(f"{type(e).__name__}: {e}") from e
+        raise
+
+
 def _child(local_rank: int, world: int, port: int, fn: Callable, kwargs: dict) -> None:
     os.environ.update(
         RANK=str(local_rank),
@@ -311,7 +362,7 @@ def _child(local_rank: int, world: int, port: int, fn: Callable, kwargs: dict) -
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    fn(**kwargs)
+    _body(fn, kwargs, local_rank)
 
 
 def launch(fn: Callable, world: int, **kwargs) -> None:
@@ -327,10 +378,10 @@ def launch(fn: Callable, world: int, **kwargs) -> None:
             raise ConversionError(
                 f"WORLD_SIZE={env_world} is not a multiple of the {world} ranks this layout needs"
             )
-        fn(**kwargs)
+        _body(fn, kwargs)
         return
     if world == 1:
-        fn(**kwargs)
+        _body(fn, kwargs)
         return
     import torch.multiprocessing as mp
 
@@ -342,6 +393,8 @@ def launch(fn: Callable, world: int, **kwargs) -> None:
         )
     except mp.ProcessRaisedException as e:
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        raise ConversionError(lines[-1] if lines else "a conversion rank failed") from None
+        last = lines[-1] if lines else "a conversion rank failed"
+        raise ConversionError(last.removeprefix(f"{ConversionError.__module__}."
+                                                f"{ConversionError.__name__}: ")) from None
     except mp.ProcessExitedException as e:
         raise ConversionError(f"a conversion rank died: {e}") from None

@@ -24,11 +24,25 @@ QUIET = (
 )
 
 
+# FutureWarnings of every checkpoint load that no user can act on: Megatron-Core 0.16's
+# torch_dist strategy calls torch's deprecated `checkpoint.load_state_dict`, and its
+# ShardedTensor-based state dicts make torch warn about ShardedTensor (raised from inside
+# torch's dispatch, so matched by message only, and only this exact deprecation notice).
+QUIET_FUTURE = (
+    (r"`load_state_dict` is deprecated and will be removed in future versions\. Please use "
+     r"`load` instead", r"megatron\.core\.dist_checkpointing"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", ""),
+)
+
+
 def quiet_fallback_warnings() -> None:
-    """Ignore the `QUIET` messages from Megatron modules (idempotent; other warnings, and these
-    messages from anywhere else, are untouched)."""
+    """Ignore the `QUIET` messages from Megatron modules and the `QUIET_FUTURE` deprecation
+    notices of checkpoint loads (idempotent; other warnings, and these messages from anywhere
+    else, are untouched)."""
     for msg in QUIET:
         warnings.filterwarnings("ignore", message=msg, category=UserWarning, module=r"megatron")
+    for msg, module in QUIET_FUTURE:
+        warnings.filterwarnings("ignore", message=msg, category=FutureWarning, module=module)
 
 
 def bind_missing_te_names() -> None:

@@ -14,6 +14,7 @@ parameters, so expert adapters are exported merged only (the PEFT writer refuses
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,20 +25,37 @@ from megatron_gspo.convert.base import ConversionError
 
 def check_lora_to_peft(ckpt: str, base: str | None, out: str, merged: str | None,
                        force: bool) -> dict:
-    """Validate the inputs without torch.distributed; returns `lora_to_peft`'s arguments."""
+    """Validate the inputs without torch.distributed; returns `lora_to_peft`'s arguments.
+
+    Refused in one line: a checkpoint without lora.json; a `base` whose weights are not the
+    base lora.json records (`lora_io.base_mismatch`); an output that is, contains or lies
+    inside the checkpoint, its run directory or the base, or that overlaps the other output.
+    """
+    from megatron_gspo.convert.guards import check_out_disjoint
     from megatron_gspo.convert.hf_io import read_config
     from megatron_gspo.convert.sources import resolve_checkpoint
-    from megatron_gspo.megatron.lora_io import read_adapter_info
+    from megatron_gspo.megatron.lora_io import base_mismatch, read_adapter_info
 
     src = resolve_checkpoint(ckpt)
     info = read_adapter_info(src.dist_dir)
     if info is None:
         raise ConversionError(f"--ckpt {ckpt}: not a LoRA checkpoint (no lora.json in "
                               f"{src.dist_dir}); use `convert mcore-to-hf`")
+    base_flag = "--base" if base else "the base named in lora.json"
     base = base or info.get("base")
     if not base or not (Path(base) / "config.json").is_file():
         raise ConversionError(f"--ckpt {ckpt}: its base {base!r} is not a Hugging Face model "
                               "directory reachable from here; pass --base DIR")
+    problem = base_mismatch(info, base)
+    if problem:
+        raise ConversionError(f"{base_flag} {base}: {problem} (lora.json of {src.root}); the "
+                              "adapters only fit the base they were trained on")
+    inputs = {**src.inputs(ckpt), base_flag: base}
+    for path, flag in ((out, "--out"), (merged, "--merged")):
+        if path is not None:
+            check_out_disjoint(path, inputs, out_flag=flag)
+    if out is not None and merged is not None:
+        check_out_disjoint(merged, {"the other output --out": out}, out_flag="--merged")
     for path, flag in ((out, "--out"), (merged, "--merged")):
         if path is not None and Path(path).exists() and not force:
             raise ConversionError(f"{flag} {path} exists (pass --force to overwrite)")
@@ -54,7 +72,8 @@ def lora_to_peft(ckpt: str, base: str, info: dict, hf_config: dict, out: str | N
     """Write the PEFT adapter (`out`) and/or the merged model (`merged`)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_gspo.convert.hf_io import HFCheckpointReader, save_hf_checkpoint
+    from megatron_gspo.convert.hf_io import (HFCheckpointReader, commit_output_dir,
+                                             prepare_output_dir, save_hf_checkpoint)
     from megatron_gspo.convert.registry import get_adapter
     from megatron_gspo.megatron import checkpoint_io as cio
     from megatron_gspo.megatron import lora, weights
@@ -68,6 +87,7 @@ def lora_to_peft(ckpt: str, base: str, info: dict, hf_config: dict, out: str | N
     settings = lora.LoraSettings(rank=int(info["rank"]), alpha=float(info["alpha"]),
                                  dropout=float(info["dropout"]), targets=tuple(info["targets"]))
     initialize(ParallelLayout(), hf_config=cfg)
+    tmp = None  # the adapter's temp dir until it is moved into place
     try:
         models = cio.build_rank_models(cfg, params_dtype=torch.float32,
                                        perform_initialization=False)
@@ -81,16 +101,22 @@ def lora_to_peft(ckpt: str, base: str, info: dict, hf_config: dict, out: str | N
         with torch.no_grad():
             loaded = dist_checkpointing.load({"lora": lora.sharded_state_dict(models)}, ckpt)
         lora.load_sharded(models, loaded["lora"])
-        if out is not None:
+        if out is not None:  # into a temp dir beside `out`, moved into place at the end
+            tmp = prepare_output_dir(out, force)
             full = {k: v for k, v in weights.gather_full(models, dims.tie_embeddings).items()
                     if lora.is_adapter_name(k)}
-            write_peft_adapter(out, full, dims, settings, base, dtype or torch.float32)
-            print(f"convert_checkpoint: wrote PEFT adapter {out}", file=sys.stderr)
+            write_peft_adapter(tmp, full, dims, settings, base, dtype or torch.float32)
         if merged is not None:
             buckets = export_hf_weights(models, cfg, bucket_bytes=256 * 2**20, dtype=dtype)
             save_hf_checkpoint(((n, t) for b in buckets for n, t in b), merged,
                                side_files_from=base, max_shard_bytes=max_shard_bytes,
                                dtype=dtype or torch.float32, force=force)
             print(f"convert_checkpoint: wrote merged model {merged}", file=sys.stderr)
+        if tmp is not None:
+            commit_output_dir(tmp, out)
+            tmp = None
+            print(f"convert_checkpoint: wrote PEFT adapter {out}", file=sys.stderr)
     finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         shutdown()

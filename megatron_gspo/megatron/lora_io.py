@@ -28,9 +28,13 @@ INFO_NAME = "lora.json"
 
 
 def write_adapter_info(path: str | os.PathLike, settings: LoraSettings, base: str | None) -> None:
-    """Write `lora.json` (settings and base reference) into a checkpoint's model directory."""
+    """Write `lora.json` (settings, the base and its `weights_fingerprint`) into a checkpoint's
+    model directory."""
+    from megatron_gspo.convert.sources import weights_fingerprint
+
     info = {"rank": settings.rank, "alpha": settings.alpha, "dropout": settings.dropout,
-            "targets": list(settings.targets), "base": base}
+            "targets": list(settings.targets), "base": base,
+            "base_fingerprint": weights_fingerprint(base) if base else None}
     (Path(path) / INFO_NAME).write_text(json.dumps(info, indent=2) + "\n")
 
 
@@ -40,16 +44,38 @@ def read_adapter_info(path: str | os.PathLike) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
+def base_mismatch(info: dict, base: str | os.PathLike) -> str | None:
+    """Why `base` is not the base model `info` (lora.json) records, None when it is (or when
+    nothing recorded can tell): its fingerprint, else the recorded directory's weights."""
+    from megatron_gspo.convert.sources import other_weights
+
+    return other_weights(base, info.get("base"), info.get("base_fingerprint"))
+
+
+def adapter_mismatch(info: dict, settings: LoraSettings) -> tuple[str, object, object] | None:
+    """The first adapter setting that differs from lora.json: (key, recorded, given), or None.
+    Rank and targets shape the adapters; alpha scales them (a resumed run with another alpha
+    would change the model it continues)."""
+    for key, want in (("rank", settings.rank), ("targets", list(settings.targets)),
+                      ("alpha", settings.alpha)):
+        got = info.get(key)
+        same = got == want if key != "alpha" else got is not None and float(got) == float(want)
+        if not same:
+            return key, got, want
+    return None
+
+
 def check_adapter_info(path: str | os.PathLike, settings: LoraSettings) -> None:
-    """Refuse, in one line, a checkpoint whose adapters differ from `settings` in shape or
-    placement (rank, targets) or that holds full weights."""
+    """Refuse, in one line, a checkpoint whose adapters differ from `settings` in shape,
+    placement or scale (rank, targets, alpha) or that holds full weights."""
     info = read_adapter_info(path)
     if info is None:
         raise ValueError(f"{path}: not a LoRA checkpoint (no {INFO_NAME}) but model.lora is on")
-    for key, want in (("rank", settings.rank), ("targets", list(settings.targets))):
-        if info.get(key) != want:
-            raise ValueError(f"{path}: checkpoint adapters have {key}={info.get(key)!r}, "
-                             f"model.lora.{key} is {want!r}")
+    diff = adapter_mismatch(info, settings)
+    if diff is not None:
+        key, got, want = diff
+        raise ValueError(f"{path}: checkpoint adapters have {key}={got!r}, "
+                         f"model.lora.{key} is {want!r}")
 
 
 # ----------------------------------------------------------------------------- PEFT naming
