@@ -26,6 +26,7 @@ from megatron_gspo.agent.chat_session import ChatTemplateError, TemplateRenderEr
 from megatron_gspo.agent.tool_parsers import (ToolParser, ToolParserError, checked_parser,
                                               resolve_tool_parser)
 from megatron_gspo.agent.episode_stats import episode_metrics, merge_info  # noqa: F401
+from megatron_gspo.agent.interrupt import run_cancel_on_interrupt
 from megatron_gspo.data.sample import MAX_ABS_REWARD, Sample
 from megatron_gspo.rollout.base import GenerateRequest, RolloutEngine, SamplingParams
 
@@ -388,15 +389,23 @@ class EpisodeRunner:
                     self._live -= 1
                     self.batcher.poke()
 
-        jobs = [one(i, j) for i in range(len(items)) for j in range(n_per_prompt)]
-        return list(await asyncio.gather(*jobs))
+        jobs = [asyncio.ensure_future(one(i, j))
+                for i in range(len(items)) for j in range(n_per_prompt)]
+        try:
+            return list(await asyncio.gather(*jobs))
+        except BaseException:  # cancelled (Ctrl-C) or one failed: no episode left running
+            for job in jobs:  # once: a second cancel would cut short a job's own cleanup
+                if not job.done() and not job.cancelling():
+                    job.cancel()
+            await asyncio.wait(jobs)
+            raise
 
     def run_batch_sync(self, items: Sequence[Any], n_per_prompt: int = 1) -> list[Sample]:
         """Synchronous `run_batch`, on the engine's own event loop when it has one."""
         runner = getattr(self.engine, "run_coroutine", None) or getattr(self.engine, "_run", None)
         if runner is None:
             return asyncio.run(self.run_batch(items, n_per_prompt))
-        return runner(self.run_batch(items, n_per_prompt))
+        return run_cancel_on_interrupt(runner, self.run_batch(items, n_per_prompt))
 
 
 async def opening_prompt(runner: EpisodeRunner, item: Any) -> list[int]:

@@ -152,3 +152,23 @@ def test_sweep_removes_only_what_dead_owners_left(tmp_path):
     finally:
         os.rmdir(mine)
         os.rmdir(os.path.join(tempfile.gettempdir(), other_ns))
+
+
+def test_ctrl_c_during_a_tool_call_prints_one_line():
+    """Ctrl-C while python tool calls run (issue 43 item 18): the calls are cancelled and
+    cleaned up on the engine's loop before it closes, so the trainer says "interrupted" and
+    nothing else (no "Task was destroyed", "Event loop is closed", tracebacks)."""
+    with tempfile.TemporaryDirectory() as d:
+        p = start_trainer(Path(d) / "run")
+        try:
+            wait_for_tool_call(p)
+            os.kill(p.pid, signal.SIGINT)
+            p.wait(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        err = p.stderr.read()
+    noise = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[")]
+    assert p.returncode == 130, err[-3000:]
+    assert noise == ["megatron-gspo: interrupted"], "\n".join(noise[:20])

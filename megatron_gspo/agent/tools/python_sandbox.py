@@ -177,7 +177,7 @@ class PythonSandbox:
                 _watch_disk(tmp, self.max_disk_bytes, proc.pid, over))
             timed_out = False
             try:
-                _, out, err = await asyncio.wait_for(asyncio.gather(*tasks),
+                _, out, err = await asyncio.wait_for(_gather(tasks),
                                                      timeout=self.wall_timeout_s)
                 rc = await asyncio.wait_for(proc.wait(), timeout=self.wall_timeout_s)
             except asyncio.TimeoutError:
@@ -235,6 +235,12 @@ class PythonSandbox:
             tail = err.strip().splitlines()[-3:]
             text += f"\n[{reason}]" + ("\n" + "\n".join(tail) if tail else "")
         return truncate_output(text.strip() or "(no output)", self.max_output_chars)[0]
+
+
+async def _gather(coros: list) -> list:
+    # in a task of its own: when the call is cancelled (Ctrl-C), the gather's CancelledError
+    # is retrieved here instead of being logged as "exception was never retrieved"
+    return await asyncio.gather(*coros)
 
 
 async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
