@@ -8,6 +8,10 @@ Layers, strongest first; each applies where the host allows it (probed once per 
   gets around it. Required: a kernel without it makes `PythonSandbox()` raise
   `SandboxUnavailable` (one line), unless `require_landlock=False` accepts the audit hook as the
   only guard of reads.
+- seccomp-BPF (`sandbox_seccomp`, installed after Landlock, before the user's code): the
+  kernel refuses every socket (pathname and abstract unix sockets of the host included), every
+  exec (memfd too), ptrace and other processes' memory, namespaces, mounts, io_uring, BPF,
+  keyrings. The audit hook below is a convenience layer; these two are the wall.
 - OS namespaces via `unshare` (`isolation_prefix`): own user namespace (capabilities only there,
   so RLIMIT_NPROC binds a root parent too), own PID namespace (a shell is init; when it dies the
   kernel kills every process in it, `setsid`/double-forked ones included), own mount namespace
