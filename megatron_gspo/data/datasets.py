@@ -376,15 +376,22 @@ class PromptIterator:
         missing = {"epoch", "position", "seed", "size"} - set(state)
         if missing:
             raise ValueError(f"data cursor lacks {sorted(missing)}")
+        # (DatasetError: one line at the command line, naming the setting that differs)
+        path = getattr(self.dataset, "path", None) or "the train file"
         if int(state["size"]) != self.size:
-            raise ValueError(f"data cursor was saved for {state['size']} prompts, the dataset "
-                             f"now has {self.size}")
+            raise DatasetError(f"data.train_path: {path} has {self.size} usable prompts, the "
+                               f"checkpoint's data cursor was saved for {state['size']}; resume "
+                               "with the train file the run started with")
         if int(state["seed"]) != self.seed:
-            raise ValueError(f"data cursor was saved with seed {state['seed']}, the iterator "
-                             f"has seed {self.seed}")
+            raise DatasetError(f"train.seed: {self.seed}, but the checkpoint's data cursor was "
+                               f"saved with seed {state['seed']}; resume with "
+                               f"train.seed={state['seed']}")
         if not 0 <= int(state["position"]) < self.size:
-            raise ValueError(f"data cursor position {state['position']} outside [0, {self.size})")
+            raise DatasetError(f"data cursor position {state['position']} outside "
+                               f"[0, {self.size})")
         if "shuffle" in state and bool(state["shuffle"]) != self.shuffle:
-            raise ValueError(f"data cursor was saved with shuffle={bool(state['shuffle'])}")
+            raise DatasetError(f"data.shuffle: {self.shuffle}, but the checkpoint's data cursor "
+                               f"was saved with shuffle={bool(state['shuffle'])}; resume with "
+                               f"data.shuffle={str(bool(state['shuffle'])).lower()}")
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])

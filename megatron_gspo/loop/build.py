@@ -6,6 +6,7 @@ The RL loop (`train.py`) calls these once at start-up and the phases in `phases.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.loop.early_checks import check_rows, is_moe
+from megatron_gspo.loop import resume_checks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,9 +45,21 @@ def read_hf_config(model_path: str | None) -> dict:
     if not model_path:
         raise ConfigError("model.path: required (a Hugging Face model directory)")
     try:
-        return read_config(model_path)
+        cfg = read_config(model_path)
     except ConversionError as e:
         raise ConfigError(f"model.path: {model_path} has no usable config.json ({e})") from None
+    if isinstance(cfg, dict) and not cfg.get("architectures"):  # name what to add
+        from megatron_gspo.convert.registry import get_adapter
+
+        mt = cfg.get("model_type")
+        try:
+            hint = f'add "architectures": ["{get_adapter(cfg).architectures[0]}"] (its ' \
+                   f"model_type is {mt!r})"
+        except ConversionError as e:
+            hint = f"add the model's architecture (model_type {mt!r}: {e})"
+        raise ConfigError(f"model.path: {model_path}/config.json has no \"architectures\" "
+                          f"key; {hint}")
+    return cfg
 
 
 def learner(cfg: Config, hf_config: dict):
@@ -80,6 +94,9 @@ def learner(cfg: Config, hf_config: dict):
     lo = cfg.model.lora
     lora = LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
                         targets=tuple(lo.targets)) if lo.rank else None
+    if lora is not None and "experts" in lora.targets and not is_moe(hf_config):
+        raise ConfigError(f"model.lora.targets: 'experts', but {cfg.model.path} is a dense model "
+                          "(no routed experts); use qkv, proj, fc1, fc2")
     learner_ = Learner(hf_config, layout=layout, optim=optim, loss=loss,
                    model_kwargs=deterministic_switches(cfg.train.deterministic),
                    batching=BatchSettings(max_tokens_per_microbatch=a.micro_batch_tokens,
@@ -89,8 +106,12 @@ def learner(cfg: Config, hf_config: dict):
                    reference_offload=cfg.model.reference_offload,
                    routing_replay=cfg.moe.routing_replay,
                    offload_outside_step=o.offload_outside_step, lora=lora)
-    if lora is not None:  # the base named in LoRA checkpoints
-        learner_.lora_base = cfg.model.load_checkpoint or cfg.model.path
+    # the initial weights, recorded in checkpoints (the base named in LoRA checkpoints), and
+    # what a checkpoint must match to be resumed (`Checkpointer.load` runs it first)
+    learner_.model_source = cfg.model.load_checkpoint or cfg.model.path
+    if lora is not None:
+        learner_.lora_base = learner_.model_source
+    learner_.resume_check = functools.partial(resume_checks.check_resume, cfg, hf_config)
     return learner_
 
 
@@ -120,6 +141,7 @@ def load_initial_weights(cfg: Config, learner_, hf_config: dict) -> None:
     from megatron_gspo.megatron import checkpoint_io
 
     if cfg.model.load_checkpoint:
+        resume_checks.check_load_checkpoint(cfg, hf_config)  # another model: one line
         checkpoint_io.load_checkpoint(learner_.chunks, cfg.model.load_checkpoint)
     else:
         adapter = get_adapter(hf_config)
@@ -150,6 +172,7 @@ def load_reference(cfg: Config, learner_, hf_config: dict) -> int:
         return 0
     path = cfg.model.reference_path
     if path is None and cfg.model.load_checkpoint:
+        resume_checks.check_load_checkpoint(cfg, hf_config)
         checkpoint_io.load_checkpoint(chunks, cfg.model.load_checkpoint)
         return learner_.reference_bytes()
     path = path or cfg.model.path

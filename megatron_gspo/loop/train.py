@@ -25,14 +25,15 @@ from megatron_gspo.megatron.learner_state import CHECKPOINT_PARTS
 from megatron_gspo.run.metrics import MetricsLogger
 from megatron_gspo.rollout.multinode import colocated as colocated_sync
 from megatron_gspo.run import device_ledger
-from megatron_gspo.run.rundir import RunDirLock, RunError, check_fresh_start
+from megatron_gspo.run.rundir import RunDirLock, RunError, check_start
 
 
 def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None) -> Path:
     """Train according to `cfg`; returns the run directory.
 
-    Rank 0 holds the run-dir lock (`RUN_DIR/run.lock`) for the whole run, released also on
-    errors; `train.resume: never` into a run dir that already holds a run is a RunError.
+    Rank 0 holds the run-dir lock (`RUN_DIR/run.lock`, and the checkpoint dir's) for the
+    whole run, released also on errors; `train.resume: never` into a run dir that already
+    holds a run, or `auto` into one with metrics and no checkpoint, is a RunError.
     Whatever the run started (launched servers, the async producer, process groups) is
     stopped when it ends, also when it ends with an error.
     """
@@ -40,10 +41,9 @@ def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     if build.is_rank0():
         early_checks.check_run_dir(run_dir, ckpt_root)
-    lock = RunDirLock(run_dir).acquire() if build.is_rank0() else None
+    lock = RunDirLock(run_dir, ckpt_root).acquire() if build.is_rank0() else None
     try:
-        if cfg.train.resume == "never":
-            check_fresh_start(run_dir, ckpt_root)
+        check_start(run_dir, ckpt_root, cfg.train.resume)  # nothing of an earlier run lost
         with ExitStack() as cleanup:
             return _train(cfg, run_dir, ckpt_root, lock, cleanup)
     finally:

@@ -5,7 +5,8 @@ Same code on CPU (gloo, with `megatron_gspo.megatron.cpu`) and GPU (NCCL). Every
 the SAME global mini-batch (a list of `Sample`s; `broadcast_samples` sends rank 0's list); the
 learner picks this DP rank's share with `plan_microbatches`, packs micro-batches, and runs
 Megatron's pipeline schedule. Usable in-process (world size 1) or under
-`torchrun --nproc_per_node=N` (see `python -m megatron_gspo.megatron.learner --help`).
+`torchrun --nproc_per_node=N` (`python -m megatron_gspo.megatron --help`: a smoke run on any
+layout).
 """
 
 from __future__ import annotations

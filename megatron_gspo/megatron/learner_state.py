@@ -202,7 +202,8 @@ class LearnerState:
         if dist.get_rank() == 0:  # the config `convert mcore-to-hf` rebuilds and checks with
             from megatron_gspo.convert.sources import write_model_info
 
-            write_model_info(path, self.hf_config, str(self.params_dtype).removeprefix("torch."))
+            write_model_info(path, self.hf_config, str(self.params_dtype).removeprefix("torch."),
+                             getattr(self, "model_source", None))
             if getattr(self, "lora", None) is not None:
                 from megatron_gspo.megatron.lora_io import write_adapter_info
 

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.run import faults
+from megatron_gspo.run.diskfull import disk_full
 from megatron_gspo.run.rundir import RunError
 
 __all__ = ["Checkpointer", "CheckpointError", "ResumePoint", "rng_state", "set_rng_state"]
@@ -268,19 +269,31 @@ class Checkpointer:
                 + f"; the newest complete checkpoint is {self.latest()}")
         name = f"step_{step:08d}"
         tmp, final = self.root / f".tmp_{name}", self.root / name
-        if _rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        _barrier()
-        learner.save_checkpoint(str(tmp / "model"))
-        rng = rng_state()
-        if hasattr(learner, "rng_state"):  # the learner's own generators (model-parallel RNG)
-            rng["learner"] = learner.rng_state()
-        torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
-        if _rank() == 0:
-            (tmp / "trainer.json").write_text(json.dumps(trainer_state))
-        _barrier()
+        try:
+            if _rank() == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            _barrier()
+            learner.save_checkpoint(str(tmp / "model"))
+            rng = rng_state()
+            if hasattr(learner, "rng_state"):  # the learner's own generators (model-parallel)
+                rng["learner"] = learner.rng_state()
+            torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
+            if _rank() == 0:
+                (tmp / "trainer.json").write_text(json.dumps(trainer_state))
+            _barrier()
+        except BaseException as e:  # a full disk (also in torch's CheckpointException, a
+            # BaseException): one line, the partial save removed
+            msg = disk_full(e, tmp)
+            if msg is None:
+                raise
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            latest = self.latest()
+            raise CheckpointError(f"checkpoint step {step} not written: {msg}; the newest "
+                                  f"complete checkpoint is {latest[1] if latest else 'none'}"
+                                  ) from None
         if _rank() == 0:
             marker = {"format": FORMAT, "step": step, "time": time.time(),
                       "world_size": _world(), "files": _manifest(tmp, self.checksums)}
@@ -368,6 +381,9 @@ class Checkpointer:
         if problem:
             raise CheckpointError(problem)
         marker = read_marker(path)
+        check = getattr(learner, "resume_check", None)
+        if check is not None:  # what the checkpoint records against the config, before loading
+            check(path)
         learner.load_checkpoint(str(path / "model"))
         rng = path / f"rng_rank{_rank()}.pt"
         saved_world = marker.get("world_size", _world())

@@ -9,9 +9,13 @@
   holder's pid and host. Nothing else in the writer may open and close `run.lock` (closing any
   descriptor of the file drops a POSIX lock). On file systems without lock support the pid
   decides: a holder on this host whose pid is gone is stale, a holder on another host is
-  refused (its liveness cannot be checked from here).
-- `check_fresh_start`: `train.resume: never` into a run dir that already holds checkpoints or
-  metrics is an error naming the dir (a fresh run would overwrite both).
+  refused (its liveness cannot be checked from here). Given the checkpoint dir too, the same
+  lock is taken on `CKPT_DIR/checkpoints.lock` (it names the holder's run dir): two runs with
+  different run dirs but one `checkpoint.dir` would resume from and rotate away each other's
+  checkpoints.
+- `check_start`: `train.resume: never` into a run dir that already holds checkpoints or
+  metrics (`check_fresh_start`), or `auto` into one with metrics but no complete checkpoint,
+  is an error naming the dir (a fresh run would overwrite them).
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import socket
 import time
 from pathlib import Path
 
-__all__ = ["RunError", "RunDirLock", "check_fresh_start"]
+__all__ = ["RunError", "RunDirLock", "check_fresh_start", "check_start"]
 
 LOCK_NAME = "run.lock"
+CKPT_LOCK_NAME = "checkpoints.lock"  # in the checkpoint dir (`checkpoint.dir`)
 
 
 class RunError(RuntimeError):
@@ -55,10 +60,19 @@ class RunDirLock:
 
     _HELD: dict[str, int] = {}
 
-    def __init__(self, run_dir: str | os.PathLike):
-        self.path = Path(run_dir) / LOCK_NAME
+    def __init__(self, run_dir: str | os.PathLike, ckpt_root: str | os.PathLike | None = None,
+                 *, _name: str = LOCK_NAME, _what: str = "run dir"):
+        self.path = Path(run_dir) / _name
+        self.what = _what
         self.takeover_note = ""
         self._fd: int | None = None
+        self._run_dir = str(run_dir)
+        # the checkpoint dir is locked too (`CKPT_LOCK_NAME`, same mechanism): two runs sharing
+        # it would resume from and rotate away each other's checkpoints
+        self._ckpt = None if ckpt_root is None else RunDirLock(
+            ckpt_root, _name=CKPT_LOCK_NAME, _what="checkpoint dir")
+        if self._ckpt is not None:
+            self._ckpt._run_dir = str(run_dir)
 
     def _read(self, fd: int) -> dict:
         try:
@@ -69,19 +83,37 @@ class RunDirLock:
             return {}
 
     def _refuse(self, held: dict) -> RunError:
-        return RunError(f"run dir {self.path.parent} is in use by pid {held.get('pid', '?')} on "
-                        f"host {held.get('host', '?')} (lock {self.path}); wait for it to end "
-                        "or use another --run-dir")
+        who = f"pid {held.get('pid', '?')} on host {held.get('host', '?')}"
+        if self.what == "run dir":
+            return RunError(f"run dir {self.path.parent} is in use by {who} (lock {self.path}); "
+                            "wait for it to end or use another --run-dir")
+        return RunError(f"checkpoint dir {self.path.parent} is in use by {who}, the run in "
+                        f"{held.get('run_dir', '?')} (lock {self.path}); two runs must not share "
+                        "checkpoint.dir: wait for it to end or set another checkpoint.dir")
 
     def acquire(self) -> "RunDirLock":
-        """Take the lock or raise RunError naming the holder."""
+        """Take the lock (and the checkpoint dir's) or raise RunError naming the holder."""
+        self._acquire()
+        if self._ckpt is not None:
+            try:
+                self._ckpt._acquire()
+            except BaseException:
+                self.release()
+                raise
+            if self._ckpt.takeover_note:
+                self.takeover_note = "; ".join(n for n in (self.takeover_note,
+                                                           self._ckpt.takeover_note) if n)
+        return self
+
+    def _acquire(self) -> "RunDirLock":
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         key = os.path.realpath(self.path)
         if key in RunDirLock._HELD:
             raise self._refuse({"pid": os.getpid(), "host": socket.gethostname()})
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+              "run_dir": os.path.abspath(self._run_dir)}
         for _ in range(20):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             flock_ok = True
@@ -122,7 +154,9 @@ class RunDirLock:
         raise RunError(f"could not take the lock {self.path} (it keeps being replaced)")
 
     def release(self) -> None:
-        """Remove the lock file and drop the flock (idempotent)."""
+        """Remove the lock files and drop the locks (idempotent)."""
+        if self._ckpt is not None:
+            self._ckpt.release()
         if self._fd is None:
             return
         try:
@@ -140,6 +174,31 @@ class RunDirLock:
         self.release()
 
 
+def _metrics_rows(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.is_file() and any(ln.strip() for ln in metrics.read_text(
+        errors="replace").splitlines())
+
+
+def check_start(run_dir: str | os.PathLike, ckpt_root: str | os.PathLike, resume: str) -> None:
+    """Raise RunError when starting would overwrite an earlier run: `train.resume: never` into
+    a run dir that holds one (`check_fresh_start`), or `auto` into a run dir whose metrics
+    have no checkpoint to continue from (an unmounted or emptied `checkpoint.dir`): starting
+    from the initial weights would empty metrics.jsonl."""
+    if resume == "never":
+        check_fresh_start(run_dir, ckpt_root)
+        return
+    run_dir, root = Path(run_dir), Path(ckpt_root)
+    steps = [p for p in root.glob("step_*") if (p / "COMPLETE").is_file()] \
+        if root.is_dir() else []
+    if not steps and _metrics_rows(run_dir):
+        raise RunError(f"run dir {run_dir} holds metrics ({run_dir / 'metrics.jsonl'}) but "
+                       f"checkpoint dir {root} holds no complete checkpoint (unmounted or "
+                       "emptied?); train.resume=auto would start from the initial weights and "
+                       "overwrite the metrics: restore the checkpoints or point checkpoint.dir "
+                       "at them, or use a new --run-dir (or remove metrics.jsonl) to start over")
+
+
 def check_fresh_start(run_dir: str | os.PathLike, ckpt_root: str | os.PathLike) -> None:
     """Raise RunError when `run_dir` already holds a run (`train.resume: never`).
 
@@ -150,9 +209,7 @@ def check_fresh_start(run_dir: str | os.PathLike, ckpt_root: str | os.PathLike) 
     run_dir, root = Path(run_dir), Path(ckpt_root)
     steps = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
     metrics = run_dir / "metrics.jsonl"
-    has_rows = metrics.is_file() and any(ln.strip() for ln in metrics.read_text(
-        errors="replace").splitlines())
-    if steps or has_rows:
+    if steps or _metrics_rows(run_dir):
         what = f"checkpoints ({steps[-1]} in {root})" if steps else f"metrics ({metrics})"
         raise RunError(f"run dir {run_dir} already holds a run's {what} and train.resume is "
                        "'never'; use a new --run-dir, delete the old run, or train.resume=auto "
