@@ -99,6 +99,7 @@ class DeviceLedger:
     current: str = "start-up"
     peaks: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    oom_moments: set[str] = field(default_factory=set)
     log: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------------ accounting
@@ -123,7 +124,8 @@ class DeviceLedger:
         if now > self.spec.gpu_bytes:
             msg = (f"{self.spec.name}: {self.current}: {what} needs {now / 2**30:.1f} GiB "
                    f"> {self.spec.gpu_bytes / 2**30:.1f} GiB per GPU")
-            if msg not in self.problems:
+            if self.current not in self.oom_moments:  # the first call that does not fit
+                self.oom_moments.add(self.current)
                 self.problems.append(msg)
             if self.spec.strict:
                 raise DeviceOutOfMemory(msg)
@@ -146,7 +148,8 @@ class DeviceLedger:
             elif was and not on:
                 self.cached += self.size(PLAN_ROWS[part])
             self.learner[part] = on
-        self._touch("learner " + ",".join(p for p, on in resident.items() if on) + " resident")
+        on = [p for p, here in resident.items() if here]
+        self._touch(f"learner {','.join(on)} resident" if on else "learner offloaded")
 
     def empty_cache(self) -> None:
         self.cached = 0
