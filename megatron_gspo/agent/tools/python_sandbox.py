@@ -1,25 +1,34 @@
 """Sandboxed Python tool (off by default): runs model-written code in a child process.
 
 Layers, strongest first; each applies where the host allows it (probed once per process):
-- Landlock (Linux >= 5.13; `sandbox_boot`): the kernel refuses every file access outside the
-  temp dir except reads of the interpreter's standard library and of the shared libraries its
-  extension modules load, every exec, TCP bind/connect, and signals to processes outside the
-  sandbox. It checks the file actually reached, so no path trick, rename race or directory fd
-  gets around it. Required: a kernel without it makes `PythonSandbox()` raise
-  `SandboxUnavailable` (one line), unless `require_landlock=False` accepts the audit hook as the
-  only guard of reads.
-- seccomp-BPF (`sandbox_seccomp`, installed after Landlock, before the user's code): the
-  kernel refuses every socket (pathname and abstract unix sockets of the host included), every
-  exec (memfd too), ptrace and other processes' memory, namespaces, mounts, io_uring, BPF,
-  keyrings. The audit hook below is a convenience layer; these two are the wall.
-- OS namespaces via `unshare` (`isolation_prefix`): own user namespace (capabilities only there,
-  so RLIMIT_NPROC binds a root parent too), own PID namespace (a shell is init; when it dies the
-  kernel kills every process in it, `setsid`/double-forked ones included), own mount namespace
-  with a fresh /proc (the trainer's processes and /proc/<pid>/environ are not visible) in which
-  every mount is remounted read-only and the temp dir is a size-limited tmpfs (the byte quota,
-  `max_disk_mb`), own network namespace (no interfaces). Falls back to fewer namespaces, then
-  to none; without a mount namespace the quota is a checked budget (the temp dir's size is
-  polled and the run killed when it passes the quota).
+- the first stage (`sandbox_stage`, run as real root in fresh mount/PID/network namespaces):
+  a root of its own (`sandbox_mounts`: a tmpfs with read-only binds of exactly the standard
+  library, the interpreter, ld.so and the libraries it loads, /dev/null, /dev/zero,
+  /dev/urandom, /dev/random, and the work dir: a tmpfs of `max_disk_mb` at the temp dir's path),
+  pivot_root and the old root detached (`os.stat` of a host path finds nothing); then uid/gid
+  65534 (nobody) outside, no supplementary group, no capability, a user namespace of its own;
+  then Landlock and seccomp, and one exec of the model's interpreter, which never loads ctypes.
+  Without real root the user namespace of `unshare` and its read-only mounts stand in (the
+  host's tree stays visible, reads are still refused by Landlock).
+- Landlock (Linux >= 5.13): the kernel refuses every file access outside the temp dir except
+  reads of the interpreter's standard library (`_ctypes` and installed packages excluded) and of
+  the shared libraries it loads, every exec but the first stage's, TCP bind/connect, and
+  signals to processes outside the sandbox. It checks the file actually reached, so no path
+  trick, rename race or directory fd gets around it. Required: a kernel without it makes
+  `PythonSandbox()` raise `SandboxUnavailable` (one line), unless `require_landlock=False`
+  accepts the audit hook as the only guard of reads.
+- seccomp-BPF (`sandbox_seccomp`, installed by the first stage after Landlock): the kernel
+  refuses every socket (pathname and abstract unix sockets of the host included), every exec
+  (memfd too; only the first stage's one exec carries the filter's key), ptrace and other
+  processes' memory, namespaces, mounts, io_uring, BPF, keyrings. The audit hook below is a
+  convenience layer; the kernel's layers are the wall.
+- OS namespaces via `unshare` (`isolation_prefix`): own PID namespace (a shell is init; when it
+  dies the kernel kills every process in it, `setsid`/double-forked ones included), own mount
+  namespace (the new root above, or, in a user namespace, a fresh /proc with every mount
+  remounted read-only and the temp dir a size-limited tmpfs), own network namespace (no
+  interfaces). Falls back to fewer namespaces, then to none; without a mount namespace the
+  quota is a checked budget (the temp dir's size is polled and the run killed when it passes
+  the quota).
 - the run dies with the trainer: its first process has PR_SET_PDEATHSIG (SIGKILL), and the PID
   namespace's init dies with it (`unshare --kill-child`), so kill -9, SIGTERM or Ctrl-C of the
   trainer leaves no process of the run. Temp dirs and cgroups of runs whose trainer was killed
@@ -53,10 +62,11 @@ import signal
 import sys
 from typing import Any, ClassVar
 
-from megatron_gspo.agent.tools import sandbox_os, sandbox_seccomp
+from megatron_gspo.agent.tools import sandbox_mounts, sandbox_os, sandbox_seccomp
 from megatron_gspo.agent.tools.base import ToolError, truncate_output
 from megatron_gspo.agent.tools.sandbox_boot import BOOTSTRAP, INIT, LAUNCH
 from megatron_gspo.agent.tools.sandbox_os import PIDS_ROOT as _PIDS_ROOT, isolation_prefix
+from megatron_gspo.agent.tools.sandbox_stage import INIT_NEW_ROOT, STAGE
 from megatron_gspo.config.sections import check_python_limits
 
 __all__ = ["PythonSandbox", "SandboxUnavailable", "_PIDS_ROOT", "isolation_prefix"]
@@ -144,18 +154,26 @@ class PythonSandbox:
         """(argv of the run, whether the PID/mount namespace with its init shell is used)."""
         prefix = isolation_prefix() if self.isolate_network else ()
         # in a PID namespace a shell is init (so the program's death by signal reads as 128+N);
-        # in its own mount namespace it makes every mount read-only and the temp dir a tmpfs
+        # as real root the first stage builds the root (the work dir's tmpfs included), else
+        # the init shell makes every mount read-only and the temp dir a tmpfs
         ns = "--pid" in prefix and "--mount-proc" in prefix
-        init = ("/bin/sh", "-c", INIT, "sh", tmp, str(self.max_disk_bytes),
-                ":".join(sandbox_os.hidden_dirs())) if ns else ()
-        files = sandbox_os.readable_files() if self.landlock else ()
-        child = [sys.executable, "-I", "-S", "-c", BOOTSTRAP, tmp, str(self.cpu_seconds),
-                 str(self.memory_bytes), str(self.max_file_bytes), str(self.max_processes),
-                 "1" if self._audit_hook else "0", "1" if self.landlock else "0",
-                 self._seccomp, *files]
+        own_root = sandbox_os.new_root(prefix)
+        if own_root:
+            init: tuple[str, ...] = ("/bin/sh", "-c", INIT_NEW_ROOT, "sh")
+        elif ns:
+            init = ("/bin/sh", "-c", INIT, "sh", tmp, str(self.max_disk_bytes),
+                    ":".join(sandbox_os.hidden_dirs()))
+        else:
+            init = ()
+        conf = sandbox_mounts.stage_conf(tmp, self.max_disk_bytes, landlock=self.landlock,
+                                         new_root=own_root)
+        final = [sandbox_mounts.python_exe(), "-I", "-S", "-c", BOOTSTRAP, tmp,
+                 str(self.cpu_seconds), str(self.memory_bytes), str(self.max_file_bytes),
+                 str(self.max_processes), "1" if self._audit_hook else "0"]
+        stage = [sys.executable, "-I", "-S", "-c", STAGE, conf, self._seccomp, "--", *final]
         procs = os.path.join(cgroup, "cgroup.procs") if cgroup is not None else ""
         launch = ["/bin/sh", "-c", LAUNCH, "sh", str(os.getpid()), procs]
-        return [*sandbox_os.death_prefix(), *launch, *prefix, *init, *child], ns
+        return [*sandbox_os.death_prefix(), *launch, *prefix, *init, *stage], ns
 
     async def run(self, code: str) -> tuple[int | None, str, str, bool]:
         """Run `code`; returns (exit code or None if killed, stdout, stderr, timed_out)."""

@@ -1,13 +1,11 @@
-"""Programs run inside the Python sandbox: the child's bootstrap and the PID namespace's init.
+"""Programs run inside the Python sandbox: the model's interpreter's bootstrap and the PID
+namespace's init.
 
-`BOOTSTRAP` runs as `python -I -S -c BOOTSTRAP <tmpdir> <cpu_s> <mem_bytes> <fsize_bytes>
-<nproc> <hook 0|1> <landlock 0|1> <readable file>...` and reads the user's program from stdin.
-Before the program runs it sets the resource limits, confines the process with Landlock (the
-kernel then refuses every file access outside the temp dir except reads of the interpreter's
-standard library and of the listed files, every exec, every TCP bind/connect, signals to
-processes outside the sandbox and abstract unix sockets of others), removes ctypes again and
-installs the audit hook. Landlock checks the file actually reached, whatever path or directory
-fd led to it, so a rename race that fools the hook's textual `..` resolution gains nothing.
+`BOOTSTRAP` is the final interpreter, exec'd by the first stage (`sandbox_stage.STAGE`) once the
+kernel confines the process (new root, uid nobody, Landlock, seccomp): `python -I -S -c
+BOOTSTRAP <tmpdir> <cpu_s> <mem_bytes> <fsize_bytes> <nproc> <hook 0|1>`, the user's program on
+stdin. It never imports ctypes (`_ctypes` is neither loaded nor readable). Before the program
+runs it sets the resource limits and installs the audit hook, the convenience layer.
 """
 
 BOOTSTRAP = r"""
@@ -17,18 +15,12 @@ def _boot():
     argv = sys.argv
     tmp = os.path.realpath(argv[1])
     cpu, mem, fsize, nproc = (int(a) for a in argv[2:6])
-    use_hook, use_landlock = argv[6] == "1", argv[7] == "1"
+    use_hook = argv[6] == "1"
     src = sys.stdin.buffer.read().decode("utf-8", "replace")
     with open(os.path.join(tmp, "main.py"), "w") as f:
         f.write(src)
     code = compile(src, "main.py", "exec")
     ro, ro_files, ro_list = _readable(sys.path)
-    err = _confine(tmp, ro, ro_files + tuple(argv[9:]), ro_list, use_landlock,
-                   bytes.fromhex(argv[8]))
-    if err:
-        sys.stderr.write("sandbox: cannot confine the program: " + err + "\n")
-        sys.stderr.flush()
-        os._exit(125)
     for lim, val in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem),
                      (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0),
                      (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_NOFILE, 64)):
@@ -175,77 +167,8 @@ def _readable(path):
     return tuple(trees), tuple(files), tuple(listed)
 
 
-def _confine(tmp, ro, files, ro_list, use_landlock, prog):
-    # Landlock (when asked), then the seccomp filter `prog` (struct sock_filter[]). Returns ""
-    # once the process is confined, else what failed. ctypes leaves sys.modules again before
-    # the user's program runs (and the audit hook refuses its events anyway).
-    import sys, os, ctypes
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        sc = libc.syscall
-        sc.restype = ctypes.c_long
-        err = _landlock(libc, sc, tmp, ro, files, ro_list) if use_landlock else ""
-        if err:
-            return "Landlock: " + err
-        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-            return "PR_SET_NO_NEW_PRIVS: " + os.strerror(ctypes.get_errno())
-
-        class FProg(ctypes.Structure):
-            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
-
-        fprog = FProg(len(prog) // 8, prog)
-        if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, MODE_FILTER
-            return "seccomp: " + os.strerror(ctypes.get_errno())
-        return ""
-    finally:
-        for name in [m for m in sys.modules if m in ("ctypes", "_ctypes")
-                     or m.startswith("ctypes.")]:
-            del sys.modules[name]
-
-
-def _landlock(libc, sc, tmp, ro, files, ro_list):
-    import os, ctypes, struct
-    abi = sc(444, None, 0, 1)  # landlock_create_ruleset(NULL, 0, LANDLOCK_..._VERSION)
-    if abi < 1:
-        return os.strerror(ctypes.get_errno()) + " (no Landlock in this kernel)"
-    fs = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (
-        1 << 15 if abi >= 5 else 0)
-    attr = struct.pack("=Q", fs)
-    if abi >= 4:
-        attr += struct.pack("=Q", 3)  # TCP bind and connect: no rule allows any
-    if abi >= 6:
-        attr += struct.pack("=Q", 3)  # scoped: abstract unix sockets and signals
-    buf = ctypes.create_string_buffer(attr, len(attr))
-    rs = sc(444, buf, len(attr), 0)
-    if rs < 0:
-        return "landlock_create_ruleset: " + os.strerror(ctypes.get_errno())
-    read_file, read_dir = 1 << 2, 1 << 3
-    # temp dir: read, write, make and remove files and directories (no exec, devices,
-    # sockets, fifos or symlinks); refer (renames between its directories), truncate
-    rw = fs & ((1 << 1) | read_file | read_dir | (1 << 4) | (1 << 5) | (1 << 7) | (1 << 8)
-               | (1 << 13) | (1 << 14))
-    rules = [(tmp, rw)] + [(p, read_file | read_dir) for p in ro] + [
-        (p, read_file) for p in files] + [(p, read_dir) for p in ro_list]
-    for path, allowed in rules:
-        try:
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        except OSError:
-            continue
-        rule = ctypes.create_string_buffer(struct.pack("=Qi", allowed, fd), 12)
-        r = sc(445, ctypes.c_long(rs), 1, rule, 0)  # LANDLOCK_RULE_PATH_BENEATH
-        e = ctypes.get_errno()
-        os.close(fd)
-        if r < 0 and path == tmp:
-            return "landlock_add_rule: " + os.strerror(e)
-    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        return "PR_SET_NO_NEW_PRIVS: " + os.strerror(ctypes.get_errno())
-    if sc(446, ctypes.c_long(rs), 0) < 0:  # landlock_restrict_self
-        return "landlock_restrict_self: " + os.strerror(ctypes.get_errno())
-    os.close(rs)
-    return ""
-
 _c, _g = _boot()
-del _boot, _readable, _confine, _landlock
+del _boot, _readable
 exec(_c, _g)
 """
 

@@ -1,6 +1,7 @@
 """What the host offers the Python sandbox (probed once per process) and its cleanup.
 
-- `isolation_prefix()`: the `unshare` command giving the child its own namespaces.
+- `isolation_prefix()`: the `unshare` command giving the child its own namespaces;
+  `new_root(prefix)`: whether the first stage builds a root of its own under it.
 - `landlock_abi()`: the kernel's Landlock ABI version (0: none), which confines reads.
 - `death_prefix()`: a launcher that arms PR_SET_PDEATHSIG (SIGKILL) before the command runs,
   so the first process of every run, and with it the PID namespace, dies with the trainer.
@@ -49,15 +50,19 @@ def owner_tag(pid: int | None = None) -> str:
 
 @functools.lru_cache(maxsize=1)
 def isolation_prefix() -> tuple[str, ...]:
-    """Command prefix giving the child its own user, PID, mount (fresh /proc) and network
-    namespaces, strongest first; () if the host allows none."""
+    """Command prefix giving the child its own PID, mount (fresh /proc) and network namespaces
+    (and a user namespace unless the trainer is real root: then the first stage builds the
+    sandbox's root and drops to uid nobody itself), strongest first; () if the host allows
+    none."""
     exe = shutil.which("unshare")
     if exe is None:
         return ()
+    root_ns = (exe, "--pid", "--fork", "--kill-child", "--mount-proc", "--net")
     for prefix in (
+        *((root_ns,) if os.geteuid() == 0 else ()),
         (exe, "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount-proc",
          "--net"),
-        (exe, "--pid", "--fork", "--kill-child", "--mount-proc", "--net"),
+        root_ns,
         (exe, "--net", "--map-root-user"),
         (exe, "--net"),
     ):
@@ -68,6 +73,13 @@ def isolation_prefix() -> tuple[str, ...]:
         if r.returncode == 0:
             return prefix
     return ()
+
+
+def new_root(prefix: tuple[str, ...]) -> bool:
+    """Whether the sandbox gets a root of its own and uid nobody: the trainer is real root and
+    `prefix` gives fresh mount and PID namespaces without a user namespace."""
+    return (os.geteuid() == 0 and "--mount-proc" in prefix and "--pid" in prefix
+            and "--user" not in prefix)
 
 
 @functools.lru_cache(maxsize=1)
@@ -147,13 +159,14 @@ _DLOPENED = ("libgcc_s.so.1",)
 
 @functools.lru_cache(maxsize=1)
 def readable_files() -> tuple[str, ...]:
-    """Shared libraries the standard library's extension modules load (their DT_NEEDED
-    closure, looked up in the interpreter's and the system's library directories) and the
-    dynamic loader's cache: the only files outside the standard library a sandboxed program
-    may read."""
+    """Shared libraries the interpreter and the standard library's extension modules load
+    (their DT_NEEDED closure, looked up in the interpreter's and the system's library
+    directories) and the dynamic loader's cache: the only files outside the standard library a
+    sandboxed program may read."""
     dirs = [sysconfig.get_config_var("LIBDIR") or "", *_LIB_DIRS]
     dynload = os.path.join(sysconfig.get_paths()["stdlib"], "lib-dynload")
-    todo = sorted(glob.glob(os.path.join(dynload, "*.so")))
+    # the interpreter itself too: its first stage execs a fresh one (libpython if shared)
+    todo = [*sorted(glob.glob(os.path.join(dynload, "*.so"))), os.path.realpath(sys.executable)]
     seen, found = set(), {"/etc/ld.so.cache"}
     # the C library loads libgcc_s at run time (pthread_exit, e.g. a daemon thread at exit)
     extra = list(_DLOPENED)

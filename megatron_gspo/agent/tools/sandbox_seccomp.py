@@ -16,7 +16,13 @@ user's program runs (after Landlock, which set PR_SET_NO_NEW_PRIVS). The filter:
   perf events, userfaultfd, modules, kexec, swap, reboot, accounting, quotas, and the
   terminal-injection ioctls TIOCSTI / TIOCLINUX;
 - answers `clone3` with ENOSYS (its flags sit in memory the filter cannot read; the C library
-  then falls back to `clone`, whose flags it can).
+  then falls back to `clone`, whose flags it can);
+- lets exactly one `execve` through: the one whose unused fourth argument register holds a
+  64-bit key. The program carries two placeholder words (`KEY_SLOTS`); the sandbox's first stage
+  writes a fresh random key over them (`with_exec_key`), installs the filter and execs the
+  final interpreter with that key through syscall(2). The key exists nowhere in the new process
+  (the kernel keeps the filter), and Python cannot choose a register's value, so every later
+  exec is refused: the model's interpreter never loaded ctypes, and cannot exec anything.
 Numbers are those of x86_64 and aarch64 (asm/unistd_64.h, asm-generic/unistd.h).
 """
 
@@ -26,10 +32,12 @@ import errno
 import platform
 import struct
 
-__all__ = ["DENIED", "arch_name", "filter_program"]
+__all__ = ["DENIED", "KEY_SLOTS", "arch_name", "filter_program", "with_exec_key"]
 
 # struct seccomp_data: int nr; __u32 arch; __u64 instruction_pointer; __u64 args[6]
-_NR, _ARCH, _ARG0, _ARG1 = 0, 4, 16, 24
+_NR, _ARCH, _ARG0, _ARG1, _ARG3 = 0, 4, 16, 24, 40
+# placeholder words of the exec key (low, high half of argument 3); replaced per run
+KEY_SLOTS = (0x9E3779B9, 0x7F4A7C15)
 _LD_W_ABS, _JEQ_K, _JGE_K, _JSET_K, _RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
 _RET_KILL_PROCESS, _RET_ERRNO, _RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
 _CLONE_NEW = 0x7E020000  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
@@ -95,13 +103,20 @@ def filter_program(arch: str | None = None) -> bytes:
         op(_JGE_K, 0x40000000, "eperm", 0)  # the x32 ABI
     for name in DENIED:
         nr = _CALLS[name][col]
-        if nr is not None:
+        if nr is not None and name != "execve":
             op(_JEQ_K, nr, "eperm", 0)
+    op(_JEQ_K, _CALLS["execve"][col], "exec", 0)
     op(_JEQ_K, _CLONE3[col], "enosys", 0)
     op(_JEQ_K, _CLONE[col], "clone", 0)
     op(_JEQ_K, _IOCTL[col], "ioctl", 0)
     op(_RET_K, _RET_ALLOW)
-    labels = {"clone": len(prog)}
+    labels = {"exec": len(prog)}
+    op(_LD_W_ABS, _ARG3)  # the key, low half then high half
+    op(_JEQ_K, KEY_SLOTS[0], 0, "eperm")
+    op(_LD_W_ABS, _ARG3 + 4)
+    op(_JEQ_K, KEY_SLOTS[1], 0, "eperm")
+    op(_RET_K, _RET_ALLOW)
+    labels["clone"] = len(prog)
     op(_LD_W_ABS, _ARG0)  # low 32 bits of the flags (little-endian)
     op(_JSET_K, _CLONE_NEW, "eperm", 0)
     op(_RET_K, _RET_ALLOW)
@@ -120,4 +135,23 @@ def filter_program(arch: str | None = None) -> bytes:
         if not (0 <= jt <= 255 and 0 <= jf <= 255):
             raise AssertionError("seccomp filter: a jump does not fit in 8 bits")
         out += struct.pack("=HBBI", code, jt, jf, k)
+    return bytes(out)
+
+
+def with_exec_key(prog: bytes, key: int) -> bytes:
+    """`prog` with the 64-bit `key` written over its placeholder words (the same replacement the
+    sandbox's first stage makes; kept here for tests).
+
+    Args:
+        prog: a program from `filter_program`.
+        key: the exec key, both 32-bit halves non-zero.
+    Returns:
+        the program that allows execve only with `key` as its fourth argument.
+    """
+    out = bytearray(prog)
+    for slot, word in zip(KEY_SLOTS, (key & 0xFFFFFFFF, key >> 32), strict=True):
+        offs = [i for i in range(4, len(out), 8) if out[i:i + 4] == struct.pack("=I", slot)]
+        if len(offs) != 1 or not word:
+            raise ValueError("seccomp filter: the exec key slot is missing or the key is 0")
+        out[offs[0]:offs[0] + 4] = struct.pack("=I", word)
     return bytes(out)
