@@ -44,6 +44,8 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from megatron_gspo.megatron.compat import refusal
+
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
 
@@ -165,19 +167,21 @@ CONFIG_CLASS = MLATransformerConfig
 
 
 def check_training_layout(cfg: dict, tensor_parallel: int) -> None:
-    """Refuse training multi-latent attention under tensor parallelism (one line).
+    """Refuse training multi-latent attention under tensor parallelism (one line) on the
+    Megatron-Core releases that have `compat.REFUSALS["mla_tensor_parallel"]` (0.16.1-0.19.2).
 
-    Megatron-Core 0.16.1's MLA gathers the column-parallel `linear_kv_down_proj` output over TP
-    and uses its shared rope key (`k_pos_emb`) with this rank's heads only; the gather's backward
+    Their MLA gathers the column-parallel `linear_kv_down_proj` output over TP and uses its
+    shared rope key (`k_pos_emb`) with this rank's heads only; the gather's backward
     (`gather_from_tensor_model_parallel_region`: split) keeps this rank's slice without summing
     the other ranks' heads' gradients. Measured with the local spec: TP2 gradients ~1% off one
     process's (PP2 / EP2 match). The forward is right: conversion and export under TP are fine.
     """
     if tensor_parallel > 1 and (cfg.get("architectures") or [None])[0] == ARCHITECTURE:
-        raise DeepseekConfigError(
-            "DeepSeek-V3 training with parallel.tensor > 1 is refused: Megatron-Core 0.16.1's MLA "
-            "does not sum the shared rope key's gradient over TP ranks (use pipeline / expert / "
-            "data parallelism)")
+        reason = refusal("mla_tensor_parallel")
+        if reason is not None:
+            raise DeepseekConfigError(
+                f"DeepSeek-V3 training with parallel.tensor > 1 is refused: {reason} (use "
+                "pipeline / expert / data parallelism)")
 
 
 def block_spec(config, use_te: bool, vp_stage: int | None,

@@ -4,8 +4,9 @@ Without Transformer Engine and apex (any CPU run, and GPU installs without them)
 warns once per module while being imported (megatron/core/optimizer/__init__.py, optimizer.py,
 clip_grads.py, distributed/fsdp/.../mixed_precision.py, models/backends.py,
 models/gpt/gpt_layer_specs.py), and its TransformerConfig warns that its own default
-`cuda_graph_scope="full"` is deprecated. `quiet_fallback_warnings` (run when this package is
-imported, before any megatron.core import in this code) silences exactly those messages;
+cuda-graph scope "full" is deprecated (these and 0.19's notices: `compat.QUIET_WARNINGS`,
+`compat.quiet_logs`). `quiet_fallback_warnings` (run when this package is imported, before any
+megatron.core import in this code) silences exactly those messages;
 `fallback_summary` reads which fallbacks Megatron-Core actually chose from the imported modules,
 for the run log. Imports nothing heavy.
 """
@@ -15,12 +16,14 @@ from __future__ import annotations
 import sys
 import warnings
 
-# Messages Megatron-Core 0.13-0.16 emits at import time when TE / apex are missing (regexes
-# matched at the start of the message), plus its own-default deprecation notice.
+from megatron_gspo.megatron.compat import QUIET_WARNINGS, quiet_logs
+
+# Messages Megatron-Core 0.13-0.19 emits at import time when TE / apex are missing (regexes
+# matched at the start of the message), plus the notices of `compat.QUIET_WARNINGS`.
 QUIET = (
     r"Transformer Engine and Apex are not installed\. Falling back to",
     r"Apex is not installed\. Falling back to Torch Norm",
-    r"full scope is deprecated\. Use empty cuda_graph_scope",
+    *QUIET_WARNINGS,
 )
 
 
@@ -43,6 +46,7 @@ def quiet_fallback_warnings() -> None:
         warnings.filterwarnings("ignore", message=msg, category=UserWarning, module=r"megatron")
     for msg, module in QUIET_FUTURE:
         warnings.filterwarnings("ignore", message=msg, category=FutureWarning, module=module)
+    quiet_logs()  # compat: 0.19's log notices (GPTModel deprecation, sync-save notice)
 
 
 def bind_missing_te_names() -> None:

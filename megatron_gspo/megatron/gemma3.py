@@ -33,6 +33,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from megatron_gspo.megatron.compat import submodules
 from megatron_gspo.megatron.gemma_layers import (
     DualRopeSelfAttention,
     GemmaRMSNorm,
@@ -145,7 +146,7 @@ def block_spec(config, use_te: bool, vp_stage: int | None, patch_local):
     attn.module = DualRopeSelfAttention
     attn.submodules.q_layernorm = attn.submodules.k_layernorm = GemmaRMSNorm
     attn.submodules.linear_proj = PostNormRowParallelLinear
-    sub.mlp.submodules.linear_fc2 = PostNormRowParallelLinear
+    submodules(sub.mlp).linear_fc2 = PostNormRowParallelLinear
     n_local = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * n_local, layer_norm=GemmaRMSNorm)
 

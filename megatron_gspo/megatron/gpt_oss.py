@@ -45,6 +45,8 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
+from megatron_gspo.megatron.compat import submodules
+
 ARCHITECTURE = "GptOssForCausalLM"
 
 
@@ -166,7 +168,7 @@ def block_spec(config, use_te: bool, vp_stage: int | None, patch_local):
         spec = patch_local(get_gpt_layer_local_spec(
             num_experts=config.num_moe_experts, moe_grouped_gemm=False,
             normalization="RMSNorm"), config)
-        spec.submodules.mlp.submodules.experts.submodules.linear_fc2 = CopyOutRowParallelLinear
+        submodules(submodules(spec.submodules.mlp).experts).linear_fc2 = CopyOutRowParallelLinear
         norm = spec.submodules.input_layernorm
     n_local = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * n_local, layer_norm=norm)

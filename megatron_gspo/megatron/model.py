@@ -60,6 +60,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_gspo.megatron import deepseek_v3, gemma3, glm4_moe, gpt_oss
+from megatron_gspo.megatron.compat import submodules
 from megatron_gspo.megatron.fallbacks import bind_missing_te_names
 from megatron_gspo.megatron.local_layers import PackedDotProductAttention, SequenceParallelRMSNorm
 from megatron_gspo.megatron.padding_idx import keep_pad_row_frozen, pad_id_of
@@ -301,7 +302,7 @@ def _layer_spec(config: TransformerConfig, use_te: bool) -> ModuleSpec:
 def _patch_local(spec: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
     """Put this package's local modules into a local layer spec: packed-sequence attention,
     and sequence-parallel-aware RMSNorms (norms of MLA's q / kv latents included)."""
-    attn = spec.submodules.self_attention.submodules
+    attn = submodules(spec.submodules.self_attention)
     attn.core_attention = PackedDotProductAttention
     if config.sequence_parallel:
         sub = spec.submodules

@@ -149,8 +149,12 @@ def _model_errors(lay: ParallelLayout, hf: dict) -> list[str]:
                     "parallel.expert > 1 (with EP 1 Megatron-Core 0.16.1 reduces expert "
                     "gradients as dense ones and misses the other TP ranks' tokens)")
     if experts and etp > 1 and hf.get("architectures") == ["GptOssForCausalLM"]:
-        errs.append(f"gpt-oss experts have biases, which Megatron-Core 0.16.1 supports only "
-                    f"with expert tensor size 1 (got {etp}): set parallel.expert_tensor=1")
+        from megatron_gspo.megatron.compat import refusal
+
+        reason = refusal("moe_bias_expert_tensor")
+        if reason is not None:
+            errs.append(f"gpt-oss experts have biases: {reason} (got {etp}): set "
+                        "parallel.expert_tensor=1")
     if lay.context > 1:
         from megatron_gspo.megatron.model import te_available
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from megatron_gspo.convert.base import num_routed_experts
 from megatron_gspo.data.batch import MicroBatch, cp_local_index
+from megatron_gspo.megatron.compat import sorted_topk_indices
 from megatron_gspo.megatron.routing_exchange import (
     all_layer_rows,
     exchange_rows,
@@ -158,9 +159,8 @@ class RoutingReplay:
                     finally:
                         rr.router_replay_action = A.REPLAY_FORWARD
                 return orig(scores, topk, num_groups, group_topk, default_compute_topk)
-            with torch.no_grad():
-                live = default_compute_topk(scores.detach(), topk, num_groups=num_groups,
-                                            group_topk=group_topk)[1]  # [N, k]
+            live = sorted_topk_indices(default_compute_topk, scores, topk, num_groups,
+                                       group_topk)  # [N, k], a training forward's order
             run["live"][li] = live
             if rr.router_replay_action == A.REPLAY_FORWARD:
                 idx, valid = run["targets"][li]  # [N, k], [N]

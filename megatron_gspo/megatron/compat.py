@@ -1,0 +1,185 @@
+"""Megatron-Core version differences, in one place (supported: 0.16.1 through 0.19.x).
+
+The rest of the package writes against one API and asks this module where releases differ;
+nothing else branches on the Megatron-Core version. Each difference names the upstream file
+that changed (paths under megatron/core/):
+
+- Layer specs (models/gpt/gpt_layer_specs.py, `get_mlp_module_spec_for_backend`): up to 0.16 the
+  MLP, MoE and expert entries of a layer spec are `ModuleSpec(module=..., submodules=...)`; 0.19
+  builds them as `functools.partial(cls, submodules=...)`. `submodules(spec)` reads either.
+- Checkpoint saves (dist_checkpointing/strategies/torch.py, `TorchDistSaveShardedStrategy`):
+  from 0.17 a synchronous save runs `async_save(..., async_strategy="mcore")` and logs, once per
+  process, "MCore's async save is deprecated ... set `async_strategy` to `nvrx`" although
+  nothing is saved asynchronously. `quiet_logs()` drops that notice when a synchronous save
+  logs it (an asynchronous save on the "mcore" strategy still shows it);
+  `async_save_kwargs()` is what an asynchronous `dist_checkpointing.save` should pass: NVRx
+  (nvidia-resiliency-ext) where it is installed, else the built-in writer, said explicitly.
+- MoE top-k order (transformer/moe/moe_utils.py, `topk_routing_with_score_function`): from
+  0.18 the router's top-k is sorted only while grad is enabled (`sorted=torch.is_grad_enabled()`),
+  so indices taken under no_grad come in another order than a training forward's, and a replay
+  of them (r2) gathers the same experts' probabilities in another order: gradients off by
+  roundoff. `sorted_topk_indices` takes them the way a training forward does, on every release.
+- Notices no user can act on: 0.19's GPTModel logs "GPTModel IS DEPRECATED" (models/gpt/
+  gpt_model.py; GPTModel still builds and trains, HybridModel is upstream's next model class)
+  at every model build, models/mimo/config/base_configs.py warns that MimoModelConfig is
+  experimental at import, and transformer/transformer_config.py warns that its own default
+  cuda-graph scope "full" is deprecated (`cuda_graph_scope` up to 0.16, `cuda_graph_modules` in
+  0.19). `QUIET_WARNINGS` lists the warnings (fallbacks.quiet_fallback_warnings filters them),
+  `quiet_logs()` the log records.
+- Refusals that exist because of an upstream limit (`REFUSALS`): each names the upstream line,
+  the first release that lifts it (None: none up to 0.19.2, nor Megatron-LM main of
+  2026-08-22), and `refusal(name)` says whether the installed release still has it.
+  tests/megatron/test_compat.py reads the installed source: when a release changes the named
+  line, the test fails until the refusal is re-measured and `fixed_in` set.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import re
+import sys
+from dataclasses import dataclass
+
+SUPPORTED = ">=0.16.1,<0.20"  # pyproject.toml's range; README "Supported versions"
+
+QUIET_WARNINGS = (
+    r"full scope is deprecated\. Use empty cuda_graph_(scope|modules)",
+    r"MimoModelConfig is experimental",
+)
+
+_SYNC_SAVE_NOTICE = "MCore's async save is deprecated"
+_QUIET_LOGS = (
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+)
+
+
+def version() -> tuple[int, int, int]:
+    """The installed megatron-core release as (major, minor, patch); (0, 0, 0) when it is not
+    installed. Reads package metadata only (imports nothing)."""
+    try:
+        text = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return (0, 0, 0)
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if m is None:
+        raise RuntimeError(f"megatron-core: cannot read its version {text!r}")
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+
+
+def version_text() -> str:
+    """'megatron-core X.Y.Z' of the installed release."""
+    return "megatron-core " + ".".join(map(str, version()))
+
+
+def submodules(spec):
+    """The `submodules` of a layer-spec entry: a ModuleSpec's attribute (0.16) or the keyword of
+    a `functools.partial(cls, submodules=...)` (0.19, models/gpt/gpt_layer_specs.py). The object
+    returned is the one the spec builds from: assigning its fields changes the spec."""
+    if hasattr(spec, "submodules"):
+        return spec.submodules
+    keywords = getattr(spec, "keywords", None)
+    if keywords is not None and "submodules" in keywords:
+        return keywords["submodules"]
+    raise TypeError(f"layer spec entry {spec!r} has no submodules")
+
+
+def async_save_kwargs() -> dict:
+    """Keyword arguments of an asynchronous `dist_checkpointing.save(...,
+    async_sharded_save=True)`: none before 0.17 (one built-in writer); from 0.17
+    (dist_checkpointing/serialization.py `save(async_strategy="nvrx")`) NVRx where
+    nvidia-resiliency-ext is installed, else the built-in "mcore" writer, which upstream marks
+    deprecated."""
+    if version() < (0, 17, 0):
+        return {}
+    have_nvrx = importlib.util.find_spec("nvidia_resiliency_ext") is not None
+    return {"async_strategy": "nvrx" if have_nvrx else "mcore"}
+
+
+def _in_sync_save() -> bool:
+    """True when the caller's stack holds the strategy's synchronous `save` (which calls
+    `async_save(..., "mcore")` and then runs the request at once)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "save" and code.co_filename.replace("\\", "/").endswith(
+                "dist_checkpointing/strategies/torch.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _QuietFilter(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...], sync_save: bool = False):
+        super().__init__()
+        self.prefixes, self.sync_save = prefixes, sync_save
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if any(msg.startswith(p) for p in self.prefixes):
+            return False
+        return not (self.sync_save and msg.startswith(_SYNC_SAVE_NOTICE) and _in_sync_save())
+
+
+def quiet_logs() -> None:
+    """Drop the log notices described in the module docstring (idempotent; other records of
+    these loggers pass)."""
+    targets = {name: (prefix,) for name, prefix in _QUIET_LOGS}
+    targets.setdefault("megatron.core.dist_checkpointing.strategies.torch", ())
+    for name, prefixes in targets.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietFilter) for f in logger.filters):
+            logger.addFilter(_QuietFilter(prefixes, sync_save=name.endswith("strategies.torch")))
+
+
+def sorted_topk_indices(compute_topk, scores, topk: int, num_groups=None, group_topk=None):
+    """[N, k] top-k expert indices in the order a training forward's router takes them: the
+    router's own `compute_topk(scores, topk, num_groups=..., group_topk=...)` run on detached
+    scores with grad enabled (0.18+ sorts only then; builds no graph)."""
+    import torch
+
+    with torch.enable_grad():
+        return compute_topk(scores.detach(), topk, num_groups=num_groups,
+                            group_topk=group_topk)[1]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A layout the project refuses because of an upstream limit."""
+
+    upstream_file: str  # under megatron/core/
+    upstream_line: str  # the source line that makes it necessary (whitespace-normalised)
+    reason: str  # "{version}" is filled with the installed release
+    fixed_in: tuple[int, int, int] | None  # first release without the limit (None: none yet)
+
+
+REFUSALS = {
+    # The local spec's column-parallel `linear_kv_down_proj`: its output is gathered over TP
+    # (backward: split, no sum) and the shared rope key `k_pos_emb` is used with this rank's
+    # heads only, so each rank keeps its own heads' part of that gradient. Measured with the
+    # local spec: TP2 gradients ~1% off one process's on 0.16.1 and on 0.19.2.
+    "mla_tensor_parallel": Refusal(
+        "transformer/multi_latent_attention.py",
+        "kv_combined = gather_from_tensor_model_parallel_region(kv_combined)",
+        "{version}'s MLA does not sum the shared rope key's gradient over TP ranks "
+        "(transformer/multi_latent_attention.py gathers linear_kv_down_proj's output with "
+        "gather_from_tensor_model_parallel_region, whose backward splits)",
+        None),
+    # TransformerConfig.__post_init__ asserts it for every MoE model with linear biases.
+    "moe_bias_expert_tensor": Refusal(
+        "transformer/transformer_config.py",
+        '), "Bias in Moe is only supported when ETP==1"',
+        "{version} supports MoE expert biases only with expert tensor size 1 "
+        "(transformer/transformer_config.py: \"Bias in Moe is only supported when ETP==1\")",
+        None),
+}
+
+
+def refusal(name: str) -> str | None:
+    """The reason `REFUSALS[name]` still applies to the installed release, or None when the
+    installed release has the upstream fix."""
+    r = REFUSALS[name]
+    if r.fixed_in is not None and version() >= r.fixed_in:
+        return None
+    return r.reason.format(version=f"Megatron-Core {'.'.join(map(str, version()))}")
