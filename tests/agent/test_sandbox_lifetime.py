@@ -39,7 +39,7 @@ def wait_for_tool_call(p: subprocess.Popen, timeout: float = 600) -> list[psutil
     while time.time() < deadline and p.poll() is None:
         try:
             kids = psutil.Process(p.pid).children(recursive=True)
-            if any("_landlock" in " ".join(k.cmdline()) for k in kids):
+            if any("def _boot" in " ".join(k.cmdline()) for k in kids):
                 time.sleep(0.5)  # well inside the call
                 return psutil.Process(p.pid).children(recursive=True)
         except psutil.Error:
