@@ -199,10 +199,10 @@ def initialize(layout: ParallelLayout, *, seed: int = 1234, timeout_s: float | N
             os.environ.setdefault("LOCAL_RANK", "0")
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = datetime.timedelta(seconds=timeout_s or TIMEOUTS["collective"])
         dist.init_process_group(backend="nccl" if on_gpu else "gloo", world_size=world,
-                                rank=int(os.environ.get("RANK", "0")),
-                                timeout=datetime.timedelta(
-                                    seconds=timeout_s or TIMEOUTS["collective"]))
+                                rank=int(os.environ.get("RANK", "0")), timeout=timeout,
+                                store=restart_round_store(world, timeout))
     elif dist.get_world_size() != world:
         world = dist.get_world_size()
         dp = check_layout(layout, world, hf_config)
@@ -223,6 +223,27 @@ def initialize(layout: ParallelLayout, *, seed: int = 1234, timeout_s: float | N
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     return dp
+
+
+def restart_round_store(world: int, timeout: datetime.timedelta):
+    """The store of this torchrun restart round, or None (then `env://` as usual).
+
+    torchrun's elastic agent keeps one TCPStore for the whole job and hands it to every worker
+    group it starts (TORCHELASTIC_USE_AGENT_STORE=True), without a per-round prefix: after a
+    `--max-restarts` restart the new workers read the dead group's keys (gloo's rank
+    addresses, the NCCL unique id, barrier counters) and fail ("Gloo connectFullMesh failed ...
+    Connection refused") or hang (pytorch/pytorch#135712). Every round's keys go under
+    `megatron_gspo/round_<TORCHELASTIC_RESTART_COUNT>/`. The count is kept by each node's agent:
+    it is the same on every node with static rendezvous (`docker/launch/torchrun.sh`) and on one
+    node; elastic multi-node c10d runs set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store
+    on a fresh port every round, see docs/multinode.md).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or world == 1:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size=world, is_master=False, timeout=timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"megatron_gspo/round_{restart}", store)
 
 
 def free_port() -> int:
