@@ -31,8 +31,11 @@ say() { echo "megatron_py312: $*" >&2; }
 
 find_python() {
     local cand
-    for cand in "${PYTHON312:-}" "$(command -v python3.12 || true)" \
-        $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V -r); do
+    local pyenv_312
+    pyenv_312=$(find "${PYENV_ROOT:-$HOME/.pyenv}/versions" -maxdepth 3 -path '*/3.12*/bin/python3.12' \
+        2>/dev/null | sort -V -r)
+    # shellcheck disable=SC2086  # one path a line, no spaces in pyenv's version folders
+    for cand in "${PYTHON312:-}" "$(command -v python3.12 || true)" $pyenv_312; do
         if [ -n "$cand" ] && [ -x "$cand" ] \
             && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
             echo "$cand"
@@ -55,7 +58,7 @@ resolve() {
     say "resolving $torch_pin, $mcore_pin and the project's dependencies (no lock file $lock)"
     "$dir/bin/python" -m pip install "$torch_pin"
     echo "$torch_pin" > "$dir/constraints.txt"
-    "$dir/bin/python" -m pip install -c "$dir/constraints.txt" -e "$root[dev]" "$mcore_pin"
+    "$dir/bin/python" -m pip install -c "$dir/constraints.txt" -e "${root}[dev]" "$mcore_pin"
     mkdir -p "$here"
     "$dir/bin/python" -m pip freeze --exclude-editable | grep -v '^pip==' > "$lock.new"
     mv "$lock.new" "$lock"

@@ -33,8 +33,8 @@ files:
 `enable()` is a no-op when CUDA is available. `enable(trace=True)` logs each rewrite once per
 call site (file:line), which finds the new CUDA assumptions after a Megatron-Core upgrade.
 
-Proven with torch 2.13.0 (needs `torch.overrides.redispatch_function`) and megatron-core 0.16.1
-(`TESTED_VERSIONS`); other versions warn.
+Proven with torch 2.13.0 (needs `torch.overrides.redispatch_function`) and megatron-core 0.16.1 and
+0.19.2 (`TESTED_VERSIONS`; the .venv312 test tier); other versions warn.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger(__name__)
 
-TESTED_VERSIONS = {"torch": ("2.13",), "megatron.core": ("0.16",)}
+TESTED_VERSIONS = {"torch": ("2.13",), "megatron.core": ("0.16", "0.19")}
 
 _state: dict = {"enabled": False, "mode": None, "trace": False, "seen": set()}
 

@@ -41,6 +41,7 @@ def test_learner_tp2_pp2_ep2_match_one_process(arch, tmp_path, monkeypatch):
     for rank, rep in enumerate(reps):
         assert rep["failures"] == [], f"rank {rank}: {rep['failures']}"
     info = reps[0]["info"]
+    print(f"\n{arch}: {info}")
     if "tp2_refused" in info:  # compat.refusal("mla_tensor_parallel") on this Megatron-Core
         assert "shared rope key" in info["tp2_refused"] and {"pp2", "ep2"} <= set(info)
         # the refusal's reason holds: without it TP2 gradients are off (~1%), not within 1e-5
