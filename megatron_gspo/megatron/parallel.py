@@ -194,7 +194,8 @@ def initialize(layout: ParallelLayout, *, seed: int = 1234, timeout_s: float | N
     if not dist.is_initialized():
         if world == 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            if "TORCHELASTIC_RUN_ID" not in os.environ:  # not torchrun's: a port free now (an
+                os.environ["MASTER_PORT"] = str(free_port())  # inherited one may be taken)
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("LOCAL_RANK", "0")
         if on_gpu:

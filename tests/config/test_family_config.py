@@ -5,6 +5,8 @@ documented like the others."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from megatron_gspo.config import LOSSES, Config, ConfigError, config_from_dict, describe
@@ -62,11 +64,12 @@ def test_every_loss_gets_its_knobs_kl_and_entropy_in_the_learner(loss, monkeypat
     from megatron_gspo.megatron import learner as learner_mod
 
     seen = {}
-    monkeypatch.setattr(learner_mod, "Learner", lambda *a, **k: seen.update(k) or "L")
+    built = types.SimpleNamespace()  # build.learner attaches the resume check and sources
+    monkeypatch.setattr(learner_mod, "Learner", lambda *a, **k: seen.update(k) or built)
     extra = {"sapo_tau_neg": 1.3} if loss == "sapo" else {}
     cfg = _cfg(algorithm={"loss": loss, "kl_coef": 0.02, "entropy_coef": 0.003, **extra},
                precision={"offpolicy_mask_delta": 0.05})
-    assert build.learner(cfg, {"pad_token_id": 0}) == "L"
+    assert build.learner(cfg, {"pad_token_id": 0}) is built
     s = seen["loss"]
     assert (s.kind, s.kl_coef, s.entropy_coef, s.offpolicy_mask_delta) == (loss, 0.02, 0.003,
                                                                            0.05)

@@ -143,7 +143,8 @@ def test_iterator_resume_continues_exactly():
 
 def test_iterator_rejects_mismatched_cursor():
     it = PromptIterator(list(range(7)), batch_size=3, seed=11)
-    with pytest.raises(ValueError, match="saved for 8 prompts"):
+    with pytest.raises(ValueError, match="7 usable prompts, the checkpoint's data cursor was "
+                       "saved for 8"):
         it.load_state_dict({"epoch": 0, "position": 0, "seed": 11, "size": 8})
     with pytest.raises(ValueError, match="seed 12"):
         it.load_state_dict({"epoch": 0, "position": 0, "seed": 12, "size": 7})
