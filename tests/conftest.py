@@ -1,6 +1,6 @@
 """The `mcore_new` tier: the tests that run in the second environment, .venv312 (Python 3.12,
 megatron-core 0.19.2, scripts/megatron_py312.sh), chosen here by node id so the test files stay
-as they are. `.ci/run` runs `.venv312/bin/python -m pytest -m mcore_new` after the other tiers
+as they are. `.ci/run` runs them with scripts/mcore_new_tier.sh after the other tiers
 (README, "Supported versions"): the learner's layout invariance (TP/PP/EP/CP/SP), conversion
 round trips, the model families' parity and learner tests, LoRA, the compat checks and a short
 run of the tiny demo. With MEGATRON_GSPO_MCORE_NEW_REQUIRED=1 (CI) the tier refuses to run on
