@@ -23,7 +23,8 @@ import struct
 import sys
 import sysconfig
 
-from megatron_gspo.agent.tools import sandbox_os, sandbox_seccomp
+import megatron_gspo.agent.tools.sandbox_os as sandbox_os
+import megatron_gspo.agent.tools.sandbox_seccomp as sandbox_seccomp
 
 NOBODY = 65534
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
