@@ -9,6 +9,9 @@
 #   GPUS_PER_NODE  processes (GPUs) per node                      (default: GPUs nvidia-smi lists)
 #   MASTER_ADDR    address of node 0, reachable from every node   (required when NNODES > 1)
 #   MASTER_PORT    rendezvous port on node 0                      (default 29500)
+#   MAX_RESTARTS   torchrun --max-restarts: a dead rank restarts this node's worker group,
+#                  which resumes from the newest complete checkpoint by itself  (default 3; 0: off)
+#   MONITOR_INTERVAL  seconds between torchrun's checks of its workers         (default 5)
 #   LOG_DIR        if set, torchrun also writes every rank's output under LOG_DIR/node<RANK>
 #   TORCHRUN       torchrun executable                            (default torchrun)
 #   MEGATRON_GSPO  the CLI executable                             (default megatron-gspo)
@@ -30,9 +33,13 @@ shift
 nnodes=${NNODES:-1}
 node_rank=${NODE_RANK:-0}
 master_port=${MASTER_PORT:-29500}
+max_restarts=${MAX_RESTARTS:-3}
+monitor_interval=${MONITOR_INTERVAL:-5}
 require_int NNODES "$nnodes" 1
 require_int NODE_RANK "$node_rank" 0 $((nnodes - 1))
 require_int MASTER_PORT "$master_port" 1 65535
+require_int MAX_RESTARTS "$max_restarts" 0
+require_int MONITOR_INTERVAL "$monitor_interval" 1
 gpus=$(gpus_per_node)
 
 if (( nnodes > 1 )); then
@@ -49,6 +56,8 @@ cmd=(
     "--nproc-per-node=$gpus"
     "--master-addr=$master_addr"
     "--master-port=$master_port"
+    "--max-restarts=$max_restarts"
+    "--monitor-interval=$monitor_interval"
 )
 if [[ -n "${LOG_DIR:-}" ]]; then
     cmd+=("--log-dir=$LOG_DIR/node$node_rank" "--tee=3")

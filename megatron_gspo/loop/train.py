@@ -24,7 +24,7 @@ from megatron_gspo.megatron.fallbacks import fallback_summary
 from megatron_gspo.megatron.learner_state import CHECKPOINT_PARTS
 from megatron_gspo.run.metrics import MetricsLogger
 from megatron_gspo.rollout.multinode import colocated as colocated_sync
-from megatron_gspo.run import device_ledger
+from megatron_gspo.run import device_ledger, faults, restarts
 from megatron_gspo.run.rundir import RunDirLock, RunError, check_start
 
 
@@ -39,20 +39,27 @@ def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None)
     """
     run_dir = build.resolve_run_dir(run_dir, config_path)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    if restarts.restart_round() > 0:  # torchrun restarted the group: continue the run
+        cfg.train.resume = "auto"
     if build.is_rank0():
         early_checks.check_run_dir(run_dir, ckpt_root)
     lock = RunDirLock(run_dir, ckpt_root).acquire() if build.is_rank0() else None
-    try:
+    try:  # a restarted round's note; the same step failing again and again stops it here
+        note = restarts.RestartRecord(run_dir).begin().note if lock is not None else ""
         check_start(run_dir, ckpt_root, cfg.train.resume)  # nothing of an earlier run lost
         with ExitStack() as cleanup:
-            return _train(cfg, run_dir, ckpt_root, lock, cleanup)
+            return _train(cfg, run_dir, ckpt_root, lock, cleanup, note)
+    except BaseException as e:  # the cause a restarted round reports
+        if not isinstance(e, restarts.RepeatedFailure):
+            restarts.note_error(run_dir, e)
+        raise
     finally:
         if lock is not None:
             lock.release()
 
 
 def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
-           cleanup: ExitStack) -> Path:
+           cleanup: ExitStack, restart_note: str = "") -> Path:
     """The loop itself (see the module docstring); `cleanup` stops what it starts."""
     hf_config = build.read_hf_config(cfg.model.path)
     rank0 = build.is_rank0()
@@ -110,7 +117,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     cleanup.callback(log.close)
     if rank0:
         save_config(cfg, run_dir / "config.yaml")
-        for note in [lock.takeover_note] + ckpt.events:  # stale lock, damaged checkpoints
+        notes = [restart_note, lock.takeover_note] + ckpt.events  # restart, stale lock,
+        for note in notes:  # damaged checkpoints
             if note:
                 log.event(note)
         log.event(f"run dir {run_dir}; " + (f"resumed from {latest.path} at step {start}"
@@ -140,6 +148,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     skipped_in_a_row = 0  # steps whose optimizer updates were all skipped (non-finite)
 
     for step in range(start, cfg.train.max_steps):
+        faults.maybe_kill_rank("kill_at_step", step)  # crash tests (MEGATRON_GSPO_FAULT)
         t_step = time.perf_counter()
         m: dict = {}
 

@@ -3,7 +3,9 @@
 The variable holds comma-separated `point@step` items, e.g. `kill_before_complete@3,nan_loss@2`:
 - `kill_before_rename@S`: SIGKILL after every rank wrote checkpoint S, before it is renamed;
 - `kill_before_complete@S`: SIGKILL after the rename, before the COMPLETE marker is written;
-- `nan_loss@S`: the advantages of RL step S are NaN (a non-finite loss and gradients).
+- `nan_loss@S`: the advantages of RL step S are NaN (a non-finite loss and gradients);
+- `kill_at_step@S`, `kill_rank<R>_at_step@S`: SIGKILL (every rank, or rank R only) when RL
+  step S begins; under torchrun's restarts it fires again in every round that reaches S.
 Only the process whose environment has the variable is affected.
 """
 
@@ -25,3 +27,13 @@ def maybe_kill(point: str, step: int) -> None:
     """SIGKILL this process when `point@step` is listed."""
     if active(point, step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_kill_rank(point: str, step: int) -> None:
+    """SIGKILL this process when `point@step` or `point` for this rank (`kill_rank1_at_step`
+    for `kill_at_step` on RANK 1) is listed."""
+    if not os.environ.get(ENV):
+        return
+    maybe_kill(point, step)
+    rank = os.environ.get("RANK", "0")
+    maybe_kill(point.replace("kill_", f"kill_rank{rank}_", 1), step)

@@ -21,7 +21,7 @@ CLEAN_ENV = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT
              "ROLLOUT_TP", "ROLLOUT_MEM_FRACTION", "ROLLOUT_URLS", "ROLLOUT_BASE_PORT",
              "ROLLOUT_NODES", "PLACEMENT", "IMAGE", "MODEL_DIR", "DRY_RUN", "SGLANG_EXTRA_ARGS",
              "TORCHRUN", "MEGATRON_GSPO", "ROLLOUT_HOST", "ROLLOUT_DTYPE", "SGLANG_API_KEY",
-             "SGLANG_SERVER_MODULE", "PYTHON")
+             "SGLANG_SERVER_MODULE", "PYTHON", "MAX_RESTARTS", "MONITOR_INTERVAL")
 
 
 def run(script: str, *args: str, env: dict[str, str] | None = None, path_prefix: str = ""):
@@ -85,7 +85,8 @@ def test_torchrun_single_node():
     [argv] = argv_lines(r.stdout)
     opts, program = split_torchrun(argv)
     assert opts == {"nnodes": "1", "node-rank": "0", "nproc-per-node": "8",
-                    "master-addr": "127.0.0.1", "master-port": "29500"}
+                    "master-addr": "127.0.0.1", "master-port": "29500", "max-restarts": "3",
+                    "monitor-interval": "5"}
     assert program == ["megatron-gspo", "train", "cfg.yaml", "--run-dir", "runs/a",
                        "train.max_steps=3"]
 
@@ -99,9 +100,17 @@ def test_torchrun_two_nodes(rank):
     [argv] = argv_lines(r.stdout)
     opts, program = split_torchrun(argv)
     assert opts == {"nnodes": "2", "node-rank": str(rank), "nproc-per-node": "4",
-                    "master-addr": "node-a", "master-port": "6000",
-                    "log-dir": f"/logs/j1/node{rank}", "tee": "3"}
+                    "master-addr": "node-a", "master-port": "6000", "max-restarts": "3",
+                    "monitor-interval": "5", "log-dir": f"/logs/j1/node{rank}", "tee": "3"}
     assert program == ["megatron-gspo", "train", "cfg.yaml"]
+
+
+def test_torchrun_restarts_can_be_set_and_turned_off():
+    r = run("torchrun.sh", "--dry-run", "cfg.yaml",
+            env={"GPUS_PER_NODE": "2", "MAX_RESTARTS": "0", "MONITOR_INTERVAL": "1"})
+    assert r.returncode == 0, r.stderr
+    opts, _ = split_torchrun(argv_lines(r.stdout)[0])
+    assert opts["max-restarts"] == "0" and opts["monitor-interval"] == "1"
 
 
 @pytest.mark.parametrize("env, message", [
@@ -109,6 +118,8 @@ def test_torchrun_two_nodes(rank):
     ({"NNODES": "2", "NODE_RANK": "2", "GPUS_PER_NODE": "8", "MASTER_ADDR": "a"}, "NODE_RANK"),
     ({"GPUS_PER_NODE": "eight"}, "GPUS_PER_NODE"),
     ({"GPUS_PER_NODE": "8", "MASTER_PORT": "70000"}, "MASTER_PORT"),
+    ({"GPUS_PER_NODE": "8", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS"),
+    ({"GPUS_PER_NODE": "8", "MONITOR_INTERVAL": "0"}, "MONITOR_INTERVAL"),
 ])
 def test_torchrun_rejects_bad_environment(env, message):
     r = run("torchrun.sh", "--dry-run", "cfg.yaml", env=env)
@@ -352,6 +363,7 @@ def test_slurm_colocated(fake_scontrol):
     for rank, argv in enumerate(nodes):
         opts, program = split_torchrun(argv)
         assert opts["nnodes"] == "3" and opts["node-rank"] == str(rank)
+        assert opts["max-restarts"] == "3" and opts["monitor-interval"] == "5"
         assert opts["master-addr"] == "gpu-1" and opts["log-dir"] == f"{ROOT}/logs/42/node{rank}"
         assert "rollout.colocate=true" in program and program[-1] == "train.seed=7"
 

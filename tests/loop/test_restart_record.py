@@ -1,0 +1,82 @@
+"""run/restarts.py: what a torchrun-restarted round records and when it stops the job."""
+
+import json
+
+import pytest
+
+from megatron_gspo.run import restarts
+from megatron_gspo.run.restarts import RepeatedFailure, RestartRecord
+
+
+def _round(monkeypatch, n: int, max_restarts: int = 5) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(n))
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", str(max_restarts))
+
+
+def _metrics(run_dir, steps) -> None:
+    rows = [json.dumps({"step": s, "loss": 0.1}) for s in steps]
+    (run_dir / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 9')  # a cut row
+
+
+def test_a_restarted_round_records_the_failed_step_and_cause(tmp_path, monkeypatch):
+    _round(monkeypatch, 0)
+    RestartRecord(tmp_path).begin()
+    _metrics(tmp_path, range(4))
+    monkeypatch.setenv("RANK", "1")
+    restarts.note_error(tmp_path, RuntimeError("Connection closed by peer [127.0.0.1]:5"))
+    restarts.note_error(tmp_path, ValueError("bad sample 7"))  # a real error beats a symptom
+    restarts.note_error(tmp_path, RuntimeError("second"))  # the first real one stays
+    _round(monkeypatch, 1)
+    note = RestartRecord(tmp_path).begin().note
+    assert note.startswith("automatic restart 1 of 5 (torchrun): step 4 failed (rank 1: "
+                           "ValueError: bad sample 7)")
+    rec = json.loads((tmp_path / "restarts.json").read_text())
+    assert [(f["round"], f["step"]) for f in rec["failures"]] == [(0, 4)]
+
+
+def test_a_kill_without_an_error_is_named(tmp_path, monkeypatch):
+    _round(monkeypatch, 0)
+    RestartRecord(tmp_path).begin()
+    restarts.note_error(tmp_path, RuntimeError("Connection reset by peer"))
+    _round(monkeypatch, 1)
+    note = RestartRecord(tmp_path).begin().note
+    assert "step 0 failed (no error was recorded: a process was killed" in note
+    assert "rank 0 then lost its peer" in note
+
+
+def test_the_third_failure_at_one_step_stops_every_later_round(tmp_path, monkeypatch):
+    _round(monkeypatch, 0)
+    RestartRecord(tmp_path).begin()
+    _metrics(tmp_path, range(2))
+    for n in (1, 2):
+        _round(monkeypatch, n)
+        RestartRecord(tmp_path).begin()
+    _round(monkeypatch, 3)
+    with pytest.raises(RepeatedFailure, match=r"^step 2 failed 3 times in a row under "
+                       r"torchrun restarts, last cause: no error was recorded"):
+        RestartRecord(tmp_path).begin()
+    _metrics(tmp_path, range(3))  # whatever happened since: the job stays stopped
+    _round(monkeypatch, 4)
+    with pytest.raises(RepeatedFailure, match="^step 2 failed 3 times"):
+        RestartRecord(tmp_path).begin()
+    _round(monkeypatch, 0)  # a new launch (a person fixed the cause) starts a fresh record
+    assert RestartRecord(tmp_path).begin().note == ""
+    assert json.loads((tmp_path / "restarts.json").read_text()) == {"failures": [],
+                                                                    "stopped": None}
+
+
+def test_failures_at_different_steps_do_not_stop(tmp_path, monkeypatch):
+    _round(monkeypatch, 0)
+    RestartRecord(tmp_path).begin()
+    for n, done in enumerate((2, 2, 3, 3, 4), start=1):
+        _metrics(tmp_path, range(done))
+        _round(monkeypatch, n, max_restarts=9)
+        RestartRecord(tmp_path).begin()
+
+
+def test_without_torchrun_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert restarts.restart_round() == 0
+    RestartRecord(tmp_path).begin()
+    restarts.note_error(tmp_path, RuntimeError("x"))
+    assert list(tmp_path.iterdir()) == []

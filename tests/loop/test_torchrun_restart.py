@@ -1,0 +1,53 @@
+"""Automatic restart under a real `torchrun --nproc_per_node 2 --max-restarts 3` (issue 45):
+rank 1 of the tiny demo (TP2, a checkpoint every step) is killed with -9 during step 1; with
+no one acting, torchrun's restarted group resumes from the newest complete checkpoint and the
+job ends 0 with the metrics of an uninterrupted run, no lock and no process left. The slow
+tier runs the multi-round chaos (tests/loop/chaos_torchrun.py) and the same-step stop."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def test_killed_rank_is_restarted_by_torchrun_and_the_run_matches(tmp_path):
+    import chaos_torchrun as ct
+
+    c = ct.TorchrunChaos(tmp_path, seed=0, steps=3)
+    c.reference()
+    job = ct.Job(tmp_path / "killed", steps=3)
+    assert ct.kill_rank(job, rank=1, step=1, delay=0.3), job.stderr()[-2000:]
+    assert job.finish() == 0, job.stderr()[-3000:]
+    assert job.leftovers() == []
+    c.compare(job.run)
+    assert c.problems == []
+    (fail,) = ct.failures(job.run)  # one automatic restart, at step 1
+    assert fail["step"] == 1 and fail["round"] == 0
+    events = (job.run / "events.log").read_text()
+    assert "automatic restart 1 of 3 (torchrun): step 1 failed" in events
+    assert "resumed from" in events and "step_00000001 at step 1" in events
+
+
+@pytest.mark.slow
+def test_the_same_step_failing_stops_the_job_with_one_line(tmp_path):
+    import chaos_torchrun as ct
+
+    c = ct.TorchrunChaos(tmp_path, seed=3, steps=3)
+    c.repeat(tmp_path / "repeat")
+    assert c.problems == [], c.problems
+    rec = json.loads((tmp_path / "repeat" / "restarts.json").read_text())
+    assert [f["step"] for f in rec["failures"]] == [rec["failures"][0]["step"]] * 3
+
+
+@pytest.mark.slow
+def test_torchrun_chaos_ten_rounds_of_each_kill(tmp_path, capsys):
+    import chaos_torchrun as ct
+
+    code = ct.main(["--rounds", "20", "--seed", "1", "--kinds", "kill_rank1,kill_rank0",
+                    "--workdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "mismatches: 0  leftovers: 0  violations: 0" in out
