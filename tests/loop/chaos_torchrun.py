@@ -4,8 +4,13 @@ random step (so also inside a weight sync or a checkpoint save), and no person a
 elastic agent restarts the worker group, which resumes from the newest complete checkpoint by
 itself. Checked: the job exits 0, every metrics row equals an uninterrupted torchrun run's
 (every non-timing value), every checkpoint that says COMPLETE verifies, no run.lock and no
-process of the job (torchrun, ranks of every round, their children) is left. `repeat` makes
-rank 1 die at the same step in every round: the job must stop with one line naming the step.
+process of the job (torchrun, ranks of every round, their children) is left. The `servers_`
+kinds do the same with two launched (colocated) stand-in SGLang servers: the dead group's
+servers end with it (their launcher's death) and the restarted group launches new ones on the
+same ports. A fresh server starts its sampling RNG afresh (the stand-in seeds once per server,
+as SGLang does without per-request seeds), so there only the rows before the first resumed
+step are compared; the later ones must exist. `repeat` makes rank 1 die at the same step in every round: the job must stop with
+one line naming the step.
 
     python tests/loop/chaos_torchrun.py --rounds 10 --seed 0 [--kinds kill_rank1,kill_rank0]
 
@@ -19,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -33,32 +39,37 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import chaos  # noqa: E402  (the settings and the checks of the single-process chaos)
 
-KINDS = ("kill_rank1", "kill_rank0", "repeat")
+KINDS = ("kill_rank1", "kill_rank0", "servers_kill_rank1", "servers_kill_rank0", "repeat")
+SERVERS = ["rollout.engine=sglang", "rollout.colocate=true", "rollout.num_servers=2",
+           "rollout.startup_timeout=240"]
+SERVERS_ENV = {"SGLANG_SERVER_MODULE": "megatron_gspo.rollout.standin.server"}
 RUN_TIMEOUT = 420.0  # seconds a whole job may take (a hang is a failure)
 
 
-def torchrun_cmd(run: Path, steps: int, max_restarts: int) -> list[str]:
+def torchrun_cmd(run: Path, steps: int, max_restarts: int, extra=()) -> list[str]:
     """The documented single-node command, on the tiny demo with TP2."""
     settings = [s for s in chaos.SETTINGS if not s.startswith("train.max_steps=")]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc_per_node=2", f"--max-restarts={max_restarts}", "--monitor-interval=1",
             "-m", "megatron_gspo.cli", "train", str(chaos.CONFIG), "--run-dir", str(run),
             f"train.max_steps={steps}", "parallel.tensor=2", "train.deterministic=true",
-            *settings]
+            *settings, *extra]
 
 
 class Job:
     """One torchrun job; remembers every process it ever had (for the leftover check)."""
 
-    def __init__(self, run: Path, steps: int, max_restarts: int = 3, fault: str = ""):
-        env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    def __init__(self, run: Path, steps: int, max_restarts: int = 3, fault: str = "",
+                 extra: tuple = (), env_extra: dict | None = None):
+        env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env_extra or {}))
         env.pop("MEGATRON_GSPO_FAULT", None)
         if fault:
             env["MEGATRON_GSPO_FAULT"] = fault
         self.run = run
         self.err = run.with_suffix(".stderr")
         run.parent.mkdir(parents=True, exist_ok=True)
-        self.p = subprocess.Popen(torchrun_cmd(run, steps, max_restarts), cwd=ROOT, env=env,
+        self.p = subprocess.Popen(torchrun_cmd(run, steps, max_restarts, extra), cwd=ROOT,
+                                  env=env,
                                   stdout=subprocess.DEVNULL, stderr=open(self.err, "w"),
                                   start_new_session=True)
         self.seen: set[int] = {self.p.pid}
@@ -147,41 +158,54 @@ class TorchrunChaos:
         self.rng = random.Random(seed)
         self.counts: Counter = Counter()
         self.problems: list[str] = []
-        self._ref: dict | None = None
+        self._refs: dict[bool, dict] = {}
+        self.port = 31000 + self.rng.randrange(0, 200) * 16  # the servers' base port
 
-    def reference(self) -> dict:
-        if self._ref is None:
-            job = Job(self.work / "ref", self.steps)
+    def _variant(self, servers: bool) -> dict:
+        if not servers:
+            return {}
+        self.port += 2
+        return {"extra": (*SERVERS, f"rollout.base_port={self.port}"), "env_extra": SERVERS_ENV}
+
+    def reference(self, servers: bool = False) -> dict:
+        if servers not in self._refs:
+            job = Job(self.work / f"ref{'_servers' if servers else ''}", self.steps,
+                      **self._variant(servers))
             if job.finish() != 0:
                 self.problems.append(f"reference run failed: {job.stderr()[-600:]}")
-            self._ref = chaos.Chaos.metrics(job.run)
-        return self._ref
+            self._refs[servers] = chaos.Chaos.metrics(job.run)
+        return self._refs[servers]
 
     def problem(self, what: str, text: str) -> None:
         self.counts[what] += 1
         self.problems.append(text)
 
-    def kill(self, run: Path, rank: int) -> None:
+    def kill(self, run: Path, rank: int, servers: bool = False) -> None:
         """kill -9 `rank` once or twice, each at a random point of a random step."""
-        job = Job(run, self.steps)
+        job = Job(run, self.steps, **self._variant(servers))
         steps = sorted(self.rng.sample(range(1, self.steps), self.rng.randint(1, 2)))
         for step in steps:
             if kill_rank(job, rank, step, self.rng.uniform(0.0, 1.5)):
-                self.counts[f"kill_rank{rank}"] += 1
+                self.counts[f"{'servers_' if servers else ''}kill_rank{rank}"] += 1
         code = job.finish()
         self.counts["automatic_restarts"] += len(failures(run))
         if code != 0:
             self.problem("violations", f"{run.name}: exit {code}: {job.stderr()[-600:]}")
-        self.compare(run)
+        self.compare(run, servers)
         left = job.leftovers()
         if left:
             self.problem("leftovers", f"{run.name}: processes {left} left")
 
-    def compare(self, run: Path) -> None:
-        ref, got = self.reference(), chaos.Chaos.metrics(run)
+    def compare(self, run: Path, servers: bool = False) -> None:
+        ref, got = self.reference(servers), chaos.Chaos.metrics(run)
         if sorted(got) != list(range(self.steps)):
             self.problem("mismatches", f"{run.name}: metrics steps {sorted(got)}")
-        for step in sorted(set(got) & set(ref)):
+        last = self.steps
+        if servers:  # fresh servers sample from a fresh RNG stream (see the docstring)
+            events = (run / "events.log").read_text() if (run / "events.log").exists() else ""
+            last = min([int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", events)]
+                       or [self.steps])
+        for step in sorted(set(got) & set(ref) & set(range(last))):
             if got[step] != ref[step]:
                 diff = sorted(k for k in set(got[step]) | set(ref[step])
                               if got[step].get(k) != ref[step].get(k))
@@ -213,15 +237,15 @@ class TorchrunChaos:
     def run_rounds(self, rounds: int, kinds: tuple[str, ...]) -> int:
         order = [kinds[i % len(kinds)] for i in range(rounds)]
         self.rng.shuffle(order)
-        if any(k.startswith("kill") for k in order):
-            self.reference()
+        for servers in sorted({k.startswith("servers_") for k in order if k != "repeat"}):
+            self.reference(servers)
         for i, kind in enumerate(order):
             t0, before = time.time(), len(self.problems)
             run = self.work / f"r{i:02d}_{kind}"
             if kind == "repeat":
                 self.repeat(run)
             else:
-                self.kill(run, int(kind[-1]))
+                self.kill(run, int(kind[-1]), kind.startswith("servers_"))
             status = "ok" if len(self.problems) == before else "; ".join(self.problems[before:])
             print(f"round {i} {kind}: {time.time() - t0:.0f}s {status}", flush=True)
         keys = ("automatic_restarts", "mismatches", "leftovers", "violations")
