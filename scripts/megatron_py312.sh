@@ -95,7 +95,7 @@ main() {
         want_stamp > "$stamp"
     fi
     echo "Python 3.12 with $mcore_pin is installed in $dir. Run its tier with:"
-    echo "  $dir/bin/python -m pytest -m mcore_new"
+    echo "  scripts/mcore_new_tier.sh"
 }
 
 main
