@@ -365,8 +365,11 @@ def case_lora2(outdir: Path, chk: Checker, info: dict):
         m = L.forward_backward(samples, r["old"])
         chk.close(f"{tag}.loss", m["loss"], r["metrics"]["loss"], rtol=1e-6)
         # MoE under TP + SP + EP: the dispatcher's all-to-all and sequence shards reorder the
-        # float32 sums (gradients ~5e-6 apart; Adam's first update lr * g / |g| amplifies it)
-        gtol, atol = (1e-5, 1e-4) if name == "tp2sp-ep2" else (1e-6, 1e-6)
+        # float32 sums (gradients ~5e-6 apart; Adam's first update lr * g / |g| amplifies it).
+        # Dense TP + SP: each rank sums its own sequence shard's tokens into the adapters'
+        # gradients before the TP reduction (megatron-core 0.19.2 puts qkv's lora_a gradient
+        # 2.4e-6 relative from one process's float32 sum; 0.16.1 within 1e-6)
+        gtol, atol = {"tp2sp-ep2": (1e-5, 1e-4), "tp2sp": (1e-5, 1e-6)}.get(name, (1e-6, 1e-6))
         if not name.endswith("distopt"):  # (gradients are reduce-scattered there)
             chk.dicts(f"{tag}.grad", _adapters(L.full_grads()), r["grads"], rtol=gtol)
         L.optimizer_step()
