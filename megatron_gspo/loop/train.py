@@ -45,10 +45,13 @@ def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None)
         early_checks.check_run_dir(run_dir, ckpt_root)
     lock = RunDirLock(run_dir, ckpt_root).acquire() if build.is_rank0() else None
     try:  # a restarted round's note; the same step failing again and again stops it here
-        note = restarts.RestartRecord(run_dir).begin().note if lock is not None else ""
-        check_start(run_dir, ckpt_root, cfg.train.resume)  # nothing of an earlier run lost
+        record = restarts.RestartRecord(run_dir)
+        if lock is not None:
+            record.begin(ckpt_root)
+        if not record.starting_over(ckpt_root):  # (restarted before the first checkpoint)
+            check_start(run_dir, ckpt_root, cfg.train.resume)  # nothing of an earlier run lost
         with ExitStack() as cleanup:
-            return _train(cfg, run_dir, ckpt_root, lock, cleanup, note)
+            return _train(cfg, run_dir, ckpt_root, lock, cleanup, record.note)
     except BaseException as e:  # the cause a restarted round reports
         if not isinstance(e, restarts.RepeatedFailure):
             restarts.note_error(run_dir, e)

@@ -122,6 +122,13 @@ def _failed_step(run_dir: Path) -> int:
     return last + 1
 
 
+def _complete(ckpt_root) -> bool:
+    """True when `ckpt_root` holds a checkpoint with its COMPLETE marker."""
+    root = Path(ckpt_root) if ckpt_root is not None else None
+    return bool(root and root.is_dir() and any(
+        (p / "COMPLETE").is_file() for p in root.glob("step_*")))
+
+
 class RestartRecord:
     """`RUN_DIR/restarts.json`: the failures of this torchrun job, one per restarted round.
 
@@ -133,8 +140,16 @@ class RestartRecord:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / RECORD
         self.note = ""  # the event line of a restarted round
+        self.start_over = False  # restarted before the job's first checkpoint
 
-    def begin(self) -> "RestartRecord":
+    def starting_over(self, ckpt_root: str | os.PathLike) -> bool:
+        """True in a restarted round of a job that started from the initial weights and died
+        before its first checkpoint: it starts over (metrics.jsonl rewritten from step 0)
+        instead of refusing a run dir with metrics and no checkpoint. Any rank may ask."""
+        return (restart_round() > 0 and bool(_read_json(self.path).get("fresh_start"))
+                and not _complete(ckpt_root))
+
+    def begin(self, ckpt_root: str | os.PathLike | None = None) -> "RestartRecord":
         """Record this round's start (see the module docstring).
 
         Raises:
@@ -144,9 +159,11 @@ class RestartRecord:
         rnd = restart_round()
         if rnd == 0:
             if "TORCHELASTIC_RESTART_COUNT" in os.environ or self.path.exists():
-                _write_json(self.path, {"failures": [], "stopped": None})
+                _write_json(self.path, {"failures": [], "stopped": None,
+                                        "fresh_start": not _complete(ckpt_root)})
             return self
         rec = _read_json(self.path)
+        self.start_over = self.starting_over(ckpt_root)
         rec.setdefault("failures", [])
         if rec.get("stopped"):
             raise RepeatedFailure(rec["stopped"])
@@ -161,7 +178,9 @@ class RestartRecord:
                 break
             same += 1
         self.note = (f"automatic restart {rnd} of {max_restarts()} (torchrun): step {step} "
-                     f"failed ({cause}); resuming from the newest complete checkpoint")
+                     f"failed ({cause}); " + ("no checkpoint yet: starting over from the "
+                                              "initial weights" if self.start_over else
+                                              "resuming from the newest complete checkpoint"))
         if same >= SAME_STEP_FAILURES:
             rec["stopped"] = (f"step {step} failed {same} times in a row under torchrun "
                               f"restarts, last cause: {cause}; stopping instead of restarting "

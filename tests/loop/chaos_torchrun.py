@@ -130,9 +130,10 @@ class Job:
         return self.err.read_text(errors="replace") if self.err.exists() else ""
 
 
-def kill_rank(job: Job, rank: int, step: int, delay: float) -> bool:
-    """kill -9 of `rank` `delay` seconds after checkpoint `step` is complete."""
-    if not job.wait_for(job.run / "checkpoints" / f"step_{step:08d}" / "COMPLETE"):
+def kill_rank(job: Job, rank: int, step: int | None, delay: float) -> bool:
+    """kill -9 of `rank` `delay` seconds after checkpoint `step` is complete (None: now)."""
+    if step is not None and not job.wait_for(
+            job.run / "checkpoints" / f"step_{step:08d}" / "COMPLETE"):
         return False
     time.sleep(delay)
     pid = job.ranks().get(rank)

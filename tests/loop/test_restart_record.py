@@ -61,8 +61,26 @@ def test_the_third_failure_at_one_step_stops_every_later_round(tmp_path, monkeyp
         RestartRecord(tmp_path).begin()
     _round(monkeypatch, 0)  # a new launch (a person fixed the cause) starts a fresh record
     assert RestartRecord(tmp_path).begin().note == ""
-    assert json.loads((tmp_path / "restarts.json").read_text()) == {"failures": [],
-                                                                    "stopped": None}
+    assert json.loads((tmp_path / "restarts.json").read_text()) == {
+        "failures": [], "stopped": None, "fresh_start": True}
+
+
+def test_a_restart_before_the_first_checkpoint_starts_over(tmp_path, monkeypatch):
+    ckpt = tmp_path / "checkpoints"
+    _round(monkeypatch, 0)
+    RestartRecord(tmp_path).begin(ckpt)
+    _metrics(tmp_path, range(2))
+    _round(monkeypatch, 1)
+    rec = RestartRecord(tmp_path).begin(ckpt)
+    assert rec.start_over and rec.starting_over(ckpt) and "starting over" in rec.note
+    (ckpt / "step_00000002").mkdir(parents=True)
+    (ckpt / "step_00000002" / "COMPLETE").write_text("{}")
+    assert not RestartRecord(tmp_path).starting_over(ckpt)  # then it resumes as usual
+    _round(monkeypatch, 0)  # a job started on a run with checkpoints never starts over
+    RestartRecord(tmp_path).begin(ckpt)
+    (ckpt / "step_00000002" / "COMPLETE").unlink()
+    _round(monkeypatch, 1)
+    assert not RestartRecord(tmp_path).starting_over(ckpt)
 
 
 def test_failures_at_different_steps_do_not_stop(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ tier runs the multi-round chaos (tests/loop/chaos_torchrun.py) and the same-step
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,22 @@ def test_torchrun_chaos_ten_rounds_of_each_kill(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "mismatches: 0  leftovers: 0  violations: 0" in out
+
+
+@pytest.mark.slow
+def test_a_crash_before_the_first_checkpoint_starts_over(tmp_path):
+    import chaos_torchrun as ct
+
+    c = ct.TorchrunChaos(tmp_path, seed=0, steps=3)
+    job = ct.Job(tmp_path / "early", steps=3, extra=("checkpoint.interval=0",))
+    metrics = job.run / "metrics.jsonl"
+    deadline = time.time() + ct.RUN_TIMEOUT
+    while time.time() < deadline and job.p.poll() is None and not (
+            metrics.exists() and metrics.read_text().strip()):
+        time.sleep(0.05)  # step 0 logged; no checkpoint before the end
+    assert ct.kill_rank(job, rank=1, step=None, delay=0.0)
+    assert job.finish() == 0, job.stderr()[-3000:]
+    assert job.leftovers() == []
+    c.compare(job.run)  # the rows equal a run with a checkpoint every step
+    assert c.problems == []
+    assert "no checkpoint yet: starting over" in (job.run / "events.log").read_text()
