@@ -149,6 +149,12 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
             producer.load_state_dict(state["async"])  # finished groups kept, in-flight redone
         producer.start()
     skipped_in_a_row = 0  # steps whose optimizer updates were all skipped (non-finite)
+    saves = None  # checkpoint.async_save: learner files written while training goes on
+    if cfg.checkpoint.async_save:
+        from megatron_gspo.run.async_save import AsyncSaves
+
+        saves = AsyncSaves()
+        cleanup.callback(saves.close)  # an unfinished save of a failed run stays partial
 
     for step in range(start, cfg.train.max_steps):
         faults.maybe_kill_rank("kill_at_step", step)  # crash tests (MEGATRON_GSPO_FAULT)
@@ -222,13 +228,17 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         if rank0 and cfg.logging.log_samples:
             log.event(phases.sample_preview(samples, tokenizer, cfg.logging.log_samples, step))
         done = step + 1 == cfg.train.max_steps
+        if saves is not None:
+            saves.poll()  # an earlier save whose files are written: COMPLETE
         if (cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0) or done:
             phases.wait_for_rank0()  # rank 0's evaluation and weight push
             state = {"step": step + 1, "precision": controller.state_dict(),
                      "data": prompts.state_dict() if rank0 else None,
                      "async": producer.state_dict() if producer else None}
             with colocated_sync.learner_room(learner, engine, CHECKPOINT_PARTS, "checkpoint"):
-                path = ckpt.save(step + 1, learner, state)
-            log.event(f"checkpoint {path}")
+                path = ckpt.save(step + 1, learner, state, queue=saves)
+            if saves is not None and done:
+                saves.wait()
+            log.event(f"checkpoint {path}" + (" (asynchronous)" if saves is not None else ""))
 
     return run_dir  # `cleanup` closes the log, the producer, the engine and the learner

@@ -180,8 +180,14 @@ class LearnerState:
 
         adam_step.restore(self.optimizer, step)
 
-    def save_checkpoint(self, path: str) -> None:
-        """Save model, optimizer and scheduler (torch_dist format) to directory `path`."""
+    def save_checkpoint(self, path: str, schedule=None) -> None:
+        """Save model, optimizer and scheduler (torch_dist format) to directory `path`.
+
+        Args:
+            schedule: asynchronous save: called with Megatron-Core's AsyncRequest, which it
+                schedules (the tensors are staged then, before offloaded parts leave again);
+                the files are written by a forked writer. None: written before returning.
+        """
         import os
 
         from megatron.core import dist_checkpointing
@@ -198,7 +204,8 @@ class LearnerState:
         dist.barrier()
         install_checkpoint_results_queue()  # its server dies with this process
         tie_forked_children()  # and so do the writer processes Megatron forks
-        dist_checkpointing.save(self._full_sharded_sd(False), path)
+        request = dist_checkpointing.save(self._full_sharded_sd(False), path,
+                                          async_sharded_save=schedule is not None)
         if dist.get_rank() == 0:  # the config `convert mcore-to-hf` rebuilds and checks with
             from megatron_gspo.convert.sources import write_model_info
 
@@ -208,6 +215,8 @@ class LearnerState:
                 from megatron_gspo.megatron.lora_io import write_adapter_info
 
                 write_adapter_info(path, self.lora, getattr(self, "lora_base", None))
+        if schedule is not None:
+            schedule(request)
         self.offload(away)
 
     def load_checkpoint(self, path: str) -> None:

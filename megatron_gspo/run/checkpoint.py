@@ -250,13 +250,16 @@ class Checkpointer:
         done = self.complete()
         return done[-1] if done else None
 
-    def save(self, step: int, learner, trainer_state: dict) -> Path:
+    def save(self, step: int, learner, trainer_state: dict, queue=None) -> Path:
         """Write checkpoint `step` (collective over all ranks).
 
         Args:
             step: number of completed RL steps.
-            learner: object with `save_checkpoint(path)` (collective) and `chunks`.
+            learner: object with `save_checkpoint(path, schedule=None)` (collective), `chunks`.
             trainer_state: the loop's state, JSON-serialisable (rank 0's is written).
+            queue: asynchronous save (`run/async_save.AsyncSaves`): the learner's files are
+                written by forked writers and the rename + COMPLETE run once every rank's
+                files are written and fsynced (`queue.schedule(request, finalize)`).
         Returns:
             the final checkpoint path; CheckpointError (nothing written) when a parameter is
             NaN or infinite on any rank.
@@ -275,7 +278,11 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
             _barrier()
-            learner.save_checkpoint(str(tmp / "model"))
+            if queue is None:
+                learner.save_checkpoint(str(tmp / "model"))
+            else:  # the model's state is staged now; trainer.json below goes with it
+                learner.save_checkpoint(str(tmp / "model"), schedule=lambda req: queue.schedule(
+                    req, lambda: self._publish(step, tmp, final)))
             rng = rng_state()
             if hasattr(learner, "rng_state"):  # the learner's own generators (model-parallel)
                 rng["learner"] = learner.rng_state()
@@ -294,6 +301,13 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint step {step} not written: {msg}; the newest "
                                   f"complete checkpoint is {latest[1] if latest else 'none'}"
                                   ) from None
+        if queue is None:
+            self._publish(step, tmp, final)
+            _barrier()
+        return final
+
+    def _publish(self, step: int, tmp: Path, final: Path) -> None:
+        """Rank 0: the files of every rank are written: rename, COMPLETE, rotate."""
         if _rank() == 0:
             marker = {"format": FORMAT, "step": step, "time": time.time(),
                       "world_size": _world(), "files": _manifest(tmp, self.checksums)}
@@ -308,8 +322,6 @@ class Checkpointer:
                 os.fsync(f.fileno())
             os.replace(part, final / "COMPLETE")
             self.rotate()
-        _barrier()
-        return final
 
     def rotate(self) -> None:
         """Delete complete checkpoints beyond `keep_last`, oldest first, except one being read

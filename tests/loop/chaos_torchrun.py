@@ -10,7 +10,9 @@ servers end with it (their launcher's death) and the restarted group launches ne
 same ports. A fresh server starts its sampling RNG afresh (the stand-in seeds once per server,
 as SGLang does without per-request seeds), so there only the rows before the first resumed
 step are compared; the later ones must exist. `repeat` makes rank 1 die at the same step in every round: the job must stop with
-one line naming the step.
+one line naming the step. The `async_` kinds save asynchronously (checkpoint.async_save) and
+kill inside a save: right after its `.tmp_step_*` folder appears, while the forked writers
+write or before the save is finalized.
 
     python tests/loop/chaos_torchrun.py --rounds 10 --seed 0 [--kinds kill_rank1,kill_rank0]
 
@@ -39,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import chaos  # noqa: E402  (the settings and the checks of the single-process chaos)
 
-KINDS = ("kill_rank1", "kill_rank0", "servers_kill_rank1", "servers_kill_rank0", "repeat")
+KINDS = ("kill_rank1", "kill_rank0", "servers_kill_rank1", "servers_kill_rank0",
+         "async_kill_rank1", "async_kill_rank0", "repeat")
+ASYNC_SAVE = ("checkpoint.async_save=true",)
 SERVERS = ["rollout.engine=sglang", "rollout.colocate=true", "rollout.num_servers=2",
            "rollout.startup_timeout=240"]
 SERVERS_ENV = {"SGLANG_SERVER_MODULE": "megatron_gspo.rollout.standin.server"}
@@ -130,11 +134,14 @@ class Job:
         return self.err.read_text(errors="replace") if self.err.exists() else ""
 
 
-def kill_rank(job: Job, rank: int, step: int | None, delay: float) -> bool:
-    """kill -9 of `rank` `delay` seconds after checkpoint `step` is complete (None: now)."""
-    if step is not None and not job.wait_for(
-            job.run / "checkpoints" / f"step_{step:08d}" / "COMPLETE"):
-        return False
+def kill_rank(job: Job, rank: int, step: int | None, delay: float,
+              inside_save: bool = False) -> bool:
+    """kill -9 of `rank` `delay` seconds after checkpoint `step` is complete (None: now;
+    `inside_save`: once the save of `step` has begun)."""
+    if step is not None:
+        mark = f".tmp_step_{step:08d}" if inside_save else f"step_{step:08d}/COMPLETE"
+        if not job.wait_for(job.run / "checkpoints" / mark):
+            return False
     time.sleep(delay)
     pid = job.ranks().get(rank)
     if pid is None or job.p.poll() is not None:
@@ -181,13 +188,19 @@ class TorchrunChaos:
         self.counts[what] += 1
         self.problems.append(text)
 
-    def kill(self, run: Path, rank: int, servers: bool = False) -> None:
-        """kill -9 `rank` once or twice, each at a random point of a random step."""
-        job = Job(run, self.steps, **self._variant(servers))
+    def kill(self, run: Path, rank: int, servers: bool = False, async_save: bool = False):
+        """kill -9 `rank` once or twice, each at a random point of a random step (async
+        saves: inside a save)."""
+        variant = self._variant(servers)
+        if async_save:
+            variant["extra"] = ASYNC_SAVE
+        job = Job(run, self.steps, **variant)
         steps = sorted(self.rng.sample(range(1, self.steps), self.rng.randint(1, 2)))
+        kind = f"{'servers_' if servers else 'async_' if async_save else ''}kill_rank{rank}"
         for step in steps:
-            if kill_rank(job, rank, step, self.rng.uniform(0.0, 1.5)):
-                self.counts[f"{'servers_' if servers else ''}kill_rank{rank}"] += 1
+            delay = self.rng.uniform(0.0, 0.3 if async_save else 1.5)
+            if kill_rank(job, rank, step, delay, inside_save=async_save):
+                self.counts[kind] += 1
         code = job.finish()
         self.counts["automatic_restarts"] += len(failures(run))
         if code != 0:
@@ -246,7 +259,8 @@ class TorchrunChaos:
             if kind == "repeat":
                 self.repeat(run)
             else:
-                self.kill(run, int(kind[-1]), kind.startswith("servers_"))
+                self.kill(run, int(kind[-1]), kind.startswith("servers_"),
+                          kind.startswith("async_"))
             status = "ok" if len(self.problems) == before else "; ".join(self.problems[before:])
             print(f"round {i} {kind}: {time.time() - t0:.0f}s {status}", flush=True)
         keys = ("automatic_restarts", "mismatches", "leftovers", "violations")
