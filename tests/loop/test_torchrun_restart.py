@@ -44,10 +44,13 @@ def test_the_same_step_failing_stops_the_job_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_chaos_ten_rounds_of_each_kill(tmp_path, capsys):
+@pytest.mark.parametrize("kinds", ["kill_rank1,kill_rank0",  # ~15 min each on 2 cores
+                                   "servers_kill_rank1,servers_kill_rank0",
+                                   "async_kill_rank1,async_kill_rank0"])
+def test_torchrun_chaos_ten_rounds_of_each_kill(tmp_path, capsys, kinds):
     import chaos_torchrun as ct
 
-    code = ct.main(["--rounds", "20", "--seed", "1", "--kinds", "kill_rank1,kill_rank0",
+    code = ct.main(["--rounds", "20", "--seed", "1", "--kinds", kinds,
                     "--workdir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
