@@ -9,10 +9,10 @@ kinds do the same with two launched (colocated) stand-in SGLang servers: the dea
 servers end with it (their launcher's death) and the restarted group launches new ones on the
 same ports. A fresh server starts its sampling RNG afresh (the stand-in seeds once per server,
 as SGLang does without per-request seeds), so there only the rows before the first resumed
-step are compared; the later ones must exist. `repeat` makes rank 1 die at the same step in every round: the job must stop with
-one line naming the step. The `async_` kinds save asynchronously (checkpoint.async_save) and
-kill inside a save: right after its `.tmp_step_*` folder appears, while the forked writers
-write or before the save is finalized.
+step are compared; the later ones must exist. `repeat` makes rank 1 die at the same step in
+every round: the job must stop with one line naming the step. The `async_` kinds save
+asynchronously (checkpoint.async_save) and kill inside a save: right after its `.tmp_step_*`
+folder appears, while the forked writers write or before the save is finalized.
 
     python tests/loop/chaos_torchrun.py --rounds 10 --seed 0 [--kinds kill_rank1,kill_rank0]
 
