@@ -5,6 +5,7 @@ job ends 0 with the metrics of an uninterrupted run, no lock and no process left
 tier runs the multi-round chaos (tests/loop/chaos_torchrun.py) and the same-step stop."""
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -20,16 +21,17 @@ def test_killed_rank_is_restarted_by_torchrun_and_the_run_matches(tmp_path):
     c = ct.TorchrunChaos(tmp_path, seed=0, steps=3)
     c.reference()
     job = ct.Job(tmp_path / "killed", steps=3)
-    assert ct.kill_rank(job, rank=1, step=1, delay=0.3), job.stderr()[-2000:]
+    assert ct.kill_rank(job, rank=1, step=1, delay=0.0), job.stderr()[-2000:]
     assert job.finish() == 0, job.stderr()[-3000:]
     assert job.leftovers() == []
     c.compare(job.run)
     assert c.problems == []
-    (fail,) = ct.failures(job.run)  # one automatic restart, at step 1
-    assert fail["step"] == 1 and fail["round"] == 0
+    (fail,) = ct.failures(job.run)  # one automatic restart, after checkpoint 1
+    assert fail["round"] == 0 and fail["step"] >= 1  # (a fast machine may have logged step 1)
     events = (job.run / "events.log").read_text()
-    assert "automatic restart 1 of 3 (torchrun): step 1 failed" in events
-    assert "resumed from" in events and "step_00000001 at step 1" in events
+    assert f"automatic restart 1 of 3 (torchrun): step {fail['step']} failed" in events
+    resumed = re.search(r"resumed from \S+ at step (\d+)", events)
+    assert resumed and 1 <= int(resumed.group(1)) <= fail["step"]
 
 
 @pytest.mark.slow
