@@ -257,7 +257,7 @@ class Checkpointer:
             step: number of completed RL steps.
             learner: object with `save_checkpoint(path, schedule=None)` (collective), `chunks`.
             trainer_state: the loop's state, JSON-serialisable (rank 0's is written).
-            queue: asynchronous save (`run/async_save.AsyncSaves`): the learner's files are
+            queue: asynchronous save (`megatron/async_save.AsyncSaves`): the learner's files are
                 written by forked writers and the rename + COMPLETE run once every rank's
                 files are written and fsynced (`queue.schedule(request, finalize)`).
         Returns:
