@@ -446,6 +446,5 @@ class CheckpointConfig:
     keep_last: int = option(2, "complete checkpoints kept (older ones deleted)", ge=1)
     checksums: bool = option(True, "store sha256 of every checkpoint file in COMPLETE and verify "
                              "it on resume (False: sizes only; saves one read of each file)")
-    async_save: bool = option(False, "write the learner's files in a forked writer (Megatron-Core "
-                              "async dist-checkpointing) while training goes on; COMPLETE only "
-                              "once every rank's files are written and fsynced")
+    async_save: bool = option(False, "learner files written by forked writers while training "
+                              "goes on (Megatron-Core async); COMPLETE once all are fsynced")
