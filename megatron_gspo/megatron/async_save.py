@@ -9,8 +9,9 @@ writer fsyncs every file it wrote before it ends. So COMPLETE never names files 
 durable, and a rank killed during the save leaves only the `.tmp_step_*` folder (removed at the
 next start). One save is in flight at a time: the next `schedule` waits for the previous one.
 The loop state (`trainer.json`, RNG) is written when the save is scheduled, from the same step
-as the staged tensors. Megatron-Core 0.19 marks its async save deprecated in favour of
-nvidia-resiliency-ext; this module is the one place to switch.
+as the staged tensors. From 0.17 Megatron-Core marks its own writer deprecated in favour of
+nvidia-resiliency-ext: `compat.async_save_kwargs()` picks NVRx where it is installed, and its
+queue is taken then (checked here only with Megatron-Core's writer, 0.16.1 and 0.19.2).
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ class AsyncSaves:
     """The queue of asynchronous checkpoint saves of one run (every rank holds one)."""
 
     def __init__(self):
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        from megatron_gspo.megatron import compat
 
+        if compat.async_save_kwargs().get("async_strategy") == "nvrx":  # 0.17+ with NVRx
+            from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+        else:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
         self.queue = AsyncCallsQueue(persistent=False)
 
     def schedule(self, request, finalize) -> None:

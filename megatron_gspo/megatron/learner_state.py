@@ -204,8 +204,11 @@ class LearnerState:
         dist.barrier()
         install_checkpoint_results_queue()  # its server dies with this process
         tie_forked_children()  # and so do the writer processes Megatron forks
-        request = dist_checkpointing.save(self._full_sharded_sd(False), path,
-                                          async_sharded_save=schedule is not None)
+        from megatron_gspo.megatron import compat
+
+        request = dist_checkpointing.save(
+            self._full_sharded_sd(False), path, async_sharded_save=schedule is not None,
+            **(compat.async_save_kwargs() if schedule is not None else {}))
         if dist.get_rank() == 0:  # the config `convert mcore-to-hf` rebuilds and checks with
             from megatron_gspo.convert.sources import write_model_info
 
