@@ -180,18 +180,29 @@ def _metrics_rows(run_dir: Path) -> bool:
         errors="replace").splitlines())
 
 
+def _wrote_checkpoints(run_dir: Path) -> bool:
+    """The run in `run_dir` saved a checkpoint (its events.log says so), or nobody can tell
+    (no events.log)."""
+    events = run_dir / "events.log"
+    if not events.is_file():
+        return True
+    return any("] checkpoint " in ln for ln in events.read_text(errors="replace").splitlines())
+
+
 def check_start(run_dir: str | os.PathLike, ckpt_root: str | os.PathLike, resume: str) -> None:
     """Raise RunError when starting would overwrite an earlier run: `train.resume: never` into
     a run dir that holds one (`check_fresh_start`), or `auto` into a run dir whose metrics
-    have no checkpoint to continue from (an unmounted or emptied `checkpoint.dir`): starting
-    from the initial weights would empty metrics.jsonl."""
+    have no checkpoint to continue from although the run saved some (an unmounted or emptied
+    `checkpoint.dir`): starting from the initial weights would empty metrics.jsonl. A run that
+    ended before its first checkpoint (events.log names none) starts over from the initial
+    weights, as a resume redoes the steps after its checkpoint."""
     if resume == "never":
         check_fresh_start(run_dir, ckpt_root)
         return
     run_dir, root = Path(run_dir), Path(ckpt_root)
     steps = [p for p in root.glob("step_*") if (p / "COMPLETE").is_file()] \
         if root.is_dir() else []
-    if not steps and _metrics_rows(run_dir):
+    if not steps and _metrics_rows(run_dir) and _wrote_checkpoints(run_dir):
         raise RunError(f"run dir {run_dir} holds metrics ({run_dir / 'metrics.jsonl'}) but "
                        f"checkpoint dir {root} holds no complete checkpoint (unmounted or "
                        "emptied?); train.resume=auto would start from the initial weights and "

@@ -11,6 +11,7 @@
   dense model; a config.json without "architectures" (items 5, 12, 19).
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -68,6 +69,26 @@ def test_resume_auto_with_metrics_and_no_checkpoint_is_refused(random_tiny_model
     err = _one_line(out)
     assert str(run) in err and "no complete checkpoint" in err and "resume" in err, err
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n{"step": 1}\n'
+
+
+def test_a_run_that_ended_before_its_first_checkpoint_starts_over(random_tiny_model, tmp_path):
+    """Killed before any checkpoint (events.log names none): resume auto redoes its steps from
+    the initial weights, as a resume redoes the steps after its checkpoint; once events.log
+    names a checkpoint that is gone, the same run dir is refused."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "stale": 1}\n')
+    (run / "events.log").write_text("[00:00:00] run dir x; starting from the initial weights\n")
+    args = ["train", CONFIG, "--run-dir", str(run), f"model.path={random_tiny_model}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}", "train.max_steps=1", "rollout.group_size=2",
+            "train.prompts_per_step=2", "train.eval_interval=0", "logging.tensorboard=false"]
+    out = _cli(args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0] and "stale" not in rows[0]
+    shutil.rmtree(tmp_path / "ckpt")  # the checkpoint the run wrote is gone now
+    err = _one_line(_cli(args))
+    assert "no complete checkpoint" in err, err
 
 
 # ----------------------------------------------------------------------------- what is recorded
