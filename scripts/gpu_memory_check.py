@@ -3,7 +3,7 @@ random-weight Qwen3-0.6B shaped learner (bf16, local spec, KL reference on the d
 optimizer steps; then
 
 1. resident memory (torch.cuda.memory_allocated) against the plan's weights + gradient buffer
-   + main weights + Adam moments + reference (`megatron.memory_plan`);
+   + main weights + Adam moments + reference (`megatron.memory.plan`);
 2. the training peak above that against the plan's activation + logits estimate;
 3. the colocated loop (`rollout.offload_learner`), in the order the code runs it: the loop's
    own functions (loop/sync.py `sync_weights`, rollout/multinode/colocated.py) drive the
@@ -80,7 +80,7 @@ def samples(n: int, length: int, vocab: int):
 
 def storage_bytes(L) -> int:
     """Bytes of the learner's distinct storages (the CPU stand-in for memory_allocated)."""
-    from megatron_gspo.megatron.offload import grad_buffers, optimizer_tensors
+    from megatron_gspo.megatron.memory.offload import grad_buffers, optimizer_tensors
 
     main, state = optimizer_tensors(L.optimizer)
     ts = [p for m in L.chunks + (L.reference_chunks or []) for p in m.parameters()]
@@ -248,7 +248,7 @@ def main() -> int:
         os.environ["MASTER_PORT"] = str(free_port())
     import torch
 
-    from megatron_gspo.megatron import memory_plan as mp
+    from megatron_gspo.megatron.memory import plan as mp
     from megatron_gspo.megatron.learner import BatchSettings, Learner
     from megatron_gspo.megatron.optimizer import OptimSettings
 

@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the resolved config")
     c.add_argument("config")
     c.add_argument("overrides", nargs="*")
-    m = sub.add_parser("plan", help="per-GPU memory plan of a config (see megatron/memory_plan.py)")
+    m = sub.add_parser("plan", help="per-GPU memory plan of a config (see megatron/memory/plan.py)")
     m.add_argument("config")
     m.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
     m.add_argument("--gpus-per-node", type=int, default=8)
@@ -62,7 +62,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from megatron_gspo.data.datasets import DatasetError
     from megatron_gspo.data.sample import SampleError
     from megatron_gspo.rewards import RewardError
-    from megatron_gspo.megatron.model import ModelConfigError  # e.g. a checkpoint's model
+    from megatron_gspo.megatron.models.builder import ModelConfigError  # e.g. a checkpoint's model
     from megatron_gspo.rollout.base import RolloutError  # every sampled group failed, ...
     from megatron_gspo.run.rundir import RunError  # run-dir lock, checkpoints, diverged training
 
@@ -121,7 +121,7 @@ def _plan(cfg, args) -> int:
     """`megatron-gspo plan`: print the table; exit 1 when the layout does not fit."""
     from megatron_gspo.cli.plan import checked_model_config
     from megatron_gspo.config import ConfigError
-    from megatron_gspo.megatron import memory_report as mr
+    from megatron_gspo.megatron.memory import report as mr
 
     hf = checked_model_config(cfg, args)  # the flags, and model and layout as training checks
     try:

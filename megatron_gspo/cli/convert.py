@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None, prog: str | None = "megatron-gspo conver
         if args.cmd == "lora-to-peft":
             return _lora_to_peft(args)
         check_out_writable(args.out)  # before anything is read or loaded
-        from megatron_gspo.megatron import conversion as conv
+        from megatron_gspo.megatron.io import conversion as conv
 
         world = conv.conversion_world_size(args.tp, args.pp, args.ep)
         dtype = conv.parse_dtype(args.dtype)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None, prog: str | None = "megatron-gspo conver
 def _refuse_lora(ckpt: str) -> None:
     from megatron_gspo.convert.base import ConversionError
     from megatron_gspo.convert.sources import resolve_checkpoint
-    from megatron_gspo.megatron.lora_io import read_adapter_info
+    from megatron_gspo.megatron.lora.io import read_adapter_info
 
     if read_adapter_info(resolve_checkpoint(ckpt).dist_dir) is not None:
         raise ConversionError(f"--ckpt {ckpt}: a LoRA checkpoint (adapters only); use "
@@ -163,8 +163,8 @@ def _refuse_lora(ckpt: str) -> None:
 def _lora_to_peft(args) -> int:
     from megatron_gspo.convert.base import ConversionError
     from megatron_gspo.convert.guards import check_out_writable
-    from megatron_gspo.megatron import conversion as conv
-    from megatron_gspo.megatron.lora_export import check_lora_to_peft, lora_to_peft
+    from megatron_gspo.megatron.io import conversion as conv
+    from megatron_gspo.megatron.io.lora_to_peft import check_lora_to_peft, lora_to_peft
 
     if args.out is None and args.merged is None:
         raise ConversionError("lora-to-peft: pass --out (PEFT adapter) and/or --merged")

@@ -1,5 +1,5 @@
 """Input checks of `megatron-gspo plan CONFIG` (the per-GPU memory plan of a run config;
-arithmetic in `megatron.memory_report` / `megatron.memory_plan`).
+arithmetic in `megatron.memory.report` / `megatron.memory.plan`).
 
 Before the arithmetic the plan checks what training checks at start: the model config
 (`--model-config`, default model.path; read up to `MAX_CONFIG_BYTES`, a JSON object) and the
@@ -28,7 +28,7 @@ def checked_model_config(cfg, args) -> dict:
         ConfigError naming the flag, file or field.
     """
     from megatron_gspo.loop.early_checks import check_model_layout
-    from megatron_gspo.megatron.memory_report import parse_bytes
+    from megatron_gspo.megatron.memory.report import parse_bytes
 
     for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--nodes", args.nodes)):
         if value < 1:

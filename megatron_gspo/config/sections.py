@@ -27,7 +27,7 @@ DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 
 TOKEN_ADVANTAGE_LOSSES = ("gspo_token", "grpo", "sapo", "cispo")
 
 
-LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts")  # megatron/lora.py
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts")  # megatron/lora/adapters.py
 
 
 @dataclass
@@ -58,7 +58,7 @@ class ModelConfig:
     reference_offload: bool = option(False, "keep the KL reference's weights in CPU memory "
                                      "between its forward passes")
     lora: LoraConfig = option(default_factory=LoraConfig, doc="LoRA adapters on the learner "
-                              "(megatron_gspo/megatron/lora.py)")
+                              "(megatron_gspo/megatron/lora/adapters.py)")
 
 
 @dataclass

@@ -7,7 +7,7 @@ HF -> Megatron-Core names per layer i that differ from Llama's:
   pre_feedforward_layernorm        -> pre_mlp_layernorm
   post_feedforward_layernorm       -> mlp.linear_fc2.post_norm               (after down_proj)
 Norm weights are copied as stored (Gemma's norms scale by 1 + weight in both implementations).
-Gemma 3 builds the local layer spec only (`megatron.gemma3`), so there is no TE spelling.
+Gemma 3 builds the local layer spec only (`megatron.models.gemma3`), so there is no TE spelling.
 """
 
 from __future__ import annotations

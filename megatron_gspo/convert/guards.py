@@ -20,7 +20,7 @@ from pathlib import Path
 from megatron_gspo.convert.base import ConversionError, num_routed_experts
 from megatron_gspo.convert.registry import get_adapter
 
-VOCAB_PAD_MULTIPLE = 128  # as megatron_gspo.megatron.model pads the vocabulary
+VOCAB_PAD_MULTIPLE = 128  # as megatron_gspo.megatron.models.builder pads the vocabulary
 
 
 def check_out_disjoint(out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None],

@@ -214,7 +214,7 @@ def _run_source(step: Path, notes: list[str]) -> CheckpointSource:
 
 
 def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
-    """The metadata dict of a checkpoint written by `megatron.checkpoint_io.save_checkpoint`."""
+    """The metadata dict of a checkpoint written by `megatron.io.checkpoint.save_checkpoint`."""
     path = Path(ckpt_dir) / META_NAME
     if not path.is_file():
         raise ConversionError(f"{ckpt_dir}: not a megatron_gspo checkpoint ({META_NAME} missing)")

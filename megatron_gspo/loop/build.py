@@ -65,7 +65,7 @@ def read_hf_config(model_path: str | None) -> dict:
 def learner(cfg: Config, hf_config: dict):
     """The Megatron-Core learner of this rank (starts torch.distributed and parallel state)."""
     from megatron_gspo.megatron.learner import BatchSettings, Learner
-    from megatron_gspo.megatron.lora import LoraSettings
+    from megatron_gspo.megatron.lora.adapters import LoraSettings
     from megatron_gspo.megatron.optimizer import OptimSettings
     from megatron_gspo.megatron.parallel import ParallelLayout, configure_timeouts
     from megatron_gspo.megatron.step import LossSettings
@@ -138,7 +138,7 @@ def load_initial_weights(cfg: Config, learner_, hf_config: dict) -> None:
     safetensors in `model.path`."""
     from megatron_gspo.convert.hf_io import HFCheckpointReader
     from megatron_gspo.convert.registry import get_adapter
-    from megatron_gspo.megatron import checkpoint_io
+    from megatron_gspo.megatron.io import checkpoint as checkpoint_io
 
     if cfg.model.load_checkpoint:
         resume_checks.check_load_checkpoint(cfg, hf_config)  # another model: one line
@@ -165,7 +165,7 @@ def load_reference(cfg: Config, learner_, hf_config: dict) -> int:
     """
     from megatron_gspo.convert.hf_io import HFCheckpointReader
     from megatron_gspo.convert.registry import get_adapter
-    from megatron_gspo.megatron import checkpoint_io
+    from megatron_gspo.megatron.io import checkpoint as checkpoint_io
 
     chunks = learner_.reference_chunks
     if chunks is None:

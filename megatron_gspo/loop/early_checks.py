@@ -93,7 +93,7 @@ def check_model_layout(cfg: Config, hf_config: dict, world: int,
 def check_memory(cfg: Config, hf_config: dict, world: int, gpu_bytes: int | None = None) -> None:
     """The memory plan (`megatron-gspo plan`) of this layout on this GPU: a ConfigError naming
     the biggest term when it cannot fit. Skipped without CUDA unless `gpu_bytes` is given."""
-    from megatron_gspo.megatron.memory_report import check_before_launch
+    from megatron_gspo.megatron.memory.report import check_before_launch
 
     if gpu_bytes is None:
         import torch
@@ -108,7 +108,7 @@ def check_memory(cfg: Config, hf_config: dict, world: int, gpu_bytes: int | None
 def check_model(path: str | None, hf_config: dict) -> None:
     """The learner can build the model of `hf_config` (positive sizes, supported architecture,
     activation, biases, rope scaling, head counts): a ConfigError naming model.path otherwise."""
-    from megatron_gspo.megatron.model import ModelConfigError, build_model_config
+    from megatron_gspo.megatron.models.builder import ModelConfigError, build_model_config
 
     sizes = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
              "num_key_value_heads", "head_dim", "intermediate_size")

@@ -210,7 +210,7 @@ def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: 
         else the learner's per-sample log-prob lists; source is "rollout" or "recompute".
     """
     if _split_audit(cfg, samples, step):  # stale samples: split audit
-        from megatron_gspo.rollout.asynchronous.audit import split_old_logprobs
+        from megatron_gspo.loop.stale_audit import split_old_logprobs
 
         return split_old_logprobs(cfg, learner, controller, samples, step, pad_rows, _correct)
     p, a = cfg.precision, cfg.algorithm

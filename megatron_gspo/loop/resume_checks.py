@@ -35,8 +35,8 @@ def check_resume(cfg: Config, hf_config: dict, ckpt: str | Path) -> None:
     from megatron_gspo.convert.base import ConversionError
     from megatron_gspo.convert.guards import compare_configs
     from megatron_gspo.convert.sources import other_weights, read_model_info
-    from megatron_gspo.megatron.lora import LoraSettings
-    from megatron_gspo.megatron.lora_io import adapter_mismatch, base_mismatch, read_adapter_info
+    from megatron_gspo.megatron.lora.adapters import LoraSettings
+    from megatron_gspo.megatron.lora.io import adapter_mismatch, base_mismatch, read_adapter_info
 
     ckpt = Path(ckpt)
     model_dir = ckpt / "model"

@@ -35,7 +35,7 @@ def released_after_rollout(cfg: Config) -> tuple[str, ...] | None:
 
 def offloading(cfg: Config) -> bool:
     """`rollout.offload_learner` in effect (`rollout.colocated_sync` does the moves)."""
-    from megatron_gspo.megatron.memory_report import offload_learner_enabled
+    from megatron_gspo.megatron.memory.report import offload_learner_enabled
 
     return offload_learner_enabled(cfg)
 
@@ -51,7 +51,7 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
     Returns:
         `weight_sync/*` metrics (rank 0 of an SGLang engine; {} otherwise).
     """
-    from megatron_gspo.megatron.export import export_hf_weights
+    from megatron_gspo.megatron.io.export import export_hf_weights
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
     r = cfg.rollout

@@ -151,7 +151,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     skipped_in_a_row = 0  # steps whose optimizer updates were all skipped (non-finite)
     saves = None  # checkpoint.async_save: learner files written while training goes on
     if cfg.checkpoint.async_save:
-        from megatron_gspo.megatron.async_save import AsyncSaves
+        from megatron_gspo.megatron.io.async_save import AsyncSaves
 
         saves = AsyncSaves()
         cleanup.callback(saves.close)  # an unfinished save of a failed run stays partial

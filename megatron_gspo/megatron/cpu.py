@@ -300,7 +300,7 @@ def _patch_all_to_all_single() -> None:
 def _patch_megatron() -> None:
     from megatron_gspo.megatron.fallbacks import bind_missing_te_names
 
-    bind_missing_te_names()  # also done by megatron_gspo.megatron.model, on every device
+    bind_missing_te_names()  # also done by megatron_gspo.megatron.models.builder, on every device
 
 
 def _check_versions() -> None:

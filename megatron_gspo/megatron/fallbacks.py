@@ -13,10 +13,16 @@ for the run log. Imports nothing heavy.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import warnings
 
 from megatron_gspo.megatron.compat import QUIET_WARNINGS, quiet_logs
+
+def te_available() -> bool:
+    """True when Transformer Engine is importable (never imports it)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
 
 # Messages Megatron-Core 0.13-0.19 emits at import time when TE / apex are missing (regexes
 # matched at the start of the message), plus the notices of `compat.QUIET_WARNINGS`.
@@ -59,7 +65,7 @@ def bind_missing_te_names() -> None:
     `megatron.core.extensions.transformer_engine` imports, which it does without TE (binding
     `TELinear` to a MagicMock attribute): every MLA layer then raised TypeError in
     `isinstance(self.linear_proj, TELinear)`. Without TE installed, `HAVE_TE` is set False there.
-    Idempotent; run by `megatron_gspo.megatron.model` at import, before any model is built.
+    Idempotent; run by `megatron_gspo.megatron.models.builder` at import, before any model is built.
     """
     import importlib.util
 

@@ -22,11 +22,12 @@ import torch.distributed as dist
 from megatron_gspo.data.batch import (MicroBatch, pack_microbatch, pad_microbatch,
                                       plan_microbatches)
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.megatron import lora as lora_
-from megatron_gspo.megatron import parallel, router_replay, step
+from megatron_gspo.megatron.lora import adapters as lora_
+from megatron_gspo.megatron import parallel, step
+from megatron_gspo.megatron.moe import router_replay
 from megatron_gspo.megatron.learner_state import LearnerState
-from megatron_gspo.megatron import deepseek_v3
-from megatron_gspo.megatron.model import build_gpt_model, build_model_config
+from megatron_gspo.megatron.models import deepseek_v3
+from megatron_gspo.megatron.models.builder import build_gpt_model, build_model_config
 from megatron_gspo.run import device_ledger
 from megatron_gspo.megatron.optimizer import (OptimSettings, all_ranks_agree, build_optimizer,
                                               current_lr, grads_finite, wrap_ddp)
@@ -61,10 +62,10 @@ class Learner(LearnerState):
         reference_offload: keep the reference's weights in CPU memory between its forwards.
         offload_outside_step: fp32 main weights and Adam moments wait in host memory except
             during each optimizer step (`optimizer.offload_outside_step`).
-        routing_replay: MoE routing replay, "none" | "r2" | "r3" (`megatron.router_replay`);
+        routing_replay: MoE routing replay, "none" | "r2" | "r3" (`megatron.moe.router_replay`);
             MoE models always record routing for the `moe/*` metrics.
-        lora: LoRA adapters (`megatron.lora.LoraSettings`) on the targeted layers, every other
-            weight frozen and only the adapters in the optimizer; with `reference` the KL
+        lora: LoRA adapters (`megatron.lora.adapters.LoraSettings`) on the targeted layers, every
+            other weight frozen and only the adapters in the optimizer; with `reference` the KL
             reference is this model with its adapters off (no second model is built).
     """
 
@@ -271,7 +272,7 @@ class Learner(LearnerState):
         if getattr(self, "routing", None) is not None or self.reference_is_base:
             # (LoRA: the reference is the same model with its adapters off, a second pass)
             # MoE routing is recorded / replayed around the policy's own schedule
-            # (`megatron.router_replay`), so MoE models keep the two passes
+            # (`megatron.moe.router_replay`), so MoE models keep the two passes
             return (self.forward_logprobs(samples, temperature=temp),
                     self.forward_logprobs(samples, temperature=temp, reference=True))
         mbs = self._micro_batches(samples, None, ("weights", "reference"))

@@ -7,7 +7,7 @@ any parallel layout, with the model-parallel RNG tracker's state. Attributes use
 optim_settings, scheduler, steps, hf_config, params_dtype.
 
 `offload` / `onload` move the weights, gradient buffer, main weights, Adam moments and KL
-reference off the accelerator and back (`megatron.offload`: storages released, views kept).
+reference off the accelerator and back (`megatron.memory.offload`: storages released, views kept).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.megatron import weights
+from megatron_gspo.megatron.models import weights
 
 
 CHECKPOINT_PARTS = ("weights", "main", "moments")  # what `save_checkpoint` reads
@@ -69,7 +69,7 @@ class LearnerState:
 
     # ----------------------------------------------------------------------------- offload
     def _offloader(self):
-        from megatron_gspo.megatron.offload import StorageOffload
+        from megatron_gspo.megatron.memory.offload import StorageOffload
 
         if getattr(self, "_offload", None) is None:
             self._offload = StorageOffload()
@@ -77,7 +77,7 @@ class LearnerState:
 
     def offloaded_parts(self) -> list[str]:
         """Parts now off the accelerator (see `offload`)."""
-        from megatron_gspo.megatron.offload import PARTS
+        from megatron_gspo.megatron.memory.offload import PARTS
 
         off = getattr(self, "_offload", None)
         return [p for p in PARTS if off is not None and off.offloaded(p)]
@@ -86,7 +86,7 @@ class LearnerState:
         """Release the accelerator memory of `parts` of this rank (weights, grads, main,
         moments, reference); gradients are dropped (zeros when they come back), the others
         copied to (pinned) host memory first. Returns the bytes released."""
-        from megatron_gspo.megatron import offload as off
+        from megatron_gspo.megatron.memory import offload as off
 
         o = self._offloader()
         weights = [p for m in self.chunks for p in m.parameters()]
@@ -111,7 +111,7 @@ class LearnerState:
 
         if not device_ledger.active():
             return
-        from megatron_gspo.megatron.offload import optimizer_tensors
+        from megatron_gspo.megatron.memory.offload import optimizer_tensors
 
         away = set(self.offloaded_parts())
         exists = {"weights": True, "grads": True, "main": True,
@@ -140,10 +140,10 @@ class LearnerState:
     # ----------------------------------------------------------------------------- checkpoints
     def sharded_state_dict(self) -> dict:
         """Model + optimizer + scheduler state for `megatron.core.dist_checkpointing`."""
-        from megatron_gspo.megatron.checkpoint_io import moe_norm_keys_as_te
+        from megatron_gspo.megatron.io.checkpoint import moe_norm_keys_as_te
 
         if getattr(self, "lora", None) is not None:  # adapters only; the base stays where it is
-            from megatron_gspo.megatron import lora
+            from megatron_gspo.megatron.lora import adapters as lora
 
             return {"lora": lora.sharded_state_dict(self.chunks)}
         sd = {}
@@ -192,7 +192,7 @@ class LearnerState:
 
         from megatron.core import dist_checkpointing
 
-        from megatron_gspo.megatron.child_procs import (install_checkpoint_results_queue,
+        from megatron_gspo.megatron.io.child_procs import (install_checkpoint_results_queue,
                                                         tie_forked_children)
 
         if dist.get_rank() == 0:
@@ -215,7 +215,7 @@ class LearnerState:
             write_model_info(path, self.hf_config, str(self.params_dtype).removeprefix("torch."),
                              getattr(self, "model_source", None))
             if getattr(self, "lora", None) is not None:
-                from megatron_gspo.megatron.lora_io import write_adapter_info
+                from megatron_gspo.megatron.lora.io import write_adapter_info
 
                 write_adapter_info(path, self.lora, getattr(self, "lora_base", None))
         if schedule is not None:
@@ -232,14 +232,14 @@ class LearnerState:
 
         self._require_resident()
         if getattr(self, "lora", None) is not None:
-            from megatron_gspo.megatron.lora_io import check_adapter_info
+            from megatron_gspo.megatron.lora.io import check_adapter_info
 
             check_adapter_info(path, self.lora)  # one line naming a mismatch
         sd = self._full_sharded_sd(True)
         with torch.no_grad():
             loaded = dist_checkpointing.load(sd, path)
         if "lora" in loaded:  # adapters only (the base weights were loaded before)
-            from megatron_gspo.megatron import lora
+            from megatron_gspo.megatron.lora import adapters as lora
 
             lora.load_sharded(self.chunks, loaded["lora"])
         for i, m in enumerate(self.chunks if "lora" not in loaded else []):

@@ -156,7 +156,7 @@ def _model_errors(lay: ParallelLayout, hf: dict) -> list[str]:
             errs.append(f"gpt-oss experts have biases: {reason} (got {etp}): set "
                         "parallel.expert_tensor=1")
     if lay.context > 1:
-        from megatron_gspo.megatron.model import te_available
+        from megatron_gspo.megatron.fallbacks import te_available
 
         if not te_available():
             errs.append("parallel.context > 1 needs Transformer Engine attention "

@@ -4,7 +4,7 @@ real calls of a real run (off unless `MEGATRON_GSPO_DEVICE_LEDGER` names a spec 
 A CPU run cannot see GPU memory: which learner parts are resident, what the learner freed but
 its caching allocator still holds, what SGLang's memory saver gives back on release and maps
 again on resume. The ledger keeps those numbers for one GPU of a *sized* configuration (the
-spec: the memory plan's per-part bytes of a shipped GPU config, `megatron.memory_report`),
+spec: the memory plan's per-part bytes of a shipped GPU config, `megatron.memory.report`),
 while the call sites of the run report what they do:
 
 - the learner's parts (`learner`: weights, grads, main, moments, reference resident or not):

@@ -13,9 +13,9 @@ def main(base: str, run_dir: str) -> None:
 
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader, read_config
-    from megatron_gspo.megatron import checkpoint_io as cio
+    from megatron_gspo.megatron.io import checkpoint as cio
     from megatron_gspo.megatron.learner import Learner
-    from megatron_gspo.megatron.lora import LoraSettings
+    from megatron_gspo.megatron.lora.adapters import LoraSettings
     from megatron_gspo.megatron.optimizer import OptimSettings
     from megatron_gspo.megatron.parallel import shutdown
     from megatron_gspo.run.checkpoint import Checkpointer

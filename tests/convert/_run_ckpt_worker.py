@@ -41,7 +41,7 @@ def run(hf_dirs: dict, work: str) -> None:
     from megatron_gspo.run.checkpoint import Checkpointer
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader, read_config
-    from megatron_gspo.megatron import checkpoint_io as cio
+    from megatron_gspo.megatron.io import checkpoint as cio
     from megatron_gspo.megatron.learner import Learner
     from megatron_gspo.megatron.optimizer import OptimSettings
     from megatron_gspo.megatron.parallel import ParallelLayout, shutdown
@@ -74,6 +74,6 @@ def run(hf_dirs: dict, work: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from megatron_gspo.megatron.conversion import launch
+    from megatron_gspo.megatron.io.conversion import launch
 
     launch(run, 4, **json.loads(sys.argv[1]))

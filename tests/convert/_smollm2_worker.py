@@ -22,7 +22,7 @@ def run(hf_dir: str, refs_path: str, layouts: list, out: str) -> None:
 
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
-    from megatron_gspo.megatron import checkpoint_io as cio
+    from megatron_gspo.megatron.io import checkpoint as cio
     from megatron_gspo.megatron.parallel import ParallelLayout, initialize, shutdown
     from tests.convert._convert_worker import _forward_logits
 
@@ -54,7 +54,7 @@ def run(hf_dir: str, refs_path: str, layouts: list, out: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from megatron_gspo.megatron.conversion import launch
+    from megatron_gspo.megatron.io.conversion import launch
 
     args = json.loads(sys.argv[1])
     world = int(args.pop("world"))

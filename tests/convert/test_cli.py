@@ -171,7 +171,7 @@ def test_exit_code_of_the_process(tmp_path):
 
 def test_unwritable_out_is_refused_before_anything_is_loaded(tiny_hf, tmp_path, capsys,
                                                              monkeypatch):
-    from megatron_gspo.megatron import conversion
+    from megatron_gspo.megatron.io import conversion
 
     def refuse(*_a, **_k):
         raise AssertionError("the conversion started before --out was checked")

@@ -38,7 +38,7 @@ def _cli(*argv, timeout=300):
                                          (["--tp", "2"], "--tp")])
 def test_layout_is_checked_before_any_process_starts(tmp_path, capsys, monkeypatch, flags,
                                                      named):
-    from megatron_gspo.megatron import conversion as conv
+    from megatron_gspo.megatron.io import conversion as conv
 
     hf = tmp_path / "kv1"
     make_tiny_model(ARCH, hf, num_key_value_heads=1)  # 4 layers, one KV head

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_gspo.convert.base import ConversionError
 from megatron_gspo.convert.guards import compare_configs
-from megatron_gspo.megatron import conversion as conv
+from megatron_gspo.megatron.io import conversion as conv
 from tests.convert.tiny_families import FAMILIES, make_family_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from convert_checkpoint import main  # noqa: E402
 
 from megatron_gspo.convert.base import ConversionError  # noqa: E402
-from megatron_gspo.megatron import conversion as conv  # noqa: E402
+from megatron_gspo.megatron.io import conversion as conv  # noqa: E402
 
 ARCH = "Qwen3ForCausalLM"
 

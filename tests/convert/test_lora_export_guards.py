@@ -97,8 +97,8 @@ def test_a_base_with_other_weights_is_refused(lora_run, tmp_path, capsys):
 
     # lora.json of an older version (no fingerprint): the recorded base directory's weights
     # are compared
-    from megatron_gspo.megatron import lora_export
-    from megatron_gspo.megatron.lora_io import base_mismatch, read_adapter_info
+    from megatron_gspo.megatron.io import lora_to_peft as lora_export
+    from megatron_gspo.megatron.lora.io import base_mismatch, read_adapter_info
 
     info = read_adapter_info(run / STEP / "model")
     info.pop("base_fingerprint")

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import pytest
 
 from megatron_gspo.cli import convert as cli_convert
-from megatron_gspo.megatron import conversion as conv
+from megatron_gspo.megatron.io import conversion as conv
 
 
 @pytest.fixture

@@ -117,7 +117,7 @@ def test_damaged_or_incomplete_run_checkpoint_is_refused(runs, tmp_path, capsys)
 def test_run_checkpoint_config_sources_and_checks(runs, tiny_hf, tmp_path, capsys):
     from megatron_gspo.convert.base import ConversionError
     from megatron_gspo.convert.sources import MODEL_INFO
-    from megatron_gspo.megatron import conversion as conv
+    from megatron_gspo.megatron.io import conversion as conv
 
     arch = CASES["tied_tp2_pp2"][0]
     run = tmp_path / "run"

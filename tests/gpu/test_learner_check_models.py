@@ -5,7 +5,7 @@ dense comparison)."""
 from __future__ import annotations
 
 import megatron_gspo.megatron.learner as learner_mod
-import megatron_gspo.megatron.model as model_mod
+import megatron_gspo.megatron.models.builder as model_mod
 import tests.megatron._gpu_extra as _gpu_extra
 import tests.megatron._workers as workers
 

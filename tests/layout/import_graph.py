@@ -77,6 +77,54 @@ def unit_of(module: str) -> str:
     return parts[1]
 
 
+# Inside megatron/: the base modules at the top of the folder, then the sub-packages, then the
+# learner's modules at the top (learner, learner_state, step, ...: every other top module). A
+# sub-unit imports only lower ones; siblings never import each other.
+MEGATRON_BASE = ("compat", "fallbacks", "cpu", "parallel")
+MEGATRON_RANKS = {"base": 0, "models": 1, "lora": 2, "memory": 2, "moe": 2, "io": 3, "learner": 4}
+MEGATRON_SUBPACKAGES = ("models", "lora", "memory", "moe", "io")
+
+
+def megatron_unit(module: str) -> str | None:
+    """The sub-unit of megatron/ a module belongs to (None outside megatron/):
+    `megatron_gspo.megatron.io.export` -> `io`, `...megatron.parallel` -> `base`,
+    `...megatron.learner` -> `learner`."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] != "megatron":
+        return None
+    if parts[2] in MEGATRON_SUBPACKAGES:
+        return parts[2]
+    return "base" if parts[2] in MEGATRON_BASE else "learner"
+
+
+def megatron_upward_imports(g: dict[str, set[str]],
+                            ranks: dict[str, int] = MEGATRON_RANKS) -> list[str]:
+    """Every import inside megatron/ of a sub-unit of the same or a higher rank."""
+    bad = []
+    for src, dsts in g.items():
+        us = megatron_unit(src)
+        for dst in sorted(dsts):
+            ud = megatron_unit(dst)
+            if us is None or ud is None or ud == us:
+                continue
+            if ranks[ud] >= ranks[us]:
+                bad.append(f"{src} ({us}, rank {ranks[us]}) -> {dst} ({ud}, rank {ranks[ud]})")
+    return bad
+
+
+def package_units(g: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph with every sub-package of a top-level package collapsed to one node
+    (`megatron_gspo.megatron.io.export` -> `megatron_gspo.megatron.io`; a plain module such as
+    `megatron_gspo.megatron.learner` stays itself): its circles are circles between
+    sub-packages, which the module graph can miss (a -> b.x, b.y -> a.z)."""
+    def unit(m: str) -> str:
+        return ".".join(m.split(".")[:3])
+    out: dict[str, set[str]] = {}
+    for src, dsts in g.items():
+        out.setdefault(unit(src), set()).update(unit(d) for d in dsts if unit(d) != unit(src))
+    return out
+
+
 def upward_imports(g: dict[str, set[str]], ranks: dict[str, int] = RANKS) -> list[str]:
     """Every import of a unit of the same or a higher rank (or of a unit with no rank)."""
     bad = []

@@ -8,11 +8,16 @@ from __future__ import annotations
 import pytest
 
 from tests.layout.import_graph import (
+    MEGATRON_BASE,
+    MEGATRON_SUBPACKAGES,
     PKG,
     RANKS,
     cycles,
     external_imports,
     graph,
+    megatron_unit,
+    megatron_upward_imports,
+    package_units,
     unit_of,
     upward_imports,
 )
@@ -48,6 +53,48 @@ def test_checks_catch_a_circle_and_an_upward_import():
     assert cycles(chain) == [["a", "b", "c"]]
 
 
+def test_no_circle_between_sub_packages(g):
+    assert cycles(package_units(g)) == []
+
+
+def test_megatron_sub_packages_import_only_lower_ones(g):
+    assert megatron_upward_imports(g) == []
+    top = {p.stem for p in (PKG / "megatron").glob("*.py")} - {"__init__", "__main__"}
+    assert set(MEGATRON_BASE) <= top
+    assert {p.name for p in (PKG / "megatron").iterdir()
+            if (p / "__init__.py").is_file()} == set(MEGATRON_SUBPACKAGES)
+
+
+def test_sub_package_checks_catch_a_circle_and_an_upward_import():
+    # two modules with no module-level circle, whose sub-packages import each other
+    g = {"megatron_gspo.megatron.io.export": {"megatron_gspo.megatron.lora.adapters"},
+         "megatron_gspo.megatron.lora.adapters": {"megatron_gspo.megatron.io.weights"},
+         "megatron_gspo.megatron.io.weights": set()}
+    assert cycles(g) == []
+    assert cycles(package_units(g)) == [["megatron_gspo.megatron.io",
+                                         "megatron_gspo.megatron.lora"]]
+    assert len(megatron_upward_imports(g)) == 1  # lora (rank 2) -> io (rank 3)
+    assert megatron_unit("megatron_gspo.megatron.parallel") == "base"
+    assert megatron_unit("megatron_gspo.megatron.learner") == "learner"
+    assert megatron_unit("megatron_gspo.loop.train") is None
+    up = {"megatron_gspo.megatron.compat": {"megatron_gspo.megatron.models.builder"}}
+    assert megatron_upward_imports(up)  # a base module importing a sub-package
+
+
+def test_old_megatron_paths_name_the_new_ones():
+    import importlib
+
+    from megatron_gspo.megatron import MOVED
+    for old, new in MOVED.items():
+        with pytest.raises(ImportError, match=f"moved to megatron_gspo.megatron.{new}"):
+            importlib.import_module(f"megatron_gspo.megatron.{old}")
+        assert (PKG / "megatron" / (new.replace(".", "/") + ".py")).is_file()
+    with pytest.raises(ImportError, match="moved to megatron_gspo.megatron.lora.adapters"):
+        from megatron_gspo.megatron.lora import LoraSettings  # noqa: F401
+    with pytest.raises(ImportError, match="moved to megatron_gspo.loop.stale_audit"):
+        importlib.import_module("megatron_gspo.rollout.asynchronous.audit")
+
+
 def test_megatron_core_only_under_megatron():
     bad = []
     for p in PKG.rglob("*.py"):
@@ -70,7 +117,10 @@ def test_algo_is_pure_torch():
 
 
 def test_no_package_module_imports_an_old_path(g):
-    old = {"megatron_gspo.rollout.standin_server", "megatron_gspo.rollout.standin_router"}
+    from megatron_gspo.megatron import MOVED
+    old = {"megatron_gspo.rollout.standin_server", "megatron_gspo.rollout.standin_router",
+           "megatron_gspo.rollout.asynchronous.audit"}
+    old |= {f"megatron_gspo.megatron.{m}" for m in MOVED}
     assert [m for m, ds in g.items() if ds & old] == []
 
 

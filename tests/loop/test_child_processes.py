@@ -108,7 +108,7 @@ def test_checkpoint_queue_server_dies_with_os_exit(tmp_path):
     tag = uuid.uuid4().hex
     code = ("import os\n"
             "from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa\n"
-            "from megatron_gspo.megatron.child_procs import install_checkpoint_results_queue\n"
+            "from megatron_gspo.megatron.io.child_procs import install_checkpoint_results_queue\n"
             "assert install_checkpoint_results_queue()\n"
             "q = fsa._get_write_results_queue()\n"
             "q.put(1); assert q.get() == 1\n"
@@ -129,7 +129,7 @@ def test_processes_forked_by_the_trainer_die_with_it():
     `tie_forked_children()` a forked child is killed with its parent (kill -9 included)."""
     tag = uuid.uuid4().hex
     code = ("import multiprocessing as mp, time\n"
-            "from megatron_gspo.megatron.child_procs import tie_forked_children\n"
+            "from megatron_gspo.megatron.io.child_procs import tie_forked_children\n"
             "tie_forked_children()\n"
             "q = mp.get_context('fork').JoinableQueue()\n"
             "def work(q):\n"

@@ -112,7 +112,7 @@ def _checkpoint(tmp_path: Path, source: Path, dtype="bfloat16", lora=None) -> Pa
     """A run checkpoint's model/ records as the learner writes them (no tensors needed)."""
     from megatron_gspo.convert.hf_io import read_config
     from megatron_gspo.convert.sources import write_model_info
-    from megatron_gspo.megatron.lora_io import write_adapter_info
+    from megatron_gspo.megatron.lora.io import write_adapter_info
 
     step = tmp_path / "checkpoints" / "step_00000002"
     (step / "model").mkdir(parents=True)
@@ -145,7 +145,7 @@ CASES = {
 def test_resume_refuses_what_the_checkpoint_does_not_record(models, tmp_path, case):
     from megatron_gspo.convert.hf_io import read_config
     from megatron_gspo.loop.resume_checks import check_resume
-    from megatron_gspo.megatron.lora import LoraSettings
+    from megatron_gspo.megatron.lora.adapters import LoraSettings
 
     is_lora, path, overrides, field = CASES[case]
     step = _checkpoint(tmp_path, models["a"], lora=LoraSettings(

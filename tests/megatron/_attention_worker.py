@@ -13,7 +13,8 @@ def main() -> None:
     from megatron_gspo.megatron import parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_gspo.megatron.local_layers import PackedDotProductAttention, block_causal_mask
+    from megatron_gspo.megatron.models.local_layers import (PackedDotProductAttention,
+                                                             block_causal_mask)
 
     parallel.initialize(parallel.ParallelLayout())
     from megatron.core.packed_seq_params import PackedSeqParams

@@ -41,7 +41,7 @@ def _learner(hf, mode="none", lr=1e-3):
 def _load_hf(learner, hf_dir):
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
-    from megatron_gspo.megatron import checkpoint_io as cio
+    from megatron_gspo.megatron.io import checkpoint as cio
 
     reader = HFCheckpointReader(hf_dir)
     cfg = cio.normalize_hf_config(reader.config)
@@ -72,7 +72,7 @@ def _lp_err(learner, samples) -> float:
 
 
 def _sync(learner, engine, cfg, version):
-    from megatron_gspo.megatron.export import export_hf_weights
+    from megatron_gspo.megatron.io.export import export_hf_weights
 
     return engine.load_buckets(export_hf_weights(learner.model, cfg, bucket_bytes=1 << 20),
                                version)
@@ -231,7 +231,8 @@ def case_par(arch: str, outdir: Path, chk: Checker, info: dict):
                "pp2": PL(pipeline=2)}
     if moe:
         layouts["ep2"] = PL(expert=2, expert_tensor=1)
-    from megatron_gspo.megatron import compat, deepseek_v3
+    from megatron_gspo.megatron import compat
+    from megatron_gspo.megatron.models import deepseek_v3
 
     if arch == "DeepseekV3ForCausalLM" and compat.refusal("mla_tensor_parallel"):
         # MLA under TP: refused for training (one line) on this Megatron-Core; and the reason

@@ -38,7 +38,7 @@ MODELS = {"dense": DENSE, "moe": MOE}
 def _learner(model, layout=None, *, targets=None, loss=None, reference=False, seed=7,
              lora=True, dtype=torch.float32, distopt=False):
     from megatron_gspo.megatron.learner import BatchSettings, Learner
-    from megatron_gspo.megatron.lora import LoraSettings
+    from megatron_gspo.megatron.lora.adapters import LoraSettings
     from megatron_gspo.megatron.optimizer import OptimSettings
     from megatron_gspo.megatron.step import LossSettings
 
@@ -83,7 +83,7 @@ def _flat(lps):
 
 def _module_check(chk: Checker, L, tag: str):
     """Each adapted layer (first layer / first expert) vs float64: output, dA, dB, dx."""
-    from megatron_gspo.megatron import lora
+    from megatron_gspo.megatron.lora import adapters as lora
 
     g = torch.Generator().manual_seed(11)
     kinds = set()
@@ -118,8 +118,8 @@ def _module_check(chk: Checker, L, tag: str):
 
 def _memory_check(chk: Checker, L, model: str, info: dict):
     """The memory plan's LoRA terms equal the live learner's buffers and adapter count."""
-    from megatron_gspo.megatron import lora
-    from megatron_gspo.megatron import memory_plan as mp
+    from megatron_gspo.megatron.lora import adapters as lora
+    from megatron_gspo.megatron.memory import plan as mp
 
     dims = mp.dims_from_hf(MODELS[model])
     plan = mp.learner_bytes(dims, param_bytes=4, lora=(4, TARGETS[model]))
@@ -201,7 +201,7 @@ def _hf_logprobs(hf, samples) -> list[list[float]]:
 
 
 def _export(L, **kw) -> dict:
-    from megatron_gspo.megatron.export import export_hf_weights
+    from megatron_gspo.megatron.io.export import export_hf_weights
 
     return {n: t.clone() for b in export_hf_weights(L.chunks, DENSE, bucket_bytes=1 << 30, **kw)
             for n, t in b}
@@ -283,7 +283,7 @@ def _checkpoint_check(chk: Checker, samples, outdir: Path, info: dict):
     base_keys = [k for k in keys if k.endswith(".weight") or "embedding" in k]
     if base_keys or not any("lora_a" in k for k in keys):
         chk.failures.append(f"LoRA checkpoint keys: base {base_keys[:3]}, all {sorted(keys)[:3]}")
-    from megatron_gspo.megatron import checkpoint_io
+    from megatron_gspo.megatron.io import checkpoint as checkpoint_io
 
     B = _learner("dense", lora=False, seed=78)  # a base Megatron checkpoint (model.load_checkpoint)
     B.load_full_state_dict(base)
@@ -309,9 +309,9 @@ def _peft_check(chk: Checker, L, samples, outdir: Path, info: dict):
     from peft import PeftModel
 
     from megatron_gspo.convert.registry import get_adapter
-    from megatron_gspo.megatron import lora
-    from megatron_gspo.megatron.checkpoint_io import normalize_hf_config
-    from megatron_gspo.megatron.lora_io import write_peft_adapter
+    from megatron_gspo.megatron.lora import adapters as lora
+    from megatron_gspo.megatron.io.checkpoint import normalize_hf_config
+    from megatron_gspo.megatron.lora.io import write_peft_adapter
 
     dims = get_adapter(DENSE).dims(normalize_hf_config(DENSE))
     out = write_peft_adapter(outdir / "peft", _adapters(L.full_state_dict()), dims, L.lora, None)

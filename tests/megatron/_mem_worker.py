@@ -45,7 +45,7 @@ def _unique_bytes(tensors, skip=()) -> int:
 
 def measured(L) -> dict:
     """Bytes of this rank's learner storages, by part."""
-    from megatron_gspo.megatron.offload import grad_buffers, optimizer_tensors
+    from megatron_gspo.megatron.memory.offload import grad_buffers, optimizer_tensors
 
     weights = [p for m in L.chunks for p in m.parameters()]
     wptrs = {p.untyped_storage().data_ptr() for p in weights}
@@ -59,7 +59,7 @@ def measured(L) -> dict:
 def case_bytes(outdir: Path, failures: list, info: dict):
     from megatron.core import parallel_state as ps
 
-    from megatron_gspo.megatron import memory_plan as mp
+    from megatron_gspo.megatron.memory import plan as mp
     from megatron_gspo.megatron.learner import BatchSettings, Learner
     from megatron_gspo.megatron.optimizer import OptimSettings
     from megatron_gspo.megatron.parallel import ParallelLayout as PL
@@ -104,7 +104,7 @@ def case_bytes(outdir: Path, failures: list, info: dict):
 
 def case_act(outdir: Path, failures: list, info: dict):
     from megatron_gspo.data.sample import Sample
-    from megatron_gspo.megatron import memory_plan as mp
+    from megatron_gspo.megatron.memory import plan as mp
     from megatron_gspo.megatron.learner import BatchSettings, Learner
 
     g = torch.Generator().manual_seed(0)
@@ -135,7 +135,7 @@ def case_act(outdir: Path, failures: list, info: dict):
 
 
 def _storages_empty(L) -> list[str]:
-    from megatron_gspo.megatron.offload import grad_buffers, optimizer_tensors
+    from megatron_gspo.megatron.memory.offload import grad_buffers, optimizer_tensors
 
     main, state = optimizer_tensors(L.optimizer)
     groups = {"weights": [p for m in L.chunks for p in m.parameters()],
@@ -169,7 +169,7 @@ def _off_layout(outdir: Path, failures: list, info: dict, name: str, lay, distop
         return L
 
     def outside_step(L):  # pp2: main weights + moments away during forward/backward too
-        from megatron_gspo.megatron.offload import optimizer_tensors
+        from megatron_gspo.megatron.memory.offload import optimizer_tensors
 
         L.offload_outside_step = True
         orig = L.forward_backward

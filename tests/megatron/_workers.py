@@ -366,7 +366,7 @@ def case_gpu(outdir: Path, chk: Checker, info: dict):
     """One GPU, NCCL: the local spec against the CPU reference (TF32 off), then the TE spec
     (THD packed attention) in bf16 against the same reference with a loose tolerance."""
     from megatron_gspo.megatron.learner import Learner
-    from megatron_gspo.megatron.model import te_available
+    from megatron_gspo.megatron.models.builder import te_available
     from megatron_gspo.megatron.optimizer import OptimSettings
 
     torch.backends.cuda.matmul.allow_tf32 = False

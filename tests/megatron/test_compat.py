@@ -110,7 +110,7 @@ def test_a_refusal_kept_names_a_line_still_in_the_installed_source(name):
 
 
 def test_layout_refusals_are_one_line_and_name_the_release():
-    from megatron_gspo.megatron import deepseek_v3
+    from megatron_gspo.megatron.models import deepseek_v3
     from megatron_gspo.megatron.parallel import ParallelLayout, ParallelLayoutError, check_layout
     from tests.convert.tiny_families import DEEPSEEK_V3, GPT_OSS
 

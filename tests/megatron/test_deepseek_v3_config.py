@@ -9,9 +9,9 @@ import torch
 
 from megatron_gspo.convert import get_adapter
 from megatron_gspo.convert.base import from_te_name, num_routed_experts
-from megatron_gspo.megatron.export import bucketize
-from megatron_gspo.megatron.model import ModelConfigError, build_model_config
-from megatron_gspo.megatron.routing_exchange import all_layer_rows, moe_layer_indices
+from megatron_gspo.megatron.io.export import bucketize
+from megatron_gspo.megatron.models.builder import ModelConfigError, build_model_config
+from megatron_gspo.megatron.moe.routing_exchange import all_layer_rows, moe_layer_indices
 from tests.convert.tiny_families import DEEPSEEK_V3
 
 

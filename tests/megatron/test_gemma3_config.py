@@ -8,7 +8,7 @@ import torch
 
 from megatron_gspo.convert import get_adapter
 from megatron_gspo.convert.base import ConversionError
-from megatron_gspo.megatron.model import ModelConfigError, build_model_config
+from megatron_gspo.megatron.models.builder import ModelConfigError, build_model_config
 from tests.convert.tiny_families import GEMMA3
 
 
@@ -56,7 +56,7 @@ def test_packed_attention_window_keeps_segments_apart():
     """Two packed segments through the segment path with a window of 3 (left=2) equal each
     segment attended alone with the band mask; Megatron-Core's own torch softmax would replace
     the block mask by the window mask and let the second segment see the first."""
-    from megatron_gspo.megatron.local_layers import PackedDotProductAttention, _segment_plan
+    from megatron_gspo.megatron.models.local_layers import PackedDotProductAttention, _segment_plan
 
     class Stub:
         softmax_scale, layer_number, softmax_offset = 0.5, 1, None

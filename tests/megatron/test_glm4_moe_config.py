@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_gspo.convert import get_adapter
-from megatron_gspo.megatron.model import ModelConfigError, build_model_config
+from megatron_gspo.megatron.models.builder import ModelConfigError, build_model_config
 from tests.convert.tiny_families import GLM4_MOE
 
 

@@ -11,7 +11,7 @@ import torch
 
 from megatron_gspo.convert import get_adapter
 from megatron_gspo.convert.base import ConversionError, to_hf_tensors, to_mcore_tensor
-from megatron_gspo.megatron.model import ModelConfigError, build_model_config
+from megatron_gspo.megatron.models.builder import ModelConfigError, build_model_config
 from megatron_gspo.megatron.parallel import ParallelLayout, ParallelLayoutError, check_layout
 from tests.convert.tiny_families import GPT_OSS
 

@@ -1,4 +1,5 @@
-"""LoRA on the Megatron learner (`megatron_gspo/megatron/lora.py`): the single-process checks
+"""LoRA on the Megatron learner (`megatron_gspo/megatron/lora/adapters.py`): the single-process
+checks
 (float64 layer reference, base identity at B = 0, merged-model equivalence and chain-rule
 gradients, GSPO / GSPO-token steps that move only the adapters, partial weight sync, KL to the
 adapters-off base, adapter-only checkpoints with bit-identical resume, the PEFT export loaded
@@ -64,7 +65,7 @@ def test_lora_refuses_te_grouped_gemm_experts_with_its_reason():
     "matches no layer". A stand-in module tree with upstream's names (TE needs CUDA)."""
     import torch
 
-    from megatron_gspo.megatron.lora import LoraError, LoraSettings, attach, target_of
+    from megatron_gspo.megatron.lora.adapters import LoraError, LoraSettings, attach, target_of
 
     class GroupedLinear(torch.nn.Module):  # TEGroupedLinear: weight0..weight{E-1}, no .weight
         def __init__(self):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.megatron import memory_plan as mp, memory_report as mr
+from megatron_gspo.megatron.memory import plan as mp
+from megatron_gspo.megatron.memory import report as mr
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ROOT / "examples" / "qwen3_gpu" / "shapes"

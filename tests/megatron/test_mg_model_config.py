@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gspo.megatron.model import (SUPPORTED_ARCHITECTURES, ModelConfigError,
+from megatron_gspo.megatron.models.builder import (SUPPORTED_ARCHITECTURES, ModelConfigError,
                                           build_model_config, padded_vocab_size)
 from megatron_gspo.megatron.parallel import ParallelLayout, ParallelLayoutError, check_layout
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CODE = r"""
 import json, torch
-import megatron_gspo.megatron.model  # the model builder: every learner and converter uses it
+import megatron_gspo.megatron.models.builder  # the builder: every learner and converter uses it
 from megatron.core.transformer.moe import moe_utils
 from megatron_gspo.megatron import cpu
 inp, w = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)

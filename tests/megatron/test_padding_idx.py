@@ -1,4 +1,4 @@
-"""transformers' `padding_idx` on Megatron-Core's word embedding (`megatron/padding_idx.py`):
+"""transformers' `padding_idx` on Megatron-Core's word embedding (`megatron/models/padding_idx.py`):
 the embedding gradient of the same tokens, with the pad token inside the sequence, equals
 transformers' with untied (Qwen3) and tied (Qwen2) embeddings; without the hook the pad row's
 gradient is about 1,000 times the largest of transformers' (the first RMSNorm of the zero pad
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_gspo.megatron.padding_idx import keep_pad_row_frozen, pad_id_of
+from megatron_gspo.megatron.models.padding_idx import keep_pad_row_frozen, pad_id_of
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -137,7 +137,7 @@ def _replay_equals_live(chk: Checker, tag: str, hf, layout, full, samples, recom
 def case_one(outdir: Path, chk: Checker, info: dict):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from megatron_gspo.megatron.router_replay import RoutingReplayError
+    from megatron_gspo.megatron.moe.router_replay import RoutingReplayError
 
     samples = make_samples()
     base = _learner(MOE_PRE)
@@ -301,7 +301,7 @@ def case_engine(outdir: Path, chk: Checker, info: dict):
 
     from megatron_gspo.convert.hf_io import HFCheckpointReader
     from megatron_gspo.convert.registry import get_adapter
-    from megatron_gspo.megatron import checkpoint_io
+    from megatron_gspo.megatron.io import checkpoint as checkpoint_io
     from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
     from megatron_gspo.rollout.embedded import EmbeddedEngine, RoutingCapture, moe_routers
 

@@ -28,7 +28,7 @@ def test_base_model_files_and_accuracy():
     cfg = json.loads((BASE / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
     assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["num_hidden_layers"]) == (8, 2, 2)
-    from megatron_gspo.megatron.model import build_model_config
+    from megatron_gspo.megatron.models.builder import build_model_config
 
     mc = build_model_config(cfg, use_te=False)
     assert (mc.num_moe_experts, mc.moe_router_topk, mc.moe_router_pre_softmax) == (8, 2, True)

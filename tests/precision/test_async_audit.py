@@ -1,5 +1,5 @@
 """pi_old and the split precision audit of a batch mixing current-version and stale samples
-(`phases.old_logprobs` in `rollout.mode: async`, `megatron_gspo/rollout/asynchronous/audit.py`)."""
+(`phases.old_logprobs` in `rollout.mode: async`, `megatron_gspo/loop/stale_audit.py`)."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def test_memory_order_and_live_bucket_bytes(result):
 def test_learner_offloaded_while_servers_generate(result):
     """rollout.offload_learner (on by default here): after every sync the learner's weights,
     gradient buffer and Adam moments are off the device, the bytes the memory plan predicts."""
-    from megatron_gspo.megatron import memory_plan as mp
+    from megatron_gspo.megatron.memory import plan as mp
 
     run = Path(result["run_dir"])
     hf = json.loads((run.parent / "model" / "config.json").read_text())

@@ -258,7 +258,7 @@ def colocated_sync(
 
 
 # ----------------------------------------------------------------------------- learner offload
-# `rollout.offload_learner` (megatron.offload): the learner's optimizer state leaves the GPUs
+# `rollout.offload_learner` (megatron.memory.offload): the learner's optimizer state leaves the GPUs
 # before the servers resume their weights, its weights once the stream is sent (before the KV
 # cache comes back), and everything returns after the rollout released the servers.
 STATE_PARTS = ("grads", "main", "moments", "reference")

@@ -34,7 +34,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_gspo.megatron.compat import submodules
-from megatron_gspo.megatron.gemma_layers import (
+from megatron_gspo.megatron.models.gemma_layers import (
     DualRopeSelfAttention,
     GemmaRMSNorm,
     PostNormRowParallelLinear,

@@ -1,4 +1,4 @@
-"""`convert lora-to-peft`: a LoRA run checkpoint (adapters only, `megatron.lora_io`) plus its
+"""`convert lora-to-peft`: a LoRA run checkpoint (adapters only, `megatron.lora.io`) plus its
 Hugging Face base -> a PEFT adapter directory and, optionally, a merged Hugging Face model.
 
 One process: the base is built at TP = PP = EP = 1 on the CPU (or the current GPU), its weights
@@ -34,7 +34,7 @@ def check_lora_to_peft(ckpt: str, base: str | None, out: str, merged: str | None
     from megatron_gspo.convert.guards import check_out_disjoint
     from megatron_gspo.convert.hf_io import read_config
     from megatron_gspo.convert.sources import resolve_checkpoint
-    from megatron_gspo.megatron.lora_io import base_mismatch, read_adapter_info
+    from megatron_gspo.megatron.lora.io import base_mismatch, read_adapter_info
 
     src = resolve_checkpoint(ckpt)
     info = read_adapter_info(src.dist_dir)
@@ -75,10 +75,11 @@ def lora_to_peft(ckpt: str, base: str, info: dict, hf_config: dict, out: str | N
     from megatron_gspo.convert.hf_io import (HFCheckpointReader, commit_output_dir,
                                              prepare_output_dir, save_hf_checkpoint)
     from megatron_gspo.convert.registry import get_adapter
-    from megatron_gspo.megatron import checkpoint_io as cio
-    from megatron_gspo.megatron import lora, weights
-    from megatron_gspo.megatron.export import export_hf_weights
-    from megatron_gspo.megatron.lora_io import write_peft_adapter
+    from megatron_gspo.megatron.io import checkpoint as cio
+    from megatron_gspo.megatron.lora import adapters as lora
+    from megatron_gspo.megatron.models import weights
+    from megatron_gspo.megatron.io.export import export_hf_weights
+    from megatron_gspo.megatron.lora.io import write_peft_adapter
     from megatron_gspo.megatron.parallel import ParallelLayout, initialize, shutdown
 
     cfg = cio.normalize_hf_config(hf_config)

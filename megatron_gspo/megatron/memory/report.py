@@ -1,5 +1,5 @@
 """The memory plan of a run config: `megatron-gspo plan CONFIG`, and the trainer's check at
-start on a GPU (arithmetic in `megatron.memory_plan`).
+start on a GPU (arithmetic in `megatron.memory.plan`).
 
     megatron-gspo plan CONFIG [a.b=c ...] [--gpu-memory 80GiB] [--gpus-per-node 8] [--nodes 1]
 """
@@ -10,8 +10,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from megatron_gspo.megatron import memory_plan as mp
-from megatron_gspo.megatron.memory_plan import GiB, Plan
+from megatron_gspo.megatron.memory import plan as mp
+from megatron_gspo.megatron.memory.plan import GiB, Plan
 
 # Fixed allowances (not measured here): CUDA contexts of the learner and the server process,
 # NCCL buffers and allocator slack on every GPU; SGLang's CUDA graphs and its forward
@@ -67,7 +67,7 @@ def offload_learner_enabled(cfg) -> bool:
 def inputs_from_config(cfg, hf_config: dict, *, gpu_bytes: int, gpus_per_node: int,
                        nodes: int = 1, world: int | None = None) -> PlanInputs:
     """`PlanInputs` of a run config on `nodes` x `gpus_per_node` GPUs of `gpu_bytes` each."""
-    from megatron_gspo.megatron.model import VOCAB_PAD_MULTIPLE  # the model's vocabulary padding
+    from megatron_gspo.megatron.models.builder import VOCAB_PAD_MULTIPLE  # vocabulary padding
 
     p, r = cfg.parallel, cfg.rollout
     colocated = r.engine == "sglang" and r.colocate
@@ -105,7 +105,7 @@ def _worst_learner(x: PlanInputs) -> mp.LearnerBytes:
 
 
 def build_plan(x: PlanInputs) -> Plan:
-    """Rows and moments of one GPU for `x` (see `megatron.memory_plan`)."""
+    """Rows and moments of one GPU for `x` (see `megatron.memory.plan`)."""
     if x.world % (x.tp * x.pp * x.cp):
         raise ValueError(f"{x.world} GPUs do not split into TP {x.tp} x PP {x.pp} x CP {x.cp}")
     d = x.dims
@@ -210,8 +210,8 @@ def _room_moments(plan: Plan, x: PlanInputs, gen: list[str], at_launch: list[str
 
 
 def pinned_host_bytes(x: PlanInputs) -> int:
-    """Pinned host memory of one rank's offloaded learner (`megatron.offload`): one host buffer
-    per offloaded storage (the weight buffer, each main-weight shard and each Adam moment
+    """Pinned host memory of one rank's offloaded learner (`megatron.memory.offload`): one host
+    buffer per offloaded storage (the weight buffer, each main-weight shard and each Adam moment
     tensor), each rounded up to a power of two by torch's CachingHostAllocator
     (aten/src/ATen/core/CachingHostAllocator.h); gradients are dropped, not copied."""
     if not (x.offload_learner or x.offload_outside_step):

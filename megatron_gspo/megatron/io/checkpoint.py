@@ -101,7 +101,7 @@ def model_param_entries(
     named += [(n, b) for n, b in model.named_buffers() if n.endswith(_BUFFER_WEIGHTS)]
     for local, p in named:
         if local.endswith((".lora_a", ".lora_b")):
-            continue  # LoRA factors (megatron.lora): exported merged into their weight
+            continue  # LoRA factors (megatron.lora.adapters): exported merged into their weight
         name = from_te_name(local)
         li = layer_index(name)
         if li is not None:
@@ -228,7 +228,7 @@ def _sharded_state_dict(models: list[torch.nn.Module]) -> dict:
         m = unwrap(m)
         sd = m.sharded_state_dict()
         moe_norm_keys_as_te(sd, m)
-        # LoRA factors (megatron.lora) are not part of a base checkpoint
+        # LoRA factors (megatron.lora.adapters) are not part of a base checkpoint
         sd = {k: v for k, v in sd.items() if not k.endswith((".lora_a", ".lora_b"))}
         out["model" if len(models) == 1 else f"model{i}"] = sd
     return out
@@ -262,7 +262,7 @@ def save_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_gspo.megatron.child_procs import install_checkpoint_results_queue
+    from megatron_gspo.megatron.io.child_procs import install_checkpoint_results_queue
 
     out = Path(ckpt_dir)
     if out.exists() and not force:
@@ -335,7 +335,7 @@ def build_rank_models(
     """
     from megatron.core import parallel_state as ps
 
-    from megatron_gspo.megatron.model import build_gpt_model, build_model_config
+    from megatron_gspo.megatron.models.builder import build_gpt_model, build_model_config
 
     cfg = normalize_hf_config(hf_config)
     # dense configs must not keep the allgather default, which rejects variable_seq_lengths

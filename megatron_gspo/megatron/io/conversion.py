@@ -136,7 +136,7 @@ def hf_to_mcore(
         force: replace `out` if it exists.
         progress: show a progress bar on rank 0.
     """
-    from megatron_gspo.megatron import checkpoint_io as cio
+    from megatron_gspo.megatron.io import checkpoint as cio
     from megatron_gspo.megatron.parallel import initialize, shutdown
 
     reader = HFCheckpointReader(hf_dir)
@@ -217,7 +217,7 @@ def check_mcore_to_hf(ckpt: str, hf_config_dir: str | None, out: str, force: boo
     if Path(out).exists() and not force:
         raise ConversionError(f"output directory {out} exists (pass --force to overwrite)")
     adapter = get_adapter(cfg)
-    from megatron_gspo.megatron.checkpoint_io import normalize_hf_config
+    from megatron_gspo.megatron.io.checkpoint import normalize_hf_config
 
     adapter.dims(normalize_hf_config(cfg))
     check_conversion_layout(*layout, cfg)
@@ -279,8 +279,8 @@ def mcore_to_hf(
         force: replace `out` if it exists.
         progress: progress bar on rank 0.
     """
-    from megatron_gspo.megatron import checkpoint_io as cio
-    from megatron_gspo.megatron.export import export_hf_weights
+    from megatron_gspo.megatron.io import checkpoint as cio
+    from megatron_gspo.megatron.io.export import export_hf_weights
     from megatron_gspo.megatron.parallel import initialize, shutdown
 
     cfg = cio.normalize_hf_config(hf_config)

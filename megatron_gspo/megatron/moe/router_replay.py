@@ -42,7 +42,7 @@ import torch.distributed as dist
 from megatron_gspo.convert.base import num_routed_experts
 from megatron_gspo.data.batch import MicroBatch, cp_local_index
 from megatron_gspo.megatron.compat import sorted_topk_indices
-from megatron_gspo.megatron.routing_exchange import (
+from megatron_gspo.megatron.moe.routing_exchange import (
     all_layer_rows,
     exchange_rows,
     moe_layer_indices,

@@ -45,7 +45,6 @@ The vocabulary is padded to `padded_vocab_size(V, 128, tp)` rows, a multiple of 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Any
 
@@ -59,12 +58,16 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_gspo.megatron import deepseek_v3, gemma3, glm4_moe, gpt_oss
+from megatron_gspo.megatron.models import deepseek_v3
+from megatron_gspo.megatron.models import gemma3
+from megatron_gspo.megatron.models import glm4_moe
+from megatron_gspo.megatron.models import gpt_oss
 from megatron_gspo.megatron.compat import submodules
-from megatron_gspo.megatron.fallbacks import bind_missing_te_names
-from megatron_gspo.megatron.local_layers import PackedDotProductAttention, SequenceParallelRMSNorm
-from megatron_gspo.megatron.padding_idx import keep_pad_row_frozen, pad_id_of
-from megatron_gspo.megatron.te_conditions import te_build_problems
+from megatron_gspo.megatron.fallbacks import bind_missing_te_names, te_available
+from megatron_gspo.megatron.models.local_layers import (PackedDotProductAttention,
+                                                         SequenceParallelRMSNorm)
+from megatron_gspo.megatron.models.padding_idx import keep_pad_row_frozen, pad_id_of
+from megatron_gspo.megatron.models.te_conditions import te_build_problems
 
 bind_missing_te_names()  # the MoE router without Transformer Engine (GPU or CPU)
 
@@ -95,11 +98,6 @@ VOCAB_PAD_MULTIPLE = 128
 
 class ModelConfigError(ValueError):
     """A Hugging Face config this builder cannot express."""
-
-
-def te_available() -> bool:
-    """True when Transformer Engine is importable (never imports it)."""
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def architecture_of(hf_config: dict) -> str:

@@ -1,8 +1,8 @@
 """Full (unsharded) tensors <-> this rank's TP / PP / EP shards, in Megatron parameter naming.
 
 A "full" state dict uses the names of a TP=PP=EP=1 model (`decoder.layers.<global i>...`,
-`local_experts.<global j>`, see `megatron_gspo.megatron.model`); tensors have the full shapes
-(vocabulary padded). Sharding rules per local parameter:
+`local_experts.<global j>`, see `megatron_gspo.megatron.models.builder`); tensors have the full
+shapes (vocabulary padded). Sharding rules per local parameter:
   - the layer index is shifted by the pipeline stage's (virtual chunk's) layer offset, the
     expert index by ep_rank * experts_per_rank;
   - `tensor_model_parallel` parameters are split along `partition_dim` over the TP group (expert
@@ -110,7 +110,7 @@ def unshard_tensor(local: torch.Tensor, param, name: str, config) -> torch.Tenso
 def _offsets(chunk, vp_stage):
     from megatron.core import parallel_state as ps
 
-    from megatron_gspo.megatron.model import layer_offset
+    from megatron_gspo.megatron.models.builder import layer_offset
 
     cfg = chunk.config
     eo = 0

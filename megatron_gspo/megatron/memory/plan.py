@@ -1,7 +1,7 @@
 """Per-GPU memory plan of a colocated (or disaggregated) run, from numbers alone.
 
 What the learner holds on one rank, as megatron-core 0.16.1 lays it out (the functions below
-take sizes, not the config; `megatron_gspo.megatron.memory_report` builds the inputs from a
+take sizes, not the config; `megatron_gspo.megatron.memory.report` builds the inputs from a
 config and prints the table):
 
 - weights: the model parameters in `params_dtype`. With the distributed optimizer, DDP maps
@@ -92,7 +92,8 @@ def chunk_params(d: Dims, *, tp: int, pp: int, ep: int, etp: int, vpp: int, pp_r
                  lora: tuple[int, tuple[str, ...]] | None = None) -> list[Param]:
     """This rank's parameters of one model chunk, in module order (local or TE spec: the
     counts agree, TE fuses each norm into the next linear). `lora` = (rank, targets): every
-    weight frozen, the adapter factors of `megatron.lora` appended as the trainable ones."""
+    weight frozen, the adapter factors of `megatron.lora.adapters` appended as the trainable
+    ones."""
     n_chunks = pp * vpp
     if d.layers % n_chunks:
         raise ValueError(f"{d.layers} layers do not split over PP {pp} x VPP {vpp}")

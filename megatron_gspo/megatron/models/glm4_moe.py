@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from megatron.core.transformer import TransformerConfig
 
-from megatron_gspo.megatron import deepseek_v3
-from megatron_gspo.megatron.deepseek_v3 import DeepseekConfigError, block_spec  # noqa: F401
+from megatron_gspo.megatron.models import deepseek_v3
+from megatron_gspo.megatron.models.deepseek_v3 import DeepseekConfigError, block_spec  # noqa: F401
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
 CONFIG_CLASS = TransformerConfig

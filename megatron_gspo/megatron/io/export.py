@@ -22,12 +22,12 @@ from megatron_gspo.convert import get_adapter
 from megatron_gspo.convert.base import ConversionError, to_hf_tensors
 from megatron_gspo.convert.fused_experts import SLICE_KINDS, ExpertSlices
 from megatron_gspo.convert.sharding import expert_index, rename_indices, tp_unshard
-from megatron_gspo.megatron.checkpoint_io import (
+from megatron_gspo.megatron.io.checkpoint import (
     ParamEntry,
     model_param_entries,
     normalize_hf_config,
 )
-from megatron_gspo.megatron.lora import effective_weight, is_adapted_weight
+from megatron_gspo.megatron.lora.adapters import effective_weight, is_adapted_weight
 
 Bucket = list[tuple[str, torch.Tensor]]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_gspo.megatron.lora import LoraSettings
+from megatron_gspo.megatron.lora.adapters import LoraSettings
 
 INFO_NAME = "lora.json"
 
