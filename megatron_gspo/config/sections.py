@@ -1,9 +1,7 @@
 """The sections of the run configuration: one typed dataclass per YAML section, each field
 with its type, default and documentation (`megatron-gspo fields`). The root `Config`, its
-cross-field rules and the YAML loader are in `config/root.py`.
-
-Unknown keys, wrong types and out-of-range values fail with the dotted path of the field.
-"""
+cross-field rules and the YAML loader are in `config/root.py` (unknown keys, wrong types and
+out-of-range values fail with the dotted path of the field)."""
 
 from __future__ import annotations
 
@@ -11,11 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-
-from megatron_gspo.config.schema import (
-    option,
-)
-
+from megatron_gspo.config.schema import option
 
 LOSSES = ("gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo")
 # Default clip ranges per loss: GSPO's sequence ratios live very close to 1. CISPO: no lower
@@ -25,7 +19,6 @@ DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 
                 "sapo": (None, None), "cispo": (1.0, 0.28), "gmpo": (0.4, 0.4)}
 # Losses that take per-token advantages (turn-level agent advantages): see megatron/step.py.
 TOKEN_ADVANTAGE_LOSSES = ("gspo_token", "grpo", "sapo", "cispo")
-
 
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts")  # megatron/lora/adapters.py
 
@@ -138,10 +131,9 @@ class RolloutConfig:
         "no overlap schedule, no CUDA graphs, torch_native attention, SGLANG_USE_CPU_ENGINE=1, "
         "the no-GPU driver stub next to sglang_python's venv on LD_LIBRARY_PATH, no memory "
         "saver: memory is not released)", choices=("cuda", "cpu"))
-    verify_sync_interval: int = option(
-        0, "every this many weight syncs the engine's log-probs of a fixed probe sequence are "
-        "compared with the learner's (a sync that changed nothing fails with one error naming "
-        "it; 0: never)", ge=0)
+    verify_sync_interval: int = option(0, "every this many weight syncs the engine's log-probs "
+        "of a fixed probe sequence are compared with the learner's (a sync that changed nothing "
+        "fails with one error naming it; 0: never)", ge=0)
     max_concurrency: int = option(256, "in-flight HTTP requests per server", ge=1)
     request_timeout: float = option(600.0, "seconds before a generate request is retried", gt=0)
     max_retries: int = option(5, "retries per request on connection errors and 5xx", ge=0)
@@ -163,6 +155,14 @@ class RolloutConfig:
         None, "name of the environment variable holding SGLang's --api-key: launched servers "
         "and router get it, every request sends it as 'Authorization: Bearer'; the key itself "
         "is never written to the config, logs or metrics")
+    weight_sync_delta: str = option("off", "send only what changed since the servers' last "
+        "acknowledged sync (docs/weight-sync.md); auto: while the last sync's changed share is "
+        "below weight_sync_delta_threshold", choices=("auto", "on", "off"))
+    weight_sync_delta_threshold: float = option(0.5, "auto: changed share below which the "
+                                                "next sync is a delta", gt=0, le=1)
+    weight_sync_delta_base: str = option("copy", "copy: a CPU copy of the sent weights (deltas); "
+                                         "hash: a digest per tensor (unchanged ones are skipped)",
+                                         choices=("copy", "hash"))
     bucket_bytes: int = option(512 * 2**20, "size bound of one weight-sync bucket (a larger "
                                "tensor travels alone in its own bucket)", ge=1)
     mode: str = option("sync", "sync: generate, then train; async: a producer keeps generating "

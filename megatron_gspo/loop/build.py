@@ -319,14 +319,18 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
     routing = cfg.moe.engine_routing and is_moe(hf_config or {})
     launch = None
     if not r.server_urls:
+        if r.weight_sync_delta != "off" and colocated_on_every_node(cfg):
+            raise ConfigError("rollout.weight_sync_delta: off with servers on every node")
+        runtime = _server_runtime(r)
         launch = LaunchSpec(model_path=str(cfg.model.path), num_servers=r.num_servers,
                             tp_size=r.tp_size, host=r.host, base_port=r.base_port,
                             mem_fraction_static=r.mem_fraction, colocated=r.colocate,
                             seed=cfg.train.seed, dtype=cfg.model.dtype,
                             extra_args=tuple(r.extra_server_args) + (
-                                ("--enable-return-routed-experts",) if routing else ()),
+                                ("--enable-return-routed-experts",) if routing else ()) + (
+                                runtime.pop("extra", ())),
                             log_dir=r.server_log_dir or log_dir, api_key=api_key,
-                            module=module, **_server_runtime(r))
+                            module=module, **runtime)
         from megatron_gspo.rollout.sglang.launch import check_local_gpus
 
         try:
@@ -363,6 +367,7 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
 def _server_runtime(r) -> dict:
     """LaunchSpec fields of `rollout.sglang_python` / `rollout.sglang_device` (the CPU
     engine's environment: `sglang_launch.cpu_server_env`)."""
+    from megatron_gspo.rollout.sglang.delta_sync import launch_extras
     from megatron_gspo.rollout.sglang.launch import cpu_server_env
 
     python = r.sglang_python or sys.executable
@@ -372,6 +377,8 @@ def _server_runtime(r) -> dict:
             out["env"] = cpu_server_env(python)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    out["extra"], out["env"] = launch_extras(out.get("env", {}), r.weight_sync_delta,
+                                             r.weight_sync_delta_base)  # the delta loader
     return out
 
 

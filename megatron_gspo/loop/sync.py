@@ -40,14 +40,33 @@ def offloading(cfg: Config) -> bool:
     return offload_learner_enabled(cfg)
 
 
+def delta_sender(engine, cfg: Config):
+    """The engine's `rollout.delta` sender (made on first use; None when deltas are off, with
+    another engine than SGLang, or off rank 0)."""
+    r = cfg.rollout
+    if engine is None or r.engine != "sglang" or r.weight_sync_delta == "off":
+        return None
+    if getattr(engine, "delta", None) is None:
+        from megatron_gspo.rollout.delta.sender import DeltaSender
+
+        engine.delta = DeltaSender(r.weight_sync_delta, r.weight_sync_delta_threshold,
+                                   r.weight_sync_delta_base)
+    return engine.delta
+
+
 def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
-                 event=None) -> dict:
+                 event=None, retry: bool = True) -> dict:
     """Export the learner's weights (collective over all ranks) into the rollout engine,
     streamed one bucket at a time (`rollout.bucket_bytes`). Colocated SGLang follows SGLang's
     memory order (see `rollout.colocated_sync`).
 
+    With `rollout.weight_sync_delta` the servers get only what changed (`sglang.delta_sync`);
+    a delta sync whose probe fails is followed at once by a full sync of the same version
+    (`retry`), probed again.
+
     Args:
         event: optional callable taking one line for the run's events.log (rank 0).
+        retry: a failed probe after a delta sync triggers one full sync.
     Returns:
         `weight_sync/*` metrics (rank 0 of an SGLang engine; {} otherwise).
     """
@@ -69,7 +88,19 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
                                         dtype=dtype, only_adapted=only), version)
     if offload:
         buckets = offload_after_stream(learner, buckets)
-    if _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
+    delta = delta_sender(engine, cfg)
+    deltas = r.engine == "sglang" and r.weight_sync_delta != "off"  # every rank: one path
+    if deltas:  # the engine's own path (rank 0 encodes and serializes every bucket)
+        st = {}
+        if colocated_sglang(cfg):
+            from megatron_gspo.rollout.multinode.colocated import in_memory_order
+
+            st["order"] = in_memory_order(engine, lambda: _send(engine, buckets, version))
+        else:
+            if engine is not None:
+                engine.resume_memory()
+            _send(engine, buckets, version)
+    elif _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
         from megatron_gspo.rollout.multinode.sync import multinode_sync
 
         st = multinode_sync(buckets, engine, version, num_servers=r.num_servers,
@@ -99,8 +130,21 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
                 engine.resume_memory()  # no-op unless released after the rollout
             send()
     device_ledger.note("sglang_weights_sent", not only)
+    if delta is not None:
+        st.update(delta.stats.metrics())
+        if event is not None and not delta.stats.delta:
+            event(f"weight sync v{version}: full ({delta.stats.reason})")
     if r.engine == "sglang" and r.verify_sync_interval and version % r.verify_sync_interval == 0:
-        st["probe_max_diff"] = verify_sync(learner, engine, cfg, version)
+        diff, failed = _probe(learner, engine, cfg, version, deltas and retry)
+        if failed is not None:  # the delta sync was not verified: a full one, probed again
+            if delta is not None:
+                delta.invalidate("sync probe mismatch")
+            if event is not None:
+                event(f"weight sync v{version}: {failed}; sending it in full")
+            out = sync_weights(learner, engine, hf_config, cfg, version, event, retry=False)
+            out["weight_sync/delta_probe_retries"] = 1.0
+            return out
+        st["probe_max_diff"] = diff
     order = st.pop("order", None)
     for note in st.pop("notes", []):  # servers restarted by their node (multi-node colocated)
         if event is not None:
@@ -151,6 +195,32 @@ def verify_sync(learner, engine, cfg: Config, version: int) -> float:
     if not lead:
         return 0.0
     return check_sync_probe(version, probes, mine, PROBE_TOLERANCE[cfg.model.dtype])
+
+
+def _send(engine, buckets, version: int) -> None:
+    """Rank 0 sends through its engine; the other ranks only take part in the export."""
+    if engine is None:
+        for _ in buckets:
+            pass
+    else:
+        engine.update_weights(buckets, version)
+
+
+def _probe(learner, engine, cfg: Config, version: int, retry: bool) -> tuple[float, str | None]:
+    """`verify_sync` (collective); with `retry` a mismatch comes back as its message on every
+    rank instead of raising (rank 0 decides and broadcasts it)."""
+    failed = None
+    try:
+        diff = verify_sync(learner, engine, cfg, version)
+    except RolloutError as e:
+        if not retry:
+            raise
+        diff, failed = 0.0, str(e)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        box = [failed]
+        torch.distributed.broadcast_object_list(box, src=0)
+        failed = box[0]
+    return diff, failed
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

@@ -237,6 +237,7 @@ class RolloutEngine(ABC):
         self.default_sampling = default_sampling or SamplingParams()
         self.released_tags: set[str] = set()  # memory regions released and not yet resumed
         self.memory_calls: list[str] = []  # "release all", "resume weights", ... in call order
+        self.weights_releases = 0  # releases of the `weights` region (a delta sync's base is gone)
         self._loop_thread: _LoopThread | None = None
         self._loop_lock = threading.Lock()
 
@@ -296,6 +297,7 @@ class RolloutEngine(ABC):
         self._run(self.arelease_memory(list(tags) if tags else None))
         device_ledger.note("sglang_release", list(tags or MEMORY_TAGS))
         self.released_tags |= set(tags or MEMORY_TAGS)
+        self.weights_releases += "weights" in (tags or MEMORY_TAGS)
         self.memory_calls.append("release " + (",".join(tags) if tags else "all"))
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:

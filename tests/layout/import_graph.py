@@ -59,12 +59,13 @@ RANKS = {
     "megatron_gspo": 0,  # the package's __init__ (version only)
     "algo": 0, "data": 0, "config": 0, "run": 0,
     "convert": 1, "rollout": 1,  # rollout/'s top: engine interface, embedded engine, groups
+    "rollout.delta": 1,  # the delta weight-sync codec, sender and the servers' loader (pure torch)
     "megatron": 2, "rewards": 2, "agent": 2, "rollout.sglang": 2, "rollout.asynchronous": 2,
     "rollout.standin": 3, "rollout.multinode": 3,
     "loop": 4, "study": 4,
     "cli": 5,
 }
-ROLLOUT_SUBPACKAGES = ("sglang", "standin", "asynchronous", "multinode")
+ROLLOUT_SUBPACKAGES = ("sglang", "standin", "asynchronous", "multinode", "delta")
 
 
 def unit_of(module: str) -> str:

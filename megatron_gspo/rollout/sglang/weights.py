@@ -161,7 +161,14 @@ class SGLangWeightSync:
         await self._all("/flush_cache")
 
     async def aupdate_weights(self, buckets: Iterable[Bucket], version: int) -> None:
-        """Update all servers by the configured `weight_sync` path."""
+        """Update all servers by the configured `weight_sync` path (deltas when a
+        `rollout.delta` sender is attached as `self.delta`: `sglang.delta_sync`)."""
+        delta = getattr(self, "delta", None)
+        if delta is not None and delta.enabled:
+            from megatron_gspo.rollout.sglang.delta_sync import aupdate_delta
+
+            await aupdate_delta(self, delta, buckets, version)
+            return
         if self.weight_sync == "distributed":
             if self._update_group is None:
                 assert self.dist_master is not None

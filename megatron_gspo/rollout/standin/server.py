@@ -41,7 +41,11 @@ from megatron_gspo.rollout.standin.generate import (
     api_key_middleware,
     json_not_found,
 )
-from megatron_gspo.rollout.standin.weights import WeightEndpoints, weights_digest  # noqa: F401
+from megatron_gspo.rollout.standin.weights import (  # noqa: F401
+    ServedModel,
+    WeightEndpoints,
+    weights_digest,
+)
 
 
 _BATCHER: web.AppKey[asyncio.Task] = web.AppKey("batcher", asyncio.Task)
@@ -69,6 +73,8 @@ class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
             SGLang 0.5.12's CPU engine does.
         weight_update_sessions: behave as SGLang 0.5.23: tensor and distributed updates only
             between /begin_weight_update and /end_weight_update.
+        custom_weight_loaders: `--custom-weight-loader MODULE.FUNC ...`: tensor updates with
+            that load_format call FUNC(model, named_tensors).
     """
 
     def __init__(
@@ -77,9 +83,12 @@ class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
         dp_size: int = 1, context_length: int | None = None, api_key: str | None = None,
         health_generation: bool | None = None, enable_return_routed_experts: bool = False,
         device: str = "cuda", weight_update_sessions: bool = False,
+        custom_weight_loaders: Any = (),
     ) -> None:
         self.device, self.weight_update_sessions = device, weight_update_sessions
         self.session_open = False
+        self.custom_weight_loaders = list(custom_weight_loaders or ())  # --custom-weight-loader
+        self.served_model = ServedModel(self)  # what SGLang's runner calls `model`
         self.engine, self.host, self.port, self.tp_size = engine, host, port, tp_size
         self.model_path, self.exit_on_crash = model_path, exit_on_crash
         self.faults = Faults()
@@ -226,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--enable-return-routed-experts", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--weight-update-sessions", action="store_true")  # as SGLang 0.5.23
+    ap.add_argument("--custom-weight-loader", nargs="*", default=None)
     args, _unknown = ap.parse_known_args(argv)
     port_error = grpc_port_error(args.port, os.environ)
     if port_error:  # SGLang refuses the port before loading anything
@@ -240,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
                            api_key=args.api_key,
                            enable_return_routed_experts=args.enable_return_routed_experts,
                            device=args.device,
-                           weight_update_sessions=args.weight_update_sessions)
+                           weight_update_sessions=args.weight_update_sessions,
+                           custom_weight_loaders=args.custom_weight_loader)
 
     async def run() -> None:
         await server.start()

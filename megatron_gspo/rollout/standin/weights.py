@@ -38,10 +38,14 @@ class WeightEndpoints:
         return web.Response(text=FLUSHED)
 
     async def _load(self, named: list, version: Any) -> None:
+        """Every path loads through the served model's `load_weights` (as SGLang's runner),
+        which a custom loader may have wrapped."""
         if "weights" in self.released_tags:  # SGLang would write into unmapped GPU memory
             raise RuntimeError("the weights region is released; resume 'weights' first")
-        await asyncio.to_thread(self.engine.load_buckets, [named], self.engine.weight_version)
-        self.lost_weights.difference_update(n for n, _ in named)
+        await asyncio.to_thread(self.served_model.load_weights, named)
+        self._count_update(version)
+
+    def _count_update(self, version: Any) -> None:
         self.stats["weight_updates"] += 1
         if version is not None:
             self.weight_version = str(version)
@@ -77,6 +81,8 @@ class WeightEndpoints:
         if refused is not None:
             return refused
         body = await request.json()
+        if body.get("load_format") in self.custom_weight_loaders:
+            return await self._custom_load(request, body)
         try:  # every TP rank deserializes its own entry (SGLang tp_worker.py)
             ranks = [decode_tensor_update(body, tp_rank=k) for k in range(self.tp_size)]
             for k, other in enumerate(ranks[1:], 1):
@@ -101,6 +107,26 @@ class WeightEndpoints:
             await self._load(named, body.get("weight_version"))
         except Exception as e:
             return _fail(f"Failed to update weights from tensor: {e}")
+        return _ok(_versioned(TENSOR_UPDATE_OK, body))
+
+    async def _custom_load(self, request: web.Request, body: dict) -> web.StreamResponse:
+        """SGLang 0.5.12's `--custom-weight-loader` path (model_runner.py
+        update_weights_from_tensor): the named tensors of this rank go to `FUNC(model, named)`;
+        an exception in it ends the scheduler, so the server."""
+        import importlib
+
+        if "weights" in self.released_tags:
+            return _fail("Failed to update weights from tensor: the weights region is released")
+        fmt = str(body["load_format"])
+        try:
+            named = decode_tensor_update({**body, "load_format": None}, tp_rank=0)
+            module, _, func = fmt.rpartition(".")
+            loader = getattr(importlib.import_module(module), func)
+            await asyncio.to_thread(loader, self.served_model, named)
+        except Exception as e:
+            return await self.die(request, f"/update_weights_from_tensor ({fmt}): "
+                                  f"{type(e).__name__}: {e}")
+        self._count_update(body.get("weight_version"))
         return _ok(_versioned(TENSOR_UPDATE_OK, body))
 
     def architecture(self) -> str:
@@ -238,6 +264,24 @@ class WeightEndpoints:
             for name, p in self.engine.model.named_parameters():
                 p.zero_()
                 self.lost_weights.add(name)
+
+
+class ServedModel:
+    """What SGLang's runner calls `model`: `load_weights(pairs)` skips names the model lacks
+    and asserts the shape of the others (default_weight_loader), then copies them in."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+
+    def load_weights(self, weights: Any) -> None:
+        engine = self.server.engine
+        named = [(n, t) for n, t in weights if engine.param_shape(n) is not None]
+        for n, t in named:
+            if tuple(t.shape) != engine.param_shape(n):
+                raise AssertionError(f"{n} has shape {tuple(t.shape)}, the model "
+                                     f"{engine.param_shape(n)}")
+        engine.load_buckets([named], engine.weight_version)
+        self.server.lost_weights.difference_update(n for n, _ in named)
 
 
 def weights_digest(named: Any) -> str:
