@@ -25,13 +25,14 @@ sys.path.pop(0)
 
 
 def fake_wheel(folder: Path, name: str = "megatron_core", version: str = "0.16.1",
-               pad: int = 0) -> Path:
+               pad: int = 0, requires_python: str | None = None) -> Path:
     """A minimal valid binary wheel for CPython 3.12 x86-64 (metadata only, plus `pad` bytes)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}-{version}-cp312-cp312-manylinux_2_28_x86_64.whl"
     info = f"{name}-{version}.dist-info"
+    needs = f"Requires-Python: {requires_python}\n" if requires_python else ""
     files = {
-        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{needs}",
         f"{info}/WHEEL": ("Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\n"
                           "Tag: cp312-cp312-manylinux_2_28_x86_64\n"),
         f"{name}_pad.bin": "x" * pad,
@@ -80,10 +81,12 @@ def test_bad_arguments_are_one_line_errors(args, env, message):
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.splitlines()) == 1
 
 
-def test_manifest_pins_the_image_megatron_core():
+def test_manifest_pins_the_newest_megatron_core():
+    """The kit carries the newest supported megatron-core: the one the mcore_new tier tests on
+    Python 3.12 (scripts/megatron_py312/lock.txt), as the GPU machine runs Python 3.12."""
     pins = gpu_kit.read_manifest()
-    docker = (ROOT / "docker" / "Dockerfile").read_text()
-    [mcore] = set(re.findall(r"^ARG MEGATRON_CORE_VERSION=(\S+)", docker, re.MULTILINE))
+    lock = (ROOT / "scripts" / "megatron_py312" / "lock.txt").read_text()
+    [mcore] = re.findall(r"^megatron-core==(\S+)$", lock, re.MULTILINE)
     assert pins["megatron_core"] == mcore
 
 
@@ -114,15 +117,18 @@ def test_kit_check(tmp_path):
 
 
 def test_kit_installs_for_the_gpu_python(tmp_path):
+    """Also from this interpreter when it is older than a wheel's Requires-Python (megatron-core
+    0.17+ requires Python >=3.12)."""
     kit = tmp_path / "kit"
     for name, version in gpu_kit.read_manifest().items():
-        fake_wheel(kit, name=name, version=version)
+        fake_wheel(kit, name=name, version=version, requires_python=">=3.12")
     args = ["kit", "--kit", str(kit), "--target", str(tmp_path / "site"), "--cross",
             "--json", str(tmp_path / "kit.json")]
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_kit.py"), *args],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert (tmp_path / "site" / "megatron_core-0.16.1.dist-info" / "METADATA").is_file()
+    mcore = gpu_kit.read_manifest()["megatron_core"]
+    assert (tmp_path / "site" / f"megatron_core-{mcore}.dist-info" / "METADATA").is_file()
     report = json.loads((tmp_path / "kit.json").read_text())
     assert report["problems"] == [] and report["modules"]["yaml"] != ""
     assert not report["reference"]
