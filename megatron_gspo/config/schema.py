@@ -116,6 +116,8 @@ def _coerce(value, tp, path: str, meta: dict):
         if not math.isfinite(value):  # NaN / inf never make a meaningful setting
             fail(f"a finite {expect}")
     elif tp is str:
+        if isinstance(value, bool) and {"on", "off"} <= set(meta.get("choices") or ()):
+            value = "on" if value else "off"  # YAML 1.1 reads on/off as booleans
         if not isinstance(value, str):
             fail("str")
     if meta.get("choices") and value not in meta["choices"]:

@@ -188,3 +188,18 @@ def test_xor_bytes_are_zlib_of_the_bit_xor():
     assert enc.kind == "xor"
     x = (new.view(torch.int16) ^ base.view(torch.int16)).numpy().tobytes()
     assert zlib.decompress(enc.parts[0].numpy().tobytes()) == x
+
+
+def test_config_reads_on_and_off_though_yaml_makes_them_booleans():
+    from megatron_gspo.config import load_config
+    from megatron_gspo.config.schema import ConfigError
+
+    root = Path(__file__).resolve().parents[2]
+    for text, want in (("on", "on"), ("off", "off"), ("auto", "auto")):
+        cfg = load_config(root / "examples" / "tiny" / "config.yaml",
+                          [f"rollout.weight_sync_delta={text}"])
+        assert cfg.rollout.weight_sync_delta == want
+    with pytest.raises(ConfigError, match="rollout.weight_sync_delta"):
+        load_config(root / "examples" / "tiny" / "config.yaml", ["rollout.weight_sync_delta=1"])
+    with pytest.raises(ConfigError, match="rollout.dtype: expected str"):  # no on/off choices
+        load_config(root / "examples" / "tiny" / "config.yaml", ["rollout.dtype=on"])
