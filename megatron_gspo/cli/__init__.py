@@ -1,4 +1,4 @@
-"""Command line: `megatron-gspo train|config|convert|fields` (also `python -m megatron_gspo.cli`).
+"""Command line: `megatron-gspo train|config|plan|fields|study|convert`.
 
     megatron-gspo train CONFIG.yaml [--run-dir DIR] [section.key=value ...]
     megatron-gspo config CONFIG.yaml [section.key=value ...]   # print the resolved config
@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write the device-memory ledger's spec of one GPU to PATH (a CPU "
                    "run with MEGATRON_GSPO_DEVICE_LEDGER=PATH reports what that GPU would hold)")
     m.add_argument("overrides", nargs="*")
-    sub.add_parser("fields", help="list every config field with its type, default and doc")
+    f = sub.add_parser("fields", help="list every config field with its type, default and doc")
+    f.add_argument("--markdown", action="store_true",
+                   help="print the docs site's configuration reference page instead")
     s = sub.add_parser("study", help="run the arms of an A/B study (megatron_gspo/study/)")
     s.add_argument("study", help="study YAML file")
     s.add_argument("--out", default=None, help="output directory (default runs/study-<file>)")
@@ -87,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_gspo.config import Config, ConfigError, describe, load_config, to_dict
 
     try:
+        if args.command == "fields" and args.markdown:
+            from megatron_gspo.cli.reference import config_reference
+
+            print(config_reference())
+            return 0
         if args.command == "fields":
             for name, tp, default, doc in describe(Config):
                 print(f"{name:40s} {tp:18s} {default!r:>14}  {doc}")
