@@ -34,8 +34,7 @@ LIMIT_BYTES = 64 * 2**20  # what may travel with the working tree to the GPU mac
 # Per stage, the installed top-level modules its processes import (recorded by a dry run with
 # GPU_CHECKS_RECORD_IMPORTS; `imports --write` updates it); the kit check imports all of them.
 STAGE_IMPORTS = ROOT / "scripts" / "gpu_stage_imports.txt"
-# A cross install is for CPython 3.12; pip 23 checks a wheel file's Requires-Python against the
-# running interpreter all the same (megatron-core 0.17+ requires >=3.12), hence the ignore.
+# For CPython 3.12; pip 23 checks Requires-Python against this interpreter anyway (mcore 0.17+).
 CROSS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
          "--ignore-requires-python",
          *[a for p in ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64",
