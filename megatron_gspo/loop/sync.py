@@ -29,8 +29,11 @@ def released_after_rollout(cfg: Config) -> tuple[str, ...] | None:
     uninitialised memory on resume; a full sync makes it whole again, but LoRA sends only the
     adapted layers after the first sync. Keeping the weights costs the servers' weight bytes
     on the GPU while the learner trains (`megatron-gspo plan` adds them to the training
-    moment), whereas a full sync or a CPU backup would move every weight each step."""
-    return ("kv_cache", "cuda_graph") if cfg.model.lora.rank else None
+    moment), whereas a full sync or a CPU backup would move every weight each step. A delta
+    sync (`rollout.weight_sync_delta`) keeps them for the same reason: a release would force a
+    full sync every step."""
+    keep = cfg.model.lora.rank or cfg.rollout.weight_sync_delta != "off"  # deltas need them too
+    return ("kv_cache", "cuda_graph") if keep else None
 
 
 def offloading(cfg: Config) -> bool:

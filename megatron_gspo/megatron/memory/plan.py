@@ -305,6 +305,8 @@ class Plan:
     kv_tokens: int | None = None
     kv_tokens_needed: int = 0
     host_bytes: int = 0  # pinned host memory of one rank's offloaded learner (not GPU memory)
+    delta_host_bytes: int = 0  # rank 0's delta-sync base (rollout.weight_sync_delta_base)
+    delta_server_bytes: int = 0  # the delta loader's copy in each SGLang TP rank's host memory
     problems: list[str] = field(default_factory=list)
 
     def term(self, name: str) -> int:

@@ -51,6 +51,7 @@ class PlanInputs:
     bucket_bytes: int = 512 * 2**20
     vocab_multiple: int = 128
     lora: tuple | None = None  # (rank, targets) of model.lora; None = full fine-tuning
+    delta_base: str | None = None  # rollout.weight_sync_delta_base ("copy"/"hash"); None = off
 
     @property
     def dp(self) -> int:
@@ -87,7 +88,8 @@ def inputs_from_config(cfg, hf_config: dict, *, gpu_bytes: int, gpus_per_node: i
         kv_tokens_needed=cfg.data.max_prompt_length + r.max_new_tokens,
         bucket_bytes=r.bucket_bytes, vocab_multiple=VOCAB_PAD_MULTIPLE,
         lora=(cfg.model.lora.rank, tuple(cfg.model.lora.targets)) if cfg.model.lora.rank
-        else None)
+        else None, delta_base=r.weight_sync_delta_base if r.engine == "sglang"
+        and r.weight_sync_delta != "off" else None)
 
 
 def _worst_learner(x: PlanInputs) -> mp.LearnerBytes:
@@ -171,7 +173,7 @@ def build_plan(x: PlanInputs) -> Plan:
         learner_gen = [] if x.offload_learner else ["learner weights", *state]
         gen = ["CUDA contexts, NCCL", *learner_gen, *sglang]
         plan.moments.append(("generation", sum(plan.term(n) for n in gen), gen))
-        if x.lora:  # the servers keep their weights while the learner trains (LoRA)
+        if x.lora or x.delta_base:  # the servers keep their weights (LoRA, delta sync)
             for i, (name, _, parts) in enumerate(plan.moments[:-1]):
                 parts = [*parts, "SGLang weights"]
                 plan.moments[i] = (name, sum(plan.term(n) for n in parts), parts)
@@ -185,6 +187,11 @@ def build_plan(x: PlanInputs) -> Plan:
                 f"{free * (1 - x.mem_fraction) / GiB:.1f} GiB of the {free / GiB:.1f} GiB free "
                 f"at launch for CUDA graphs and activations (< {CUDA_GRAPH_BYTES / GiB:.0f} GiB)")
     plan.host_bytes = pinned_host_bytes(x)
+    if x.delta_base:  # rank 0's copy of what the servers hold; each server rank's loader copy
+        n = _total_params(x)
+        plan.delta_host_bytes = (n * x.param_bytes if x.delta_base == "copy"
+                                 else 64 * (12 * d.layers + 3))
+        plan.delta_server_bytes = n * x.param_bytes if x.delta_base == "copy" else 0
     plan.check()
     return plan
 
@@ -333,6 +340,13 @@ def format_plan(plan: Plan, x: PlanInputs, suggestion: str | None = None) -> str
     if plan.host_bytes:
         lines.append(f"  {'pinned host memory':<22} {plan.host_bytes / GiB:8.2f} GiB  per rank, "
                      "offloaded learner in CPU memory (power-of-two blocks)")
+    if x.delta_base:
+        lines.append(f"  {'delta-sync base':<22} {plan.delta_host_bytes / GiB:8.2f} GiB  host "
+                     f"memory of rank 0 ({x.delta_base}: " + ("the weights as last sent)"
+                     if x.delta_base == "copy" else "64 B digest per tensor)"))
+    if plan.delta_server_bytes:
+        lines.append(f"  {'delta loader copy':<22} {plan.delta_server_bytes / GiB:8.2f} GiB  "
+                     "host memory of every SGLang TP rank (the loader's base)")
     lines.append("")
     if plan.fits:
         lines.append("fits")
