@@ -148,6 +148,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         if latest is not None and state.get("async"):
             producer.load_state_dict(state["async"])  # finished groups kept, in-flight redone
         producer.start()
+    ckpt_s = 0.0  # seconds the loop spent in checkpoint work since the last metrics row
     skipped_in_a_row = 0  # steps whose optimizer updates were all skipped (non-finite)
     saves = None  # checkpoint.async_save: learner files written while training goes on
     if cfg.checkpoint.async_save:
@@ -215,6 +216,12 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         if cfg.train.eval_interval and (step + 1) % cfg.train.eval_interval == 0:
             m.update(phases.evaluate(cfg, engine, tokenizer, reward, evals) if rank0 else {})
         m["time/step"] = time.perf_counter() - t_step
+        if saves is not None:  # an earlier save whose files are written: COMPLETE
+            t_poll = time.perf_counter()
+            saves.poll()
+            ckpt_s += time.perf_counter() - t_poll
+        m["time/checkpoint"] = ckpt_s  # the loop's time in the last checkpoint and polls since
+        ckpt_s = 0.0
         log.log(step, m)
         skipped = int(m.get("update_skipped", 0))
         skipped_in_a_row = skipped_in_a_row + 1 if skipped == m["optimizer_steps"] else 0
@@ -228,17 +235,18 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         if rank0 and cfg.logging.log_samples:
             log.event(phases.sample_preview(samples, tokenizer, cfg.logging.log_samples, step))
         done = step + 1 == cfg.train.max_steps
-        if saves is not None:
-            saves.poll()  # an earlier save whose files are written: COMPLETE
         if (cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0) or done:
             phases.wait_for_rank0()  # rank 0's evaluation and weight push
             state = {"step": step + 1, "precision": controller.state_dict(),
                      "data": prompts.state_dict() if rank0 else None,
                      "async": producer.state_dict() if producer else None}
+            t_ckpt = time.perf_counter()
             with colocated_sync.learner_room(learner, engine, CHECKPOINT_PARTS, "checkpoint"):
                 path = ckpt.save(step + 1, learner, state, queue=saves)
             if saves is not None and done:
                 saves.wait()
-            log.event(f"checkpoint {path}" + (" (asynchronous)" if saves is not None else ""))
+            ckpt_s = time.perf_counter() - t_ckpt
+            log.event(f"checkpoint {path} (" + ("asynchronous; " if saves is not None else "")
+                      + f"{ckpt_s:.3f} s in the training loop)")
 
     return run_dir  # `cleanup` closes the log, the producer, the engine and the learner

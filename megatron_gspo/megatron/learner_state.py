@@ -180,13 +180,16 @@ class LearnerState:
 
         adam_step.restore(self.optimizer, step)
 
-    def save_checkpoint(self, path: str, schedule=None) -> None:
+    def save_checkpoint(self, path: str, schedule=None, save_kwargs=None, stage=None) -> None:
         """Save model, optimizer and scheduler (torch_dist format) to directory `path`.
 
         Args:
             schedule: asynchronous save: called with Megatron-Core's AsyncRequest, which it
                 schedules (the tensors are staged then, before offloaded parts leave again);
                 the files are written by a forked writer. None: written before returning.
+            save_kwargs: more `dist_checkpointing.save` arguments (an asynchronous run's
+                strategy with its cached structure: `io.async_save.AsyncSaves.save_kwargs`).
+            stage: applied to the sharded state dict before the save (`AsyncSaves.stage`).
         """
         import os
 
@@ -206,9 +209,11 @@ class LearnerState:
         tie_forked_children()  # and so do the writer processes Megatron forks
         from megatron_gspo.megatron import compat
 
+        kwargs = compat.async_save_kwargs() if schedule is not None else {}
+        sharded = self._full_sharded_sd(False)
         request = dist_checkpointing.save(
-            self._full_sharded_sd(False), path, async_sharded_save=schedule is not None,
-            **(compat.async_save_kwargs() if schedule is not None else {}))
+            stage(sharded) if stage else sharded, path, async_sharded_save=schedule is not None,
+            **{**kwargs, **(save_kwargs or {})})
         if dist.get_rank() == 0:  # the config `convert mcore-to-hf` rebuilds and checks with
             from megatron_gspo.convert.sources import write_model_info
 

@@ -25,14 +25,12 @@ detect damage, not tampering (whoever can edit the files can edit COMPLETE too).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import re
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +41,7 @@ import torch.distributed as dist
 
 from megatron_gspo.run import faults
 from megatron_gspo.run.diskfull import disk_full
+from megatron_gspo.run.durable import fsync_path, manifest, sha256_file
 from megatron_gspo.run.rundir import RunError
 
 __all__ = ["Checkpointer", "CheckpointError", "ResumePoint", "rng_state", "set_rng_state"]
@@ -101,26 +100,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-
-
-def _manifest(folder: Path, checksums: bool) -> dict[str, list]:
-    """{relative path: [size, sha256 or None]} of every file under `folder`."""
-    names = [n for n in _files(folder) if n != "COMPLETE"]
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(lambda n: _sha256(folder / n) if checksums else None, names))
-    return {n: [(folder / n).stat().st_size, d] for n, d in zip(names, digests, strict=True)}
-
-
 def read_marker(path: Path) -> dict:
     """The COMPLETE marker of checkpoint `path` (CheckpointError if unreadable)."""
     try:
@@ -152,7 +131,7 @@ def verify(path: str | os.PathLike) -> str | None:
             return f"checkpoint {path}: {name} is missing"
         if p.stat().st_size != size:
             return f"checkpoint {path}: {name} has {p.stat().st_size} bytes, COMPLETE says {size}"
-        if digest is not None and _sha256(p) != digest:
+        if digest is not None and sha256_file(p) != digest:
             return f"checkpoint {path}: {name} does not match its sha256 in COMPLETE"
     return None
 
@@ -167,7 +146,17 @@ class ResumePoint:
 
 
 def nonfinite_parameters(learner) -> list[str]:
-    """Names of this rank's parameters (of `learner.chunks`) holding NaN or inf."""
+    """Names of this rank's parameters (of `learner.chunks`) holding NaN or inf. Fast path:
+    one norm per parameter (`_foreach_norm`), one host sync; only a non-finite norm (NaN, inf,
+    or an overflow of finite weights) looks at each parameter."""
+    params = [p.detach() for c in getattr(learner, "chunks", []) for p in c.parameters()]
+    params = [p for p in params if p.numel()]
+    try:
+        if not params or bool(torch.isfinite(torch.stack(
+                [n.float() for n in torch._foreach_norm(params)])).all()):
+            return []
+    except RuntimeError:  # parameters on several devices: the exact pass below
+        pass
     bad = []
     for i, chunk in enumerate(getattr(learner, "chunks", [])):
         for name, p in chunk.named_parameters():
@@ -280,13 +269,19 @@ class Checkpointer:
             _barrier()
             if queue is None:
                 learner.save_checkpoint(str(tmp / "model"))
-            else:  # the model's state is staged now; trainer.json below goes with it
-                learner.save_checkpoint(str(tmp / "model"), schedule=lambda req: queue.schedule(
-                    req, lambda: self._publish(step, tmp, final)))
+            else:  # the model's state is staged now; trainer.json below goes with it. Once
+                # every rank's writer ended: publish (hashes, rename, COMPLETE) in a thread
+                publish = lambda: queue.in_background(lambda: self._publish(step, tmp, final))  # noqa: E731
+                learner.save_checkpoint(str(tmp / "model"), save_kwargs=queue.save_kwargs(),
+                                        stage=queue.stage,
+                                        schedule=lambda req: queue.schedule(req, publish))
             rng = rng_state()
             if hasattr(learner, "rng_state"):  # the learner's own generators (model-parallel)
                 rng["learner"] = learner.rng_state()
-            torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
+            with open(tmp / f"rng_rank{_rank()}.pt", "wb") as f:  # durable from every node
+                torch.save(rng, f)
+                f.flush()
+                os.fsync(f.fileno())
             if _rank() == 0:
                 (tmp / "trainer.json").write_text(json.dumps(trainer_state))
             _barrier()
@@ -310,17 +305,18 @@ class Checkpointer:
         """Rank 0: the files of every rank are written: rename, COMPLETE, rotate."""
         if _rank() == 0:
             marker = {"format": FORMAT, "step": step, "time": time.time(),
-                      "world_size": _world(), "files": _manifest(tmp, self.checksums)}
+                      "world_size": _world(), "files": manifest(tmp, self.checksums)}
             faults.maybe_kill("kill_before_rename", step)
             if final.exists():
                 self._discard(final)
             os.replace(tmp, final)
+            fsync_path(self.root)
             faults.maybe_kill("kill_before_complete", step)
             part = final / "COMPLETE.tmp"
             part.write_text(json.dumps(marker))
-            with open(part) as f:
-                os.fsync(f.fileno())
+            fsync_path(part)
             os.replace(part, final / "COMPLETE")
+            fsync_path(final)
             self.rotate()
 
     def rotate(self) -> None:

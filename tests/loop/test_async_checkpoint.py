@@ -39,4 +39,4 @@ def test_async_checkpoints_are_complete_and_resume_like_sync_ones(tmp_path):
     assert [s for s, _ in done] == [1, 2, 3]
     assert all(verify(p) is None for _, p in done)
     assert not list((run / "checkpoints").glob(".tmp_*"))
-    assert "(asynchronous)" in (run / "events.log").read_text()
+    assert "(asynchronous; " in (run / "events.log").read_text()
