@@ -203,3 +203,13 @@ def test_config_reads_on_and_off_though_yaml_makes_them_booleans():
         load_config(root / "examples" / "tiny" / "config.yaml", ["rollout.weight_sync_delta=1"])
     with pytest.raises(ConfigError, match="rollout.dtype: expected str"):  # no on/off choices
         load_config(root / "examples" / "tiny" / "config.yaml", ["rollout.dtype=on"])
+
+
+def test_a_request_lives_on_one_device():
+    base = torch.randn(64, 8).to(torch.bfloat16)
+    enc = encode_tensor("w", base, _changed(base, 0.05))
+    enc.parts = [p.to("meta") for p in enc.parts]  # as a CUDA export would have them
+    pairs = pack([enc], "a", "b")
+    assert {t.device.type for _, t in pairs} == {"meta"}
+    assert {t.device.type for _, t in pack([encode_tensor("w", base, _changed(base, 0.05))],
+                                           "a", "b")} == {"cpu"}

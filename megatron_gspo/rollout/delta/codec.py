@@ -102,6 +102,11 @@ def pack(encoded: list[Encoded], base_token: str | None, new_token: str
     text = json.dumps({"format": FORMAT, "base": base_token, "new": new_token,
                        "tensors": entries})
     manifest = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+    # one device for the whole request: a CUDA payload is pickled with SGLang's CUDA-only
+    # reduction, which cannot pickle the CPU manifest or xor bytes next to it
+    dev = next((t.device for t in data if t.device.type != "cpu"), None)
+    if dev is not None:
+        manifest, data = manifest.to(dev), [t.to(dev) for t in data]
     return [(MANIFEST, manifest)] + [(f"{PREFIX}{k}", t) for k, t in enumerate(data)]
 
 
@@ -115,7 +120,7 @@ def write_file(path: str, pairs: list[tuple[str, torch.Tensor]]) -> int:
     tensors); returns the file's bytes."""
     import os
 
-    manifest = bytes(pairs[0][1].numpy().tobytes()).decode("utf-8")
+    manifest = bytes(pairs[0][1].cpu().numpy().tobytes()).decode("utf-8")
     data = [t.detach().cpu() for _, t in pairs[1:]]
     tmp = path + ".tmp"
     torch.save({"manifest": manifest, "data": data}, tmp)
