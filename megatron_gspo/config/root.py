@@ -78,6 +78,9 @@ class Config:
         if self.moe.routing_replay == "r3" and not self.moe.engine_routing:
             raise ConfigError("moe.routing_replay: 'r3' replays the engine's routing but "
                               "moe.engine_routing is false")
+        if self.rollout.weight_sync_delta != "off" and self.rollout.engine != "sglang":
+            raise ConfigError("rollout.weight_sync_delta: for SGLang engines (the embedded "
+                              "engine shares the learner's process); use off")
         if self.rollout.engine == "sglang" and not self.rollout.server_urls and not self.model.path:
             raise ConfigError("model.path: required to launch SGLang servers")
         if self.agent.advantage == "turn" and a.loss not in TOKEN_ADVANTAGE_LOSSES:

@@ -197,12 +197,16 @@ def test_config_reads_on_and_off_though_yaml_makes_them_booleans():
     root = Path(__file__).resolve().parents[2]
     for text, want in (("on", "on"), ("off", "off"), ("auto", "auto")):
         cfg = load_config(root / "examples" / "tiny" / "config.yaml",
-                          [f"rollout.weight_sync_delta={text}"])
+                          ["rollout.engine=sglang", f"rollout.weight_sync_delta={text}"])
         assert cfg.rollout.weight_sync_delta == want
     with pytest.raises(ConfigError, match="rollout.weight_sync_delta"):
-        load_config(root / "examples" / "tiny" / "config.yaml", ["rollout.weight_sync_delta=1"])
+        load_config(root / "examples" / "tiny" / "config.yaml",
+                    ["rollout.engine=sglang", "rollout.weight_sync_delta=1"])
     with pytest.raises(ConfigError, match="rollout.dtype: expected str"):  # no on/off choices
         load_config(root / "examples" / "tiny" / "config.yaml", ["rollout.dtype=on"])
+    with pytest.raises(ConfigError, match="rollout.weight_sync_delta: for SGLang engines"):
+        load_config(root / "examples" / "tiny" / "config.yaml",
+                    ["rollout.engine=embedded", "rollout.weight_sync_delta=on"])
 
 
 def test_a_request_lives_on_one_device():
