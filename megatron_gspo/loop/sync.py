@@ -14,7 +14,7 @@ from megatron_gspo.data.sample import Sample
 from megatron_gspo.loop import build
 from megatron_gspo.loop.build import DTYPES
 from megatron_gspo.rollout.base import RolloutError
-from megatron_gspo.run import device_ledger
+from megatron_gspo.run import device_ledger, faults
 
 def colocated_sglang(cfg: Config) -> bool:
     return cfg.rollout.engine == "sglang" and cfg.rollout.colocate
@@ -252,7 +252,7 @@ def _finite(buckets, version: int):
     tensor and the update that made it (every rank sees the same gathered tensors)."""
     from megatron_gspo.run.rundir import RunError
 
-    for bucket in buckets:
+    for i, bucket in enumerate(buckets):
         floats = [(name, t) for name, t in bucket if t.is_floating_point()]
         if floats and not _all_finite([t for _, t in floats]):
             name = next(n for n, t in floats if not _all_finite([t]))
@@ -260,6 +260,8 @@ def _finite(buckets, version: int):
                            f"of step {version - 1} (weight version {version}); lower "
                            "optimizer.lr or check the gradients")
         yield bucket
+        if i == 0:  # crash tests (MEGATRON_GSPO_FAULT): the engine holds part of the update
+            faults.maybe_kill_rank("kill_in_sync", version)
 
 
 def _tensor_sync(cfg: Config) -> bool:

@@ -6,6 +6,9 @@ The variable holds comma-separated `point@step` items, e.g. `kill_before_complet
 - `nan_loss@S`: the advantages of RL step S are NaN (a non-finite loss and gradients);
 - `kill_at_step@S`, `kill_rank<R>_at_step@S`: SIGKILL (every rank, or rank R only) when RL
   step S begins; under torchrun's restarts it fires again in every round that reaches S.
+- `kill_in_sync@V`, `kill_rank<R>_in_sync@V`: SIGKILL inside the weight sync of version V (the
+  sync after step V - 1), once the first bucket of the stream went to the engine.
+An item ending in `#N` (`kill_rank1_in_sync@3#0`) fires only in torchrun's restart round N.
 Only the process whose environment has the variable is affected.
 """
 
@@ -20,7 +23,9 @@ ENV = "MEGATRON_GSPO_FAULT"
 def active(point: str, step: int) -> bool:
     """True when `point@step` is listed in MEGATRON_GSPO_FAULT."""
     spec = os.environ.get(ENV, "")
-    return f"{point}@{step}" in {s.strip() for s in spec.split(",") if s.strip()}
+    items = {s.strip() for s in spec.split(",") if s.strip()}
+    rnd = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{point}@{step}" in items or f"{point}@{step}#{rnd}" in items
 
 
 def maybe_kill(point: str, step: int) -> None:

@@ -12,7 +12,11 @@ as SGLang does without per-request seeds), so there only the rows before the fir
 step are compared; the later ones must exist. `repeat` makes rank 1 die at the same step in
 every round: the job must stop with one line naming the step. The `async_` kinds save
 asynchronously (checkpoint.async_save) and kill inside a save: right after its `.tmp_step_*`
-folder appears, while the forked writers write or before the save is finalized.
+folder appears, while the forked writers write or before the save is finalized. The `sync_`
+kinds kill inside a weight sync, targeted (`kill_rank<R>_in_sync@V#N`, run/faults.py): once the
+first of the stream's buckets (1 MiB each) reached the engine, so the engine holds part of the
+update; `servers_sync_` the same with the stand-in servers, which then hold a mix of two weight
+versions and must not outlive their group (the restarted group starts and fully syncs new ones).
 
     python tests/loop/chaos_torchrun.py --rounds 10 --seed 0 [--kinds kill_rank1,kill_rank0]
 
@@ -42,7 +46,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import chaos  # noqa: E402  (the settings and the checks of the single-process chaos)
 
 KINDS = ("kill_rank1", "kill_rank0", "servers_kill_rank1", "servers_kill_rank0",
-         "async_kill_rank1", "async_kill_rank0", "repeat")
+         "async_kill_rank1", "async_kill_rank0", "sync_kill_rank1", "sync_kill_rank0",
+         "servers_sync_kill_rank1", "servers_sync_kill_rank0", "repeat")
+SYNC = ("rollout.bucket_bytes=1048576",)  # several buckets: a kill lands mid-stream
 ASYNC_SAVE = ("checkpoint.async_save=true",)
 SERVERS = ["rollout.engine=sglang", "rollout.colocate=true", "rollout.num_servers=2",
            "rollout.startup_timeout=240"]
@@ -169,20 +175,22 @@ class TorchrunChaos:
         self._refs: dict[bool, dict] = {}
         self.port = 31000 + self.rng.randrange(0, 200) * 16  # the servers' base port
 
-    def _variant(self, servers: bool) -> dict:
+    def _variant(self, servers: bool, sync: bool = False) -> dict:
+        out = {"extra": SYNC} if sync else {}
         if not servers:
-            return {}
+            return out
         self.port += 2
-        return {"extra": (*SERVERS, f"rollout.base_port={self.port}"), "env_extra": SERVERS_ENV}
+        return {"extra": (*SERVERS, f"rollout.base_port={self.port}", *out.get("extra", ())),
+                "env_extra": SERVERS_ENV}
 
-    def reference(self, servers: bool = False) -> dict:
-        if servers not in self._refs:
-            job = Job(self.work / f"ref{'_servers' if servers else ''}", self.steps,
-                      **self._variant(servers))
+    def reference(self, servers: bool = False, sync: bool = False) -> dict:
+        if (servers, sync) not in self._refs:
+            name = f"ref{'_servers' if servers else ''}{'_sync' if sync else ''}"
+            job = Job(self.work / name, self.steps, **self._variant(servers, sync))
             if job.finish() != 0:
                 self.problems.append(f"reference run failed: {job.stderr()[-600:]}")
-            self._refs[servers] = chaos.Chaos.metrics(job.run)
-        return self._refs[servers]
+            self._refs[servers, sync] = chaos.Chaos.metrics(job.run)
+        return self._refs[servers, sync]
 
     def problem(self, what: str, text: str) -> None:
         self.counts[what] += 1
@@ -210,8 +218,28 @@ class TorchrunChaos:
         if left:
             self.problem("leftovers", f"{run.name}: processes {left} left")
 
-    def compare(self, run: Path, servers: bool = False) -> None:
-        ref, got = self.reference(servers), chaos.Chaos.metrics(run)
+    def sync_kill(self, run: Path, rank: int, servers: bool = False) -> None:
+        """kill -9 `rank` inside the weight sync of one or two random versions (the first in
+        restart round 0, the second in round 1)."""
+        versions = sorted(self.rng.sample(range(1, self.steps), self.rng.randint(1, 2)))
+        fault = ",".join(f"kill_rank{rank}_in_sync@{v}#{i}" for i, v in enumerate(versions))
+        job = Job(run, self.steps, fault=fault, **self._variant(servers, sync=True))
+        code = job.finish()
+        done = failures(run)
+        fired = sum(1 for i, v in enumerate(versions)
+                    if any(f["round"] == i and f["step"] == v - 1 for f in done))
+        self.counts[f"{'servers_' if servers else ''}sync_kill_rank{rank}"] += fired
+        self.counts["automatic_restarts"] += len(done)
+        if code != 0 or fired != len(versions):
+            self.problem("violations", f"{run.name}: exit {code}, {fired} of {versions} fired, "
+                         f"failures {done}: {job.stderr()[-600:]}")
+        self.compare(run, servers, sync=True)
+        left = job.leftovers()
+        if left:
+            self.problem("leftovers", f"{run.name}: processes {left} left")
+
+    def compare(self, run: Path, servers: bool = False, sync: bool = False) -> None:
+        ref, got = self.reference(servers, sync), chaos.Chaos.metrics(run)
         if sorted(got) != list(range(self.steps)):
             self.problem("mismatches", f"{run.name}: metrics steps {sorted(got)}")
         last = self.steps
@@ -251,13 +279,16 @@ class TorchrunChaos:
     def run_rounds(self, rounds: int, kinds: tuple[str, ...]) -> int:
         order = [kinds[i % len(kinds)] for i in range(rounds)]
         self.rng.shuffle(order)
-        for servers in sorted({k.startswith("servers_") for k in order if k != "repeat"}):
-            self.reference(servers)
+        for variant in sorted({(k.startswith("servers_"), "sync_" in k) for k in order
+                               if k != "repeat"}):
+            self.reference(*variant)
         for i, kind in enumerate(order):
             t0, before = time.time(), len(self.problems)
             run = self.work / f"r{i:02d}_{kind}"
             if kind == "repeat":
                 self.repeat(run)
+            elif "sync_" in kind:
+                self.sync_kill(run, int(kind[-1]), kind.startswith("servers_"))
             else:
                 self.kill(run, int(kind[-1]), kind.startswith("servers_"),
                           kind.startswith("async_"))

@@ -98,3 +98,14 @@ def test_without_torchrun_nothing_is_written(tmp_path, monkeypatch):
     RestartRecord(tmp_path).begin()
     restarts.note_error(tmp_path, RuntimeError("x"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fault_with_a_round_fires_only_in_that_round(monkeypatch):
+    from megatron_gspo.run import faults
+
+    monkeypatch.setenv(faults.ENV, "kill_rank1_in_sync@3#0,kill_at_step@2")
+    _round(monkeypatch, 0)
+    assert faults.active("kill_rank1_in_sync", 3) and faults.active("kill_at_step", 2)
+    assert not faults.active("kill_rank1_in_sync", 2)
+    _round(monkeypatch, 1)  # a restarted round: only the items without '#N' fire again
+    assert not faults.active("kill_rank1_in_sync", 3) and faults.active("kill_at_step", 2)

@@ -2,7 +2,9 @@
 rank 1 of the tiny demo (TP2, a checkpoint every step) is killed with -9 during step 1; with
 no one acting, torchrun's restarted group resumes from the newest complete checkpoint and the
 job ends 0 with the metrics of an uninterrupted run, no lock and no process left. The slow
-tier runs the multi-round chaos (tests/loop/chaos_torchrun.py) and the same-step stop."""
+tier runs the multi-round chaos (tests/loop/chaos_torchrun.py: 10 rounds of each kill, also
+targeted inside a weight sync, with and without launched stand-in servers) and the same-step
+stop."""
 
 import json
 import re
@@ -46,9 +48,12 @@ def test_the_same_step_failing_stops_the_job_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 20 rounds; 30-60 min on 2 loaded cores (the suite's 900 s is short)
 @pytest.mark.parametrize("kinds", ["kill_rank1,kill_rank0",  # ~15 min each on 2 cores
                                    "servers_kill_rank1,servers_kill_rank0",
-                                   "async_kill_rank1,async_kill_rank0"])
+                                   "async_kill_rank1,async_kill_rank0",
+                                   "sync_kill_rank1,sync_kill_rank0",  # inside a weight sync
+                                   "servers_sync_kill_rank1,servers_sync_kill_rank0"])
 def test_torchrun_chaos_ten_rounds_of_each_kill(tmp_path, capsys, kinds):
     import chaos_torchrun as ct
 
