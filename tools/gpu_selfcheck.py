@@ -5,9 +5,11 @@ round trip. Prints one table; exits 1 if any check failed, 0 otherwise.
     python tools/gpu_selfcheck.py [--sglang-model DIR] [--json OUT.json] [--allow-missing]
 
 Without a CUDA device the GPU rows read "skipped: no CUDA" and the exit code is 0, so the same
-command works in CI and on a login node. Inside the image a missing Transformer Engine or apex is
-a failure; `--allow-missing` reports them as skipped instead (a bare GPU machine with torch only,
-as `scripts/gpu_checks.sh` uses). SGLang is skipped when it is not installed. Each check that
+command works in CI and on a login node. Inside the image a missing Transformer Engine is a
+failure, and so is a missing apex unless Transformer Engine is there (megatron-core 0.17+ takes
+FusedAdam and the multi-tensor kernels from it first; the image has no apex); `--allow-missing`
+reports both as skipped instead (a bare GPU machine with torch only, as `scripts/gpu_checks.sh`
+uses). SGLang is skipped when it is not installed. Each check that
 touches the GPU runs in its own spawned process with a time limit, so one hang or crash cannot
 take the others down.
 """
@@ -158,6 +160,15 @@ def check_te(allow_missing: bool = False) -> Row:
         return Row("transformer-engine", "FAIL", _error(e))
 
 
+def _te_fused_adam() -> bool:
+    """Transformer Engine's FusedAdam imports (megatron-core prefers it to apex's)."""
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent or broken: apex is then needed
+        return False
+    return True
+
+
 def check_apex(allow_missing: bool = False) -> Row:
     """apex with its CUDA extensions: amp_C, fused layer norm, and one FusedAdam step.
 
@@ -183,6 +194,8 @@ def check_apex(allow_missing: bool = False) -> Row:
     except ImportError as e:
         if allow_missing and importlib.util.find_spec("apex") is None:
             return Row("apex", "skipped: not installed")
+        if importlib.util.find_spec("apex") is None and _te_fused_adam():
+            return Row("apex", "skipped: not installed (Transformer Engine's FusedAdam is used)")
         return Row("apex", "FAIL", f"not importable: {_error(e)}")
     except Exception as e:  # noqa: BLE001 - any failure is a FAIL row
         return Row("apex", "FAIL", _error(e))

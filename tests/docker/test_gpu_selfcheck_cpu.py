@@ -100,3 +100,17 @@ def test_absent_te_and_apex_are_skipped_only_when_allowed():
                                                      "skipped: not installed")
     assert sc.check_apex(allow_missing=True) == sc.Row("apex", "skipped: not installed")
     assert sc.check_te().status == "FAIL" and sc.check_apex().status == "FAIL"
+
+
+def test_absent_apex_is_skipped_where_te_provides_fused_adam(monkeypatch):
+    """The GPU image has no apex: megatron-core takes FusedAdam from Transformer Engine."""
+    import importlib.util
+
+    if importlib.util.find_spec("apex"):
+        pytest.skip("apex is installed here")
+    sc = _selfcheck()
+    monkeypatch.setattr(sc, "_te_fused_adam", lambda: True)
+    row = sc.check_apex()
+    assert row.status.startswith("skipped: not installed") and "FusedAdam" in row.status
+    monkeypatch.setattr(sc, "_te_fused_adam", lambda: False)
+    assert sc.check_apex().status == "FAIL"
