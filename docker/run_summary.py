@@ -56,7 +56,8 @@ def check(run: Path, steps: int, world: int | None, checkpoint: int | None,
         else:
             marker = json.loads((done[-1] / "COMPLETE").read_text())
             if marker["step"] != checkpoint:
-                problems.append(f"newest checkpoint is step {marker['step']}, expected {checkpoint}")
+                problems.append(f"newest checkpoint is step {marker['step']}, "
+                                f"expected {checkpoint}")
             if world is not None and marker["world_size"] != world:
                 problems.append(f"checkpoint written by {marker['world_size']} ranks, "
                                 f"not {world}")
