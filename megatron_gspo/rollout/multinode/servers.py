@@ -155,9 +155,8 @@ class NodeServers(SGLangEngine):
         busy = sum(self._inflight.values())
         if busy:
             raise RolloutError(f"node {self.node}: release_memory with {busy} requests in flight")
-        body = {"tags": list(tags) if tags else None}
-        await asyncio.gather(*(self._post(u, "/release_memory_occupation", body)
-                               for u in self.live_urls()))  # the dead restart at the next sync
+        body = {"tags": list(tags) if tags else None}  # the dead restart at the next sync
+        await self._memory_call(self.live_urls(), "/release_memory_occupation", body)
 
     def restart_dead(self) -> list[str]:
         """Relaunch every server process that has exited (same port when it is free), wait for
@@ -192,8 +191,8 @@ class NodeServers(SGLangEngine):
                 self._check_server_info([info if u == url else self.server_info[u]
                                          for u in self.urls])
                 if self.released_tags:
-                    await self._post(url, "/release_memory_occupation",
-                                     {"tags": sorted(self.released_tags)})
+                    await self._memory_call([url], "/release_memory_occupation",
+                                            {"tags": sorted(self.released_tags)})
             except RolloutError as e:
                 raise RolloutError(f"node {self.node}: restarting server {i} failed: {e}") from e
             self._inflight[url] = 0

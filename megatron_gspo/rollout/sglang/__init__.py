@@ -2,4 +2,5 @@
 attached servers, retries, per-sample failures), `launch` (server and router command lines and
 processes), `servers` (server lifecycle: health, `/server_info` checks), `protocol` (SGLang
 0.5.12's HTTP rules, shared with the stand-in server) and `weights` (pause/continue, tensor,
-disk and distributed weight updates, memory release)."""
+disk and distributed weight updates, memory release), `compat` (what differs between the
+supported SGLang releases, 0.5.12 through 0.5.23)."""

@@ -32,7 +32,8 @@ Weights (matches SGLang's endpoints, see `sglang_weights`): `/update_weights_fro
 flattened buckets (colocated), `/init_weights_update_group` + `/update_weights_from_distributed`
 (NCCL broadcast from the learner), `/update_weights_from_disk`; generation is paused around an
 update and the prefix cache flushed after it. `/release_memory_occupation` and
-`/resume_memory_occupation` free and take back GPU memory in colocated mode.
+`/resume_memory_occupation` free and take back GPU memory in colocated mode (never sent to
+SGLang's CPU engine, which has none to free and which they end on 0.5.23: `compat`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from megatron_gspo.rollout.base import (
     make_sample,
     plan_slots,
 )
+from megatron_gspo.rollout.sglang import compat
 from megatron_gspo.rollout.sglang.launch import LaunchSpec, ServerProcess
 from megatron_gspo.rollout.sglang.protocol import (decode_json, decode_routed_experts, http_error,
                                                     parse_generate_output, prompt_ids_error)
@@ -398,7 +400,8 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
         if busy:  # SGLang's scheduler asserts it is idle (and dies when it is not)
             raise RolloutError(f"release_memory with {busy} generate requests in flight; "
                                "wait for them first")
-        await self._all("/release_memory_occupation", {"tags": list(tags) if tags else None})
+        await self._memory_call(self.urls, "/release_memory_occupation",
+                                {"tags": list(tags) if tags else None})
         self.released_tags |= set(tags or MEMORY_TAGS)  # what aresume_memory may resume
 
     async def aresume_memory(self, tags: Sequence[str] | None = None) -> None:
@@ -412,8 +415,15 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
         todo = list(tags) if tags else sorted(self.released_tags)
         if not todo:
             return
-        await self._all("/resume_memory_occupation", {"tags": todo})
+        await self._memory_call(self.urls, "/resume_memory_occupation", {"tags": todo})
         self.released_tags -= set(todo)
+
+    async def _memory_call(self, urls: Sequence[str], path: str, body: dict[str, Any]) -> None:
+        """POST a memory release/resume to those of `urls` that take one (not SGLang's CPU
+        engine: `compat.sends_memory_calls`); the released tags are kept all the same."""
+        await self.astart()
+        await asyncio.gather(*(self._post(u, path, body) for u in urls
+                               if compat.sends_memory_calls(self.server_info.get(u, {}))))
 
     # -------------------------------------------------------------- shutdown
     async def ashutdown(self) -> None:

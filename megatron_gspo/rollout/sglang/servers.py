@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.rollout.sglang import compat
 from megatron_gspo.rollout.sglang.launch import (
     LaunchSpec,
     ServerProcess,
@@ -145,6 +146,9 @@ class SGLangServers:
         contexts = []
         for url, info in zip(self.urls, infos, strict=True):
             self.server_info[url] = info
+            note = compat.version_warning(info)
+            if note:
+                log.warning("%s: %s", url, note)
             tp, dp = info.get("tp_size", 1), info.get("dp_size", 1)
             if tp != self.tp_size:
                 raise RolloutError(

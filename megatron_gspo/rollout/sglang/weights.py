@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from megatron_gspo.rollout.base import Bucket, RolloutError
+from megatron_gspo.rollout.sglang import compat
 from megatron_gspo.rollout.weight_sync import (
     bucket_payloads,
     dtype_name,
@@ -131,19 +132,18 @@ class SGLangWeightSync:
         await self._all("/continue_generation")
 
     async def abegin_update_sessions(self) -> None:
-        """Open a weight-update session on every server that has them. SGLang 0.5.23 takes
-        tensor and distributed updates only between /begin_weight_update and
-        /end_weight_update (managers/scheduler_components/weight_updater.py); 0.5.12 has no such
-        endpoint (404), remembered per server."""
+        """Open a weight-update session on every server that has them (SGLang 0.5.23 takes
+        tensor and distributed updates only inside one; 0.5.12 answers 404, remembered per
+        server: `compat.lacks_update_sessions`)."""
         known = self._has_update_sessions
 
         async def begin(u: str) -> str | None:
             if known.get(u) is False:
                 return None
             try:
-                await self._post(u, "/begin_weight_update", {"selector": "all"})
+                await self._post(u, compat.UPDATE_SESSION_PATHS[0], {"selector": "all"})
             except RolloutError as e:
-                if "answered HTTP 404" not in str(e):
+                if not compat.lacks_update_sessions(e):
                     raise
                 known[u] = False
                 return None
@@ -155,7 +155,8 @@ class SGLangWeightSync:
     async def aend_update_sessions(self) -> None:
         """Close the sessions `abegin_update_sessions` opened (SGLang finalizes the weights)."""
         opened, self._open_updates = self._open_updates, []
-        await asyncio.gather(*(self._post(u, "/end_weight_update", {}) for u in opened))
+        await asyncio.gather(*(self._post(u, compat.UPDATE_SESSION_PATHS[1], {})
+                               for u in opened))
 
     async def flush_cache(self) -> None:
         await self._all("/flush_cache")

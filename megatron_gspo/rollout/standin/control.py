@@ -1,6 +1,7 @@
 """The information and control side of the stand-in SGLang server (`standin_server.StandinServer`
 mixes it in next to `generate.GenerationEndpoints`): `/health`, `/health_generate`,
-`/model_info`, `/server_info`, `/release_memory_occupation` (refused while busy),
+`/model_info`, `/server_info`, `/release_memory_occupation` (refused while busy; ends a CPU
+server acting as SGLang 0.5.23),
 `/pause_generation`, `/continue_generation`, `/abort_request` and `/standin/faults`.
 Upstream files are named where each one's behaviour is copied.
 """
@@ -60,7 +61,7 @@ class ControlEndpoints:
         return web.json_response(
             {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
              "context_length": self.context_length_arg, "version": "standin",
-             "weight_version": self.weight_version,
+             "weight_version": self.weight_version, "device": self.device,
              # SGLang's /server_info lists every ServerArgs field
              "enable_return_routed_experts": getattr(self, "enable_return_routed_experts", False)}
         )
@@ -69,11 +70,17 @@ class ControlEndpoints:
     async def release_if_idle(self, request: web.Request) -> web.StreamResponse:
         """/release_memory_occupation; while requests are in flight the server ends, as
         upstream, where the scheduler asserts it is idle
-        (managers/scheduler_update_weights_mixin.py) and the failed assertion ends it."""
+        (managers/scheduler_update_weights_mixin.py) and the failed assertion ends it. A CPU
+        server acting as 0.5.23 (`weight_update_sessions`) always ends: its release's closing
+        `torch.get_device_module().synchronize()` is torch.cuda under torch 2.14.1
+        (managers/scheduler_components/weight_updater.py; `sglang.compat`)."""
         if self.in_flight or self._queue:
             return await self.die(request, "AssertionError: release_memory_occupation should "
                                   f"be called only when server is idle ({self.in_flight} "
                                   "requests in flight)")
+        if self.device == "cpu" and self.weight_update_sessions:
+            return await self.die(request, "RuntimeError: Found no NVIDIA driver on your system "
+                                  "(managers/scheduler_components/weight_updater.py:379)")
         return await self.release(request)  # type: ignore[attr-defined]
 
     async def pause(self, request: web.Request) -> web.Response:
