@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 GENERATED = {"reference/config.md", "reference/cli.md", "docker.md"}  # docs/hooks.py PAGES
 FREE_FORM = ("agent.env_kwargs.", "reward.kwargs.")  # dict-valued fields: keys are the user's
-NOT_FIELDS = {"model.lora.rnak"}  # configuration.md's example of an unknown-key error
+NOT_FIELDS = {"model.lora.rnak",  # configuration.md's example of an unknown-key error
+              "model.load_weights"}  # SGLang's model method (weight-sync.md)
 README_MAX_LINES = 120
 
 
