@@ -13,7 +13,7 @@
 #      SGLang servers colocated on each node), checkpoints written to a docker volume; then two
 #      fresh containers resume the job from that volume
 #   7. no container, volume or network of ours may remain (docker ps -a / network ls /
-#      volume ls printed); the image, the build cache and the data root are removed
+#      volume ls printed); dockerd stops, its data root (images, build cache) is removed
 # Prints each step's time and the tier's; exit code 1 when a step failed, naming it.
 # Environment: DOCKER_TIER_STEPS (demo steps, default 3), DOCKER_TIER_KEEP=1 keeps .docker-tier.
 set -euo pipefail
@@ -60,17 +60,21 @@ finish() {
         echo "--- docker volume ls"; "$DOCKER" volume ls
         left=$(ours)
         "$DOCKER" rmi -f "$image" megatron-gspo-base:bookworm >/dev/null 2>&1 || true
-        "$DOCKER" builder prune -af >/dev/null 2>&1 || true
         kill "$dockerd_pid"
         wait "$dockerd_pid" 2>/dev/null || true
         say "dockerd stopped"
     fi
+    # dockerd leaves its network namespace mounted in its exec root.
+    if grep -q " /run/$id/netns/default " /proc/mounts; then
+        umount "/run/$id/netns/default" || true
+    fi
+    rm -rf "/run/$id" "/run/$id.pid" "$sock"
     if [[ -n "$left" ]]; then
         say "left behind: $left"
         rc=1
     fi
     if [[ "${DOCKER_TIER_KEEP:-0}" != 1 ]]; then
-        rm -rf "$work/data-root" "$work/exec-root"
+        rm -rf "$work/data-root"  # the images and the build cache with it
     fi
     say "tier exit code $rc after $(( $(date +%s) - tier_start )) s"
     exit "$rc"
@@ -89,7 +93,7 @@ end_step
 
 # ---- 2. dockerd
 start_step "2 dockerd (private: $sock)"
-rm -rf "$work/data-root" "$work/exec-root"
+rm -rf "$work/data-root"
 mkdir -p "$work"
 dockerd --data-root "$work/data-root" --exec-root "/run/$id" --host "$DOCKER_HOST" \
     --pidfile "/run/$id.pid" --bridge=none --iptables=false --ip6tables=false \
