@@ -44,6 +44,9 @@ TE_TORCH_REQUIRES = ["einops", "onnxscript", "onnx", "packaging", "pydantic", "n
 TE_TORCH_BUILD = ["setuptools>=61.0", "wheel", "pybind11", "ninja"]
 INDEX = "https://pypi.org/simple"
 SDIST = "transformer-engine-torch"  # the one locked file that is not a wheel
+# Locked for the gpu image although SGLang's closure has them: the pinned router, and the build
+# backend the project's editable install takes from the wheelhouse (build isolation, offline).
+KEEP = ("sglang-router", "setuptools")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux2010_x86_64",
              "manylinux1_x86_64", "linux_x86_64"]
@@ -144,7 +147,7 @@ def lock_gpu(tmp: Path) -> list[str]:
     lines = []
     for item in full:
         name = canonical(item["metadata"]["name"])
-        if name in base and name not in ("sglang-router",):
+        if name in base and name not in KEEP:
             continue
         sha = item["download_info"]["archive_info"]["hashes"]["sha256"]
         lines.append(lock_line(name, item["metadata"]["version"], sha))

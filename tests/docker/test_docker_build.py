@@ -67,6 +67,7 @@ def test_gpu_lock_holds_the_dockerfile_versions():
         assert locked[name] == args["TE_VERSION"], f"{name} locked at {locked.get(name)}"
     # Neither SGLang nor torch: they are the base image's, kept fixed by its constraints.
     assert not {"sglang", "torch", "sglang-kernel", "flashinfer-python"} & set(locked)
+    assert "setuptools" in locked  # the editable install's build backend, offline
 
 
 def test_gpu_lock_and_sglang_cover_the_project():
@@ -134,6 +135,16 @@ def test_selfcheck_pins_decide_on_this_install():
     assert selfcheck.public("2.13.0+cpu") == "2.13.0"
     assert selfcheck.main(["--only-base", f"torch=={torch}"]) == 0
     assert selfcheck.main(["--only-base", "torch==0.0.1"]) == 1
+
+
+def test_selfcheck_pip_check_fails_only_on_new_problems():
+    base = {"vllm 0.1 requires torch==2.0, which is not installed."}
+    assert selfcheck.pip_check_row(0, "No broken requirements found.\n", set())[1]
+    ok, detail = selfcheck.pip_check_row(1, next(iter(base)) + "\n", base)[1:]
+    assert ok and "inherited" in detail
+    new = "megatron-core 0.19.2 has requirement packaging>=24.2, but you have packaging 23.0."
+    ok, detail = selfcheck.pip_check_row(1, f"{next(iter(base))}\n{new}\n", base)[1:]
+    assert not ok and detail == new
 
 
 def test_selfcheck_outside_the_image_says_so(tmp_path, capsys):
