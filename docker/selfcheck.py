@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.pins.is_file():
             print(f"selfcheck: no pins file {args.pins} (not inside the image?)", file=sys.stderr)
             return 1
-        pins = check_pins(args.pins.read_text().splitlines())
+        pins = check_pins(list(dict.fromkeys(args.pins.read_text().splitlines())))  # once each
         rows = check_install()
         bad = [r for r in pins if not r[1]]
         rows.insert(0, (f"pins ({len(pins)} packages)", not bad,
