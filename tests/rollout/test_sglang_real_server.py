@@ -168,9 +168,10 @@ def test_abort_and_timeouts(fp32):
         # WAITING_ABORTED with its short meta_info (test_sglang_real_findings.py)
         assert status == 200 and len(out["output_ids"]) < 110
         assert fr in (ABORTED, WAITING_ABORTED), fr
-        if fr == WAITING_ABORTED:
-            assert sorted(out["meta_info"]) == ["completion_tokens", "e2e_latency",
-                                                "finish_reason", "id", "weight_version"]
+        if fr == WAITING_ABORTED:  # 0.5.23 adds keys (response_sent_to_client_ts, ...)
+            short = {"completion_tokens", "e2e_latency", "finish_reason", "id", "weight_version"}
+            got = set(out["meta_info"])
+            assert (got == short if tier.version() == tier.PINNED else short <= got), got
     eng = _attach(fp32, request_timeout_s=0.3, max_retries=1)
     try:
         with pytest.raises(RolloutError, match="failed 2 times; last error.*Timeout"):
