@@ -440,6 +440,7 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
             t.cancel()
         await asyncio.sleep(0)
         await self._stop_processes()
+        self.close_update_group()
         if self._session is not None and not self._session.closed:
             await self._session.close()
 

@@ -316,6 +316,16 @@ class SGLangWeightSync:
         self._update_group, self._group_name = pg, group_name
         return pg
 
+    def close_update_group(self) -> None:
+        """Destroy the learner's side of the weight-update group (at shutdown): torch keeps a
+        group by name for the process's life, so a later engine in the same process could not
+        form its own "weight_update_group" ("group name has already been created")."""
+        import torch.distributed as dist
+
+        if self._update_group is not None:
+            pg, self._update_group = self._update_group, None
+            dist.destroy_process_group(pg)
+
     async def aupdate_weights_distributed(self, buckets: Iterable[Bucket], version: int) -> None:
         """Disaggregated update: metadata over HTTP, tensors by broadcast from the learner."""
         import torch.distributed as dist
