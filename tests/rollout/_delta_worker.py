@@ -58,7 +58,8 @@ def main(work: str, overrides: list[str], tamper: int | None, resume: int | None
                 f"rollout.server_urls=[{srv.url}]", *BASE, *overrides,
                 f"train.max_steps={resume}", "train.resume=auto"])
             runs.append(_rows(train.run(cfg, str(run_dir))))
-        out = {"runs": runs, "weight_version": srv.weight_version, "died": getattr(srv, "died", None)}
+        out = {"runs": runs, "weight_version": srv.weight_version,
+               "died": getattr(srv, "died", None)}
     finally:
         srv.stop_thread()
     print("RESULT " + json.dumps(out))

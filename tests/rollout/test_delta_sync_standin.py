@@ -28,14 +28,14 @@ def _learner(engine, dtype=torch.float32):
     return {k: v.detach().to(dtype).clone() for k, v in engine.model.named_parameters()}
 
 
-def _step(w, share, seed):
-    """A sparse update of `w`: `share` of each tensor's elements move by 1e-2 relative."""
+def _step(w, share, seed, scale=1e-2):
+    """A sparse update of `w`: `share` of each tensor's elements move by `scale` relative."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for k, v in w.items():
         m = torch.rand(v.shape, generator=g) < share
         nv = v.clone()
-        nv[m] = (v.float()[m] * (1 + 1e-2 * torch.randn(int(m.sum()), generator=g))).to(v.dtype)
+        nv[m] = (v.float()[m] * (1 + scale * torch.randn(int(m.sum()), generator=g))).to(v.dtype)
         out[k] = nv
     return out
 

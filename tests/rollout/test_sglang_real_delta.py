@@ -14,9 +14,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from tests.rollout import _sglang_real as tier
+from tests.rollout.test_delta_sync_standin import _step as sparse_step
 
 tier.require_tier()
 pytestmark = pytest.mark.sglang_real
@@ -65,14 +65,7 @@ def _learner(model_dir):
 
 def _step(w, share, seed):
     """`share` of each tensor's elements move by 20% (big enough for the probe to see)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for k, v in w.items():
-        m = torch.rand(v.shape, generator=g) < share
-        nv = v.clone()
-        nv[m] = (v.float()[m] * (1 + 0.2 * torch.randn(int(m.sum()), generator=g))).to(v.dtype)
-        out[k] = nv
-    return out
+    return sparse_step(w, share, seed, scale=0.2)
 
 
 def _verify(eng, model_dir, w, version):
