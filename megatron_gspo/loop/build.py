@@ -330,7 +330,7 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
                                 ("--enable-return-routed-experts",) if routing else ()) + (
                                 runtime.pop("extra", ())),
                             log_dir=r.server_log_dir or log_dir, api_key=api_key,
-                            module=module, **runtime)
+                            module=module, deterministic=cfg.train.deterministic, **runtime)
         from megatron_gspo.rollout.sglang.launch import check_local_gpus
 
         try:

@@ -15,6 +15,7 @@ are comparable. With temperature 0 (greedy) the log-prob is taken at temperature
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine, Iterable, Sequence
@@ -51,6 +52,9 @@ class SamplingParams:
         n: samples per prompt (a group).
         stop_token_ids: extra token ids that end a sample (the stop token is kept in the output).
         ignore_eos: do not stop at the model's end-of-sequence token(s).
+        seed: this sample's own sampling seed (SGLang's `sampling_seed`; a server honours it
+            only when started with `--enable-deterministic-inference`), so what it draws does
+            not depend on which other requests share its batch; None: the engine's stream.
     """
 
     max_new_tokens: int = 256
@@ -60,6 +64,7 @@ class SamplingParams:
     n: int = 1
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -77,6 +82,9 @@ class SamplingParams:
             raise ValueError(f"sampling.top_k must be -1 (off) or >= 0, got {self.top_k}")
         if self.n < 1:
             raise ValueError(f"sampling.n must be >= 1, got {self.n}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(
+                self.seed, int) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"sampling.seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +134,8 @@ class SamplingParams:
         }
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            out["sampling_seed"] = self.seed
         return out
 
 
@@ -178,6 +188,27 @@ def plan_slots(
         for j in range(p.n):
             slots.append(_Slot(r, j, len(slots)))
     return slots, params
+
+
+def sample_seed(base: int, call: int, index: int) -> int:
+    """The sampling seed of sample `index` of generate call `call` of a step seeded `base`: a
+    hash in [0, 2**63), the same on every process and in every batch the sample lands in."""
+    digest = hashlib.blake2b(f"{base}:{call}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # [0, 2**63)
+
+
+class SampleSeeds:
+    """Per-sample seeds of one training step (`train.deterministic` with SGLang servers): the
+    k-th sample of the c-th generate call since `base` was set gets `sample_seed(base, c, k)`,
+    so a resumed run draws what an uninterrupted one drew, whichever server and batch."""
+
+    def __init__(self, base: int) -> None:
+        self.base, self.calls = int(base), 0
+
+    def next_call(self) -> Any:
+        """The seeds of the next generate call: a function of the sample's index."""
+        call, self.calls = self.calls, self.calls + 1
+        return lambda index: sample_seed(self.base, call, index)
 
 
 def make_sample(

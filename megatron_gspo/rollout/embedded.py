@@ -303,6 +303,15 @@ class EmbeddedEngine(RolloutEngine):
         return [(*o, capture.rows(i, lens[i], max(lens), len(o[0]) - 1))
                 for i, o in enumerate(outs)]
 
+    def _draw(self, probs: torch.Tensor, row_gens: list) -> torch.Tensor:
+        """One token per row of `probs` [B, V]: rows with their own generator from it, the
+        others from the engine's stream (one batched draw when no row has a seed)."""
+        if all(g is None for g in row_gens):
+            return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)  # [B]
+        return torch.cat([torch.multinomial(probs[i : i + 1], 1,
+                                            generator=g if g is not None else self.generator)
+                          for i, g in enumerate(row_gens)]).squeeze(-1)  # [B]
+
     def _sample_rows(self, rows, capture: RoutingCapture | None) -> list[tuple]:
         from transformers import DynamicCache
 
@@ -337,6 +346,10 @@ class EmbeddedEngine(RolloutEngine):
             for _, sp in rows
         ]
 
+        # a row with its own seed draws from its own stream: what it samples does not depend on
+        # the rows it shares the batch with (SGLang's per-request `sampling_seed`)
+        row_gens = [None if sp.seed is None else torch.Generator(device=dev).manual_seed(sp.seed)
+                    for _, sp in rows]
         out_ids: list[list[int]] = [[] for _ in range(bsz)]
         out_lps: list[list[float]] = [[] for _ in range(bsz)]
         reasons = ["length"] * bsz
@@ -362,7 +375,7 @@ class EmbeddedEngine(RolloutEngine):
                     f"weight version {self.weight_version}: the weights of the optimizer "
                     f"update that made version {self.weight_version} overflow (logits inf/nan); "
                     "lower optimizer.lr or check the gradients")
-            sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)  # [B]
+            sampled = self._draw(probs, row_gens)  # [B]
             tok = torch.where(greedy, scaled.argmax(-1), sampled)  # [B]
             tok_lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)  # [B]
             tok_l, lp_l = tok.tolist(), tok_lp.tolist()

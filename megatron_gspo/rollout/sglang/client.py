@@ -6,7 +6,8 @@ SGLang's radix cache shares the prompt prefix) with `input_ids`, `sampling_param
 ([logprob, token_id, text] per generated token; text is null since `return_text_in_logprobs`
 is not asked for) gives the response ids and log-probs, `meta_info.finish_reason.type` the
 finish reason. Requests go to the least-busy server (or to the router when one is configured),
-at most `max_concurrency` at once. Each sample slot is filled exactly once.
+at most `max_concurrency` at once. Each sample slot is filled exactly once. With
+`sample_seeds` set (`train.deterministic`) each sample carries its own `sampling_seed`.
 
 Failures: connection errors, timeouts, bodies cut mid-way, 5xx, non-JSON or malformed answers
 (token ids outside the vocabulary, more tokens than max_new_tokens) and finish reason `abort`
@@ -19,19 +20,16 @@ end. Exhausted retries on anything else and 401/403 fail the call with one error
 sample and server (launched servers are then stopped).
 
 At start the client reads `GET /server_info` of every server: tp_size must equal the
-configured one and dp_size be 1 (a mismatch is refused with one line), and the context length
-(its `context_length`, else the model config at its `model_path` when that is a local
-directory, else `context_length` given here) bounds requests before they are sent: a prompt
-that does not fit is a per-sample failure, a too-large max_new_tokens is capped ("capped").
-A prompt with a token id outside the vocabulary (negative, or not below `vocab_size`) would end
-the server: it is a per-sample failure, never sent.
-With `api_key` every request (generation, control and weight endpoints) carries
-`Authorization: Bearer <key>`; the key is never logged.
+configured one and dp_size be 1 (else refused with one line); the context length (reported,
+else the local model config's, else `context_length`) bounds requests before they are sent: a
+prompt that does not fit is a per-sample failure, a too-large max_new_tokens is capped. A
+prompt with a token id outside the vocabulary would end the server: a per-sample failure, never
+sent. With `api_key` every request carries `Authorization: Bearer <key>` (never logged).
 
-Weights (matches SGLang's endpoints, see `sglang_weights`): `/update_weights_from_tensor` with
-flattened buckets (colocated), `/init_weights_update_group` + `/update_weights_from_distributed`
-(NCCL broadcast from the learner), `/update_weights_from_disk`; generation is paused around an
-update and the prefix cache flushed after it. `/release_memory_occupation` and
+Weights (SGLang's endpoints, `sglang_weights`): `/update_weights_from_tensor` with flattened
+buckets (colocated), `/init_weights_update_group` + `/update_weights_from_distributed` (NCCL
+broadcast from the learner), `/update_weights_from_disk`; generation is paused around an update
+and the prefix cache flushed after it. `/release_memory_occupation` and
 `/resume_memory_occupation` free and take back GPU memory in colocated mode (never sent to
 SGLang's CPU engine, which has none to free and which they end on 0.5.23: `compat`).
 """
@@ -54,6 +52,7 @@ from megatron_gspo.rollout.base import (
     GenerateRequest,
     RolloutEngine,
     RolloutError,
+    SampleSeeds,
     SamplingParams,
     make_sample,
     plan_slots,
@@ -72,8 +71,7 @@ __all__ = ["SGLangEngine", "parse_generate_output"]
 
 #: Seconds an idle pooled connection is reused. SGLang's uvicorn closes idle keep-alive
 #: connections after 5 s (environ.py SGLANG_TIMEOUT_KEEP_ALIVE); a request written on one the
-#: server is closing fails ("Can not write request body"), e.g. after a weight payload was
-#: serialized on the event loop for longer than that. The pool drops them well before.
+#: server is closing fails ("Can not write request body"). The pool drops them well before.
 KEEPALIVE_S = 2.0
 
 
@@ -184,6 +182,7 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
         self.server_info: dict[str, dict] = {}
         self.metrics = {"retries": 0, "requests": 0, "aborted": 0, "failed": 0, "capped": 0}
         self.return_routing, self.routing_shape = return_routing, routing_shape
+        self.sample_seeds: SampleSeeds | None = None  # set per step by the loop
 
     # ---------------------------------------------------------------- state
     @property
@@ -229,12 +228,15 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
                                "resume_memory first")
         slots, params = plan_slots(requests, self.default_sampling)
         batch = next(self._batches)
+        seeds = self.sample_seeds.next_call() if self.sample_seeds is not None else None
         sem = asyncio.Semaphore(self.max_concurrency)
         results: list[Sample | None] = [None] * len(slots)
 
         async def one(slot: Any) -> None:
             req = requests[slot.request_idx]
             sp = params[slot.request_idx].to_sglang()
+            if seeds is not None:
+                sp["sampling_seed"] = seeds(slot.out_idx)
             body = {"input_ids": list(req.prompt_ids), "sampling_params": sp,
                     "return_logprob": True}
             if self.return_routing:
@@ -324,9 +326,8 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
             if attempt == self.max_retries:
                 return ids, lps, reason, url, ver, (
                     f"{where}: aborted by {url} {attempt + 1} times; kept with loss mask 0"), None
-        raise RolloutError(
-            f"{where}: /generate failed {self.max_retries + 1} times; last error: {last_err}"
-        )
+        raise RolloutError(f"{where}: /generate failed {self.max_retries + 1} times; last error: "
+                           f"{last_err}")
 
     async def _post_generate(self, url: str, body: dict[str, Any], where: str) -> Any:
         self.metrics["requests"] += 1
@@ -365,9 +366,7 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
             pass
 
     def _parse_version(self, ver: str | None) -> int:
-        if ver is not None and ver.isdigit():
-            return int(ver)
-        return self._version
+        return int(ver) if ver is not None and ver.isdigit() else self._version
 
     # ------------------------------------------------------------- plumbing
     async def _post(self, url: str, path: str, body: dict[str, Any] | None = None,

@@ -15,6 +15,7 @@ port whose port + 10000 is above 65535). The API key never appears in logged com
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 
 from megatron_gspo.run import exec_with_parent
 from megatron_gspo.rollout.sglang.protocol import HEALTH_GENERATION_ENV, MAX_SERVER_PORT
+
+log = logging.getLogger(__name__)
 
 #: --dtype values a launched server gets (the learner's export dtypes; never "auto").
 SERVER_DTYPES = ("float32", "bfloat16", "float16")
@@ -57,6 +60,10 @@ class LaunchSpec:
         env: extra environment variables.
         log_dir: where server logs go (None = inherit the parent's stdout/stderr).
         api_key: SGLang --api-key of every server (None = none); kept out of repr.
+        deterministic: --enable-deterministic-inference (a request's `sampling_seed` then
+            seeds its sampling; batch-invariant kernels). Not on the CPU engine: upstream's
+            deterministic mode needs fa3, flashinfer or triton attention
+            (server_args.py `_handle_deterministic_inference`), which the CPU engine lacks.
     """
 
     model_path: str
@@ -76,6 +83,7 @@ class LaunchSpec:
     log_dir: str | None = None
     api_key: str | None = field(default=None, repr=False)
     device: str = "cuda"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in SERVER_DTYPES:
@@ -96,6 +104,10 @@ class LaunchSpec:
             raise ValueError(
                 f"rollout.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
             )
+        if self.deterministic and self.device == "cpu":
+            log.warning("train.deterministic: SGLang's CPU engine has no deterministic inference "
+                        "(it needs fa3, flashinfer or triton attention); its sampling does not "
+                        "follow the per-sample seeds")
 
 
 def check_local_gpus(spec: LaunchSpec, visible: int) -> None:
@@ -137,6 +149,8 @@ def server_argv(spec: LaunchSpec, index: int, port: int) -> list[str]:
         argv.append("--enable-memory-saver")
     if spec.api_key:
         argv += ["--api-key", spec.api_key]
+    if spec.deterministic and spec.device != "cpu":
+        argv.append("--enable-deterministic-inference")
     if spec.device == "cpu":
         argv += cpu_server_args(spec.extra_args)
     argv += list(spec.extra_args)

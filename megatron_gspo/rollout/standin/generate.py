@@ -91,8 +91,13 @@ async def json_not_found(request: web.Request, handler: Any) -> web.StreamRespon
         return web.json_response({"detail": "Not Found"}, status=404)
 
 
-def _params(d: dict[str, Any]) -> SamplingParams:
+def _params(d: dict[str, Any], deterministic: bool = False) -> SamplingParams:
+    """A request's sampling_params; `sampling_seed` counts only on a server started with
+    --enable-deterministic-inference (sampling/sampling_batch_info.py: else None)."""
     top_k = int(d.get("top_k", -1))
+    seed = d.get("sampling_seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"sampling_seed must be an integer, got {seed!r}")  # 0.5.23 verify()
     return SamplingParams(
         max_new_tokens=int(d.get("max_new_tokens", 128)),
         temperature=float(d.get("temperature", 1.0)),
@@ -101,6 +106,7 @@ def _params(d: dict[str, Any]) -> SamplingParams:
         n=int(d.get("n", 1)),
         stop_token_ids=tuple(d.get("stop_token_ids") or ()),
         ignore_eos=bool(d.get("ignore_eos", False)),
+        seed=seed % 2**63 if deterministic and seed is not None else None,
     )
 
 
@@ -229,7 +235,7 @@ class GenerationEndpoints:
         if len(sps) != len(prompts):
             return _bad(f"{len(sps)} sampling_params for {len(prompts)} prompts")
         try:
-            params = [_params(d) for d in sps]
+            params = [_params(d, self.deterministic_inference) for d in sps]
         except (TypeError, ValueError) as e:
             return _bad(str(e))
         rid = body.get("rid") or uuid.uuid4().hex

@@ -75,6 +75,8 @@ class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
             between /begin_weight_update and /end_weight_update.
         custom_weight_loaders: `--custom-weight-loader MODULE.FUNC ...`: tensor updates with
             that load_format call FUNC(model, named_tensors).
+        deterministic_inference: `--enable-deterministic-inference`: a request's
+            `sampling_seed` seeds its own sampling stream (else it is ignored, as upstream).
     """
 
     def __init__(
@@ -83,8 +85,9 @@ class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
         dp_size: int = 1, context_length: int | None = None, api_key: str | None = None,
         health_generation: bool | None = None, enable_return_routed_experts: bool = False,
         device: str = "cuda", weight_update_sessions: bool = False,
-        custom_weight_loaders: Any = (),
+        custom_weight_loaders: Any = (), deterministic_inference: bool = False,
     ) -> None:
+        self.deterministic_inference = deterministic_inference
         self.device, self.weight_update_sessions = device, weight_update_sessions
         self.session_open = False
         self.custom_weight_loaders = list(custom_weight_loaders or ())  # --custom-weight-loader
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--weight-update-sessions", action="store_true")  # as SGLang 0.5.23
     ap.add_argument("--custom-weight-loader", nargs="*", default=None)
+    ap.add_argument("--enable-deterministic-inference", action="store_true")
     args, _unknown = ap.parse_known_args(argv)
     port_error = grpc_port_error(args.port, os.environ)
     if port_error:  # SGLang refuses the port before loading anything
@@ -251,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
                            enable_return_routed_experts=args.enable_return_routed_experts,
                            device=args.device,
                            weight_update_sessions=args.weight_update_sessions,
-                           custom_weight_loaders=args.custom_weight_loader)
+                           custom_weight_loaders=args.custom_weight_loader,
+                           deterministic_inference=args.enable_deterministic_inference)
 
     async def run() -> None:
         await server.start()
