@@ -37,6 +37,7 @@ def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None)
     Whatever the run started (launched servers, the async producer, process groups) is
     stopped when it ends, also when it ends with an error.
     """
+    restarts.die_with_agent()  # under torchrun: no worker outlives its agent
     run_dir = build.resolve_run_dir(run_dir, config_path)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     if restarts.restart_round() > 0:  # torchrun restarted the group: continue the run

@@ -7,6 +7,7 @@ continue the run instead of refusing it or starting over, and stops a run that f
 same step again and again.
 
 - `restart_round()`: the round (0 without torchrun).
+- `die_with_agent()`: a worker ends when its torchrun agent dies (also by kill -9).
 - `RestartRecord.begin` (the writing rank, holding the run-dir lock): in round 0 it starts a
   fresh `RUN_DIR/restarts.json`; in a restarted round it records the failed step (the first
   step the dead group did not log in metrics.jsonl) and its cause (the first error a rank of
@@ -25,10 +26,11 @@ import os
 import time
 from pathlib import Path
 
+from megatron_gspo.run.exec_with_parent import die_with_parent
 from megatron_gspo.run.rundir import RunError
 
 __all__ = ["SAME_STEP_FAILURES", "RepeatedFailure", "RestartRecord", "restart_round",
-           "max_restarts", "note_error"]
+           "max_restarts", "note_error", "die_with_agent"]
 
 SAME_STEP_FAILURES = 3  # the third failure at one step stops the job
 RECORD = "restarts.json"
@@ -50,6 +52,17 @@ def restart_round() -> int:
         return max(0, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     except ValueError:
         return 0
+
+
+def die_with_agent() -> None:
+    """Under torchrun (TORCHELASTIC_RUN_ID set): the kernel kills this worker when its elastic
+    agent dies. The agent stops its workers when it is stopped (SIGTERM, SIGINT), but an agent
+    killed with -9 or crashed leaves them running, holding their ports and accelerators; with
+    this they end, and their launched servers and writer helpers with them (each tied to its
+    own launcher). torchrun's agent starts its workers from its main thread, the thread the
+    kernel watches (`exec_with_parent`)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent(os.getppid())
 
 
 def max_restarts() -> int:

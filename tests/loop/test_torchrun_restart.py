@@ -36,6 +36,31 @@ def test_killed_rank_is_restarted_by_torchrun_and_the_run_matches(tmp_path):
     assert resumed and 1 <= int(resumed.group(1)) <= fail["step"]
 
 
+def test_workers_die_with_a_killed_agent(tmp_path):
+    """kill -9 of the torchrun agent itself (a crashed agent, a lost node's agent): its workers
+    end too (run/restarts.py `die_with_agent`), so nothing holds the ports or the run dir."""
+    import os
+    import signal
+
+    import chaos_torchrun as ct
+
+    job = ct.Job(tmp_path / "agent", steps=100_000)  # far more than the test waits for
+    try:
+        assert job.wait_for(job.run / "metrics.jsonl"), job.stderr()[-2000:]  # both ranks run
+        ranks = job.ranks()
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(job.p.pid, signal.SIGKILL)
+        job.p.wait()
+        deadline = time.time() + 15  # the kernel's signal: at once (left alone they train on)
+        while any(ct.chaos._alive(p) for p in ranks.values()) and time.time() < deadline:
+            time.sleep(0.1)
+        alive = [p for p in ranks.values() if ct.chaos._alive(p)]
+    finally:
+        left = job.leftovers()  # (30 s of grace) kills whatever is left, for the next tests
+    assert alive == [], f"workers {alive} outlived their killed agent"
+    assert left == [], f"processes {left} of the job were left"
+
+
 @pytest.mark.slow
 def test_the_same_step_failing_stops_the_job_with_one_line(tmp_path):
     import chaos_torchrun as ct
