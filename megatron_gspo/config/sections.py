@@ -394,24 +394,24 @@ class AgentConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = option(100, "RL steps (rollout + updates) to run", ge=1)
-    seed: int = option(1234, "seed of data order, sampling and initialisation", ge=0,
-                       le=2**31 - 1)
+    seed: int = option(1234, "seed of data order, sampling and init", ge=0, le=2**31 - 1)
     resume: str = option("auto", "auto: continue from the newest intact checkpoint (a damaged "
                          "one is moved aside); never: start fresh, an error if the run dir "
                          "already holds checkpoints or metrics", choices=("auto", "never"))
     prompts_per_step: int = option(32, "prompts per rollout batch", ge=1)
     eval_interval: int = option(0, "evaluate every N steps (0 disables)", ge=0)
     eval_prompts: int = option(64, "prompts per evaluation (per eval set)", ge=1)
-    eval_temperature: float = option(
-        0.0, "evaluation sampling temperature: 0 = greedy, > 0 = sampled", ge=0.0)
+    eval_temperature: float = option(0.0, "evaluation temperature: 0 = greedy, > 0 = sampled",
+                                     ge=0.0)
     eval_samples: int = option(1, "responses per eval prompt (n of mean@n and pass@k; > 1 needs "
                                "train.eval_temperature > 0)", ge=1)
     eval_pass_k: list[int] = option([], "the k values of pass@k (each <= train.eval_samples); "
                                     "empty: 1, 2, 4, ... up to eval_samples, and eval_samples")
     eval_pass_threshold: float = option(1.0, "an eval response counts as correct for pass@k "
                                         "when its reward is at least this")
-    deterministic: bool = option(False, "reproducible runs (slower): torch's, cuDNN's, cuBLAS's, "
-                                 "NCCL's and Megatron-Core's determinism switches")
+    deterministic: bool = option(False, "reproducible runs (slower): torch/cuDNN/cuBLAS/NCCL/"
+                                 "Megatron-Core determinism, a sampling seed per SGLang sample "
+                                 "(launched GPU servers: --enable-deterministic-inference)")
     max_skipped_steps: int = option(
         3, "stop with an error after this many steps in a row whose optimizer updates were all "
         "skipped for a non-finite loss or gradient (0: never stop)", ge=0)

@@ -155,6 +155,14 @@ def kill_rank(job: Job, rank: int, step: int | None, delay: float,
     return True
 
 
+def _no_counters(rows: dict[int, dict]) -> dict[int, dict]:
+    """Rows without the SGLang client's `rollout/engine_*_total` counters: they count since
+    the process started (a restarted group's start at 0), like the timings."""
+    return {step: {k: v for k, v in row.items()
+                   if not (k.startswith("rollout/engine_") and k.endswith("_total"))}
+            for step, row in rows.items()}
+
+
 def failures(run: Path) -> list[dict]:
     """The automatic restarts recorded by the run (run/restarts.py)."""
     try:
@@ -238,7 +246,8 @@ class TorchrunChaos:
             self.problem("leftovers", f"{run.name}: processes {left} left")
 
     def compare(self, run: Path, servers: bool = False, sync: bool = False) -> None:
-        ref, got = self.reference(servers, sync), chaos.Chaos.metrics(run)
+        ref, got = (_no_counters(rows) for rows in (self.reference(servers, sync),
+                                                    chaos.Chaos.metrics(run)))
         if sorted(got) != list(range(self.steps)):
             self.problem("mismatches", f"{run.name}: metrics steps {sorted(got)}")
         for step in sorted(set(got) & set(ref)):

@@ -27,7 +27,9 @@ What makes a save cheap for the training loop (bench/checkpoint_profile.py measu
   (0.26 s per save of the tiny demo on loaded cores); NVRx keeps pinned staging buffers on GPU
   for the same reason;
 - one writer process per rank (`thread_count=1`; 0.16.1 defaults to 2: two forks per save);
-- hashing the files (seconds for a 2 GB checkpoint) runs beside training, not in the poll.
+- hashing the files (seconds for a 2 GB checkpoint) runs beside training, not in the poll;
+- the writer processes and the publish thread run at the lowest CPU priority (nice 19): where
+  training keeps every core busy (CPU training) they take its gaps instead of slowing it.
 The writer is forked per save (Megatron's `TemporalAsyncCaller`), not a persistent spawned
 worker: on CPU Megatron stages only views (`preload_tensors` is a no-op for CPU tensors), so a
 persistent worker would write optimizer states that training already changed; the fork's
@@ -42,6 +44,10 @@ import threading
 
 import torch
 
+from megatron_gspo.megatron.io.child_procs import (background_children,
+                                                   install_checkpoint_results_queue,
+                                                   lower_priority, tie_forked_children)
+
 __all__ = ["AsyncSaves"]
 
 
@@ -54,8 +60,6 @@ class AsyncSaves:
         )
 
         from megatron_gspo.megatron import compat
-        from megatron_gspo.megatron.io.child_procs import (install_checkpoint_results_queue,
-                                                        tie_forked_children)
 
         self.kwargs = compat.async_save_kwargs()
         if self.kwargs.get("async_strategy") == "nvrx":  # 0.17+ with NVRx
@@ -111,12 +115,14 @@ class AsyncSaves:
         ranks, after Megatron's own finalize functions."""
         self.wait()  # one save in flight
         request.add_finalize_fn(finalize)
-        self.queue.schedule_async_request(request)
+        with background_children():  # the forked writer yields the cores to training
+            self.queue.schedule_async_request(request)
 
     def in_background(self, publish) -> None:
         """Run `publish` (rank-local file work: fsync, hashes, rename, COMPLETE) in a thread;
         `poll`, `wait` and the next `schedule` raise what it raised."""
         def run() -> None:
+            lower_priority()  # this thread only (Linux): hashing yields to training
             try:
                 publish()
             except BaseException as e:  # noqa: BLE001 - re-raised in the loop's thread

@@ -25,12 +25,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+from contextlib import contextmanager
 from multiprocessing.managers import SyncManager
 
 from megatron_gspo.run.exec_with_parent import die_with_parent
 
 _state: dict = {"manager": None, "pid": None, "fork_hook": False}
-_fork: dict = {"from_main": False, "parent": 0}  # set in the parent just before each fork
+_fork: dict = {"from_main": False, "parent": 0, "background": False}  # set before each fork
+#: niceness of checkpoint work beside training (the writer processes, the publish thread): the
+#: lowest CPU priority, so on cores that training keeps busy the writer yields to it and runs
+#: in its gaps, while on a GPU node's idle host cores it runs at full speed all the same
+BACKGROUND_NICE = 19
 
 
 def _before_fork() -> None:
@@ -41,6 +46,29 @@ def _before_fork() -> None:
 def _after_fork_in_child() -> None:
     if _fork["from_main"]:  # PR_SET_PDEATHSIG follows the forking thread: the main one lives
         die_with_parent(_fork["parent"])
+    if _fork["background"]:
+        lower_priority(0)
+
+
+def lower_priority(tid: int | None = None) -> None:
+    """Give a process (`tid` 0) or, on Linux, the calling thread (None) the background
+    niceness; where that is not allowed, nothing changes."""
+    who = threading.get_native_id() if tid is None else tid
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, who)
+        os.setpriority(os.PRIO_PROCESS, who, max(now, BACKGROUND_NICE))
+    except (OSError, AttributeError):
+        pass
+
+
+@contextmanager
+def background_children():
+    """Processes forked inside this block run at the background niceness."""
+    _fork["background"] = True
+    try:
+        yield
+    finally:
+        _fork["background"] = False
 
 
 def tie_forked_children() -> None:
