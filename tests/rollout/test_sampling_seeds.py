@@ -121,3 +121,25 @@ def test_launch_flag_on_gpu_servers_only(caplog):
         cpu = LaunchSpec(model_path="m", deterministic=True, device="cpu")
     assert "--enable-deterministic-inference" not in server_argv(cpu, 0, 30000)
     assert "no deterministic inference" in caplog.text
+
+
+def test_deterministic_standin_answers_do_not_depend_on_the_batch(deterministic_standin):
+    """Log-probs too, bit for bit: a request alone and the same request among concurrent ones of
+    other lengths (SGLang's batch-invariant kernels under --enable-deterministic-inference)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def body(ids, seed):
+        return {"input_ids": ids, "return_logprob": True,
+                "sampling_params": {**SP.to_sglang(), "sampling_seed": seed}}
+
+    prompts = [[5, 6, 7], [9] * 11, [3, 4], list(range(20, 37)), [8] * 5, [40, 41, 42, 43]]
+    alone = [_post(deterministic_standin.url, body(p, 50 + i))[1]["meta_info"]
+             for i, p in enumerate(prompts)]
+    calls_before = deterministic_standin.stats["generate_calls"]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        crowded = list(pool.map(lambda ip: _post(deterministic_standin.url,
+                                                 body(ip[1], 50 + ip[0]))[1]["meta_info"],
+                                enumerate(prompts)))
+    assert deterministic_standin.stats["generate_calls"] == calls_before + len(prompts)
+    for a, c in zip(alone, crowded, strict=True):
+        assert a["output_token_logprobs"] == c["output_token_logprobs"]

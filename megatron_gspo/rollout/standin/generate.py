@@ -184,7 +184,7 @@ class GenerationEndpoints:
             routed = getattr(self, "enable_return_routed_experts", False) and bool(
                 getattr(self.engine, "_routers", None))
             try:
-                outs = await asyncio.to_thread(self.engine.sample_rows, rows, routed)
+                outs = await asyncio.to_thread(self._sample, rows, routed)
             except Exception as e:  # answered to every waiting request
                 for _, fut, _ in batch:
                     if not fut.done():
@@ -200,6 +200,14 @@ class GenerationEndpoints:
                 if not waiter.done():
                     waiter.set_result(None)
                     break
+
+    def _sample(self, rows: list, routed: bool) -> list:
+        """One micro-batch; with --enable-deterministic-inference row by row, so a row's
+        tokens and log-probs do not depend on what shares its batch (SGLang's batch-invariant
+        kernels, `--enable-deterministic-inference`): the same numbers after a restart."""
+        if not getattr(self, "deterministic_inference", False):
+            return self.engine.sample_rows(rows, routed)
+        return [out for row in rows for out in self.engine.sample_rows([row], routed)]
 
     async def _run_rows(self, rows: list, rid: str) -> list:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
