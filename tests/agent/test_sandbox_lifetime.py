@@ -81,7 +81,7 @@ def test_tool_call_dies_with_the_trainer(tmp_path, sig):
         assert {"unshare", "sh"} <= kinds, kinds
         assert run_traces(p.pid), "no temp dir or cgroup of the call"
         os.kill(p.pid, sig)
-        p.wait(timeout=120)
+        p.communicate(timeout=120)  # (reading stderr: a full pipe would block the trainer)
     finally:
         if p.poll() is None:
             p.kill()
@@ -163,12 +163,11 @@ def test_ctrl_c_during_a_tool_call_prints_one_line():
         try:
             wait_for_tool_call(p)
             os.kill(p.pid, signal.SIGINT)
-            p.wait(timeout=120)
+            _, err = p.communicate(timeout=120)  # read while waiting: a full pipe blocks
         finally:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        err = p.stderr.read()
     noise = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[")]
     assert p.returncode == 130, err[-3000:]
     assert noise == ["megatron-gspo: interrupted"], "\n".join(noise[:20])
