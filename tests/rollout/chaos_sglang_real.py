@@ -1,18 +1,19 @@
 """Chaos under a real `torchrun --nproc_per_node 2 --max-restarts 3` with SGLang's real CPU
 server (issue 45; the `sglang_real` tier's install): the tiny demo (TP2, a checkpoint every
 step) on one colocated server launched by rank 0, kill -9 of rank 1 or rank 0, and no person
-acts. Kinds: `kill_rank1/0` at a random point of one or two random steps (after a checkpoint
-is complete: in the rollout, the training or the next save), `sync_kill_rank1/0` inside a
-weight sync (the fault `kill_rank<R>_in_sync@V#N` of run/faults.py: once the first 1 MiB bucket
-reached the server, which then holds a mix of two weight versions). Checked per job: exit code
+acts. Kinds: `kill_rank1/0` once or twice, each at a random point after the first or second
+checkpoint the current round completed (in the rollout, the training or the next save; a second
+kill waits for the restarted round to begin), `sync_kill_rank1/0` inside a weight sync (the
+fault `kill_rank<R>_in_sync@V#N` of run/faults.py: once the first 1 MiB bucket reached the
+server, which then holds a mix of two weight versions). Checked per job: exit code
 0; one automatic restart per injection and the resume in events.log; a metrics row for every
 step, each after the last resume with its sync verified by the probe
 (`rollout.verify_sync_interval=1`); every COMPLETE checkpoint verifies; no lock; every round
 ran its own server (a new pid) and no process of the job is left: torchrun, the ranks of every
-round (tests/loop/chaos_torchrun.py's `Job`) and every process carrying the job's TIER_RUN_TAG
-(the real servers and their scheduler / detokenizer processes, which are not in their own
-session's view of torchrun). Rows are not compared with an uninterrupted run: see
-tests/rollout/test_sglang_real_restart.py.
+round (tests/loop/chaos_torchrun.py's `Job`), every process carrying the job's TIER_RUN_TAG and
+every process in a server's session (the real servers' scheduler and detokenizer processes,
+whose retitled /proc/PID/environ no longer shows the tag). Rows are not compared with an
+uninterrupted run: see tests/rollout/test_sglang_real_restart.py.
 
     MEGATRON_GSPO_SGLANG_CPU=$PWD/.sglang-cpu .venv/bin/python tests/rollout/chaos_sglang_real.py \\
         --rounds 10 --seed 0 [--kinds sync_kill_rank1,sync_kill_rank0] [--workdir DIR]
@@ -115,20 +116,67 @@ def free_base_port(rng: random.Random) -> int:
     return pick_ports("127.0.0.1", 21000 + rng.randrange(0, 400) * 20, 1)[0]
 
 
-def leftovers(job: ct.Job, tag: str) -> list[str]:
+def in_sessions(sids: set[int]) -> list[tuple[int, str]]:
+    """(pid, command line) of live processes in the sessions `sids` (a launched server runs in
+    a session of its own: its scheduler and detokenizer stay in it, also once reparented, and
+    their retitled processes (setproctitle) no longer show the tag in /proc/PID/environ)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[0] == "Z" or int(fields[3]) not in sids:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out.append((int(pid), f.read().replace(b"\0", b" ").decode(errors="replace")))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def leftovers(job: ct.Job, tag: str, server_pids=()) -> list[str]:
     """Processes of the job alive `GRACE` seconds after torchrun ended (killed here): the ones
-    seen under torchrun and every one carrying the job's tag."""
+    seen under torchrun, every one carrying the job's tag and every one in a server's session."""
     left = [f"{pid} (under torchrun)" for pid in job.leftovers(GRACE)]
     deadline = time.time() + GRACE
-    while tagged(tag) and time.time() < deadline:
+
+    def alive():
+        return dict(tagged(tag) + in_sessions(set(server_pids)))
+
+    while alive() and time.time() < deadline:
         time.sleep(0.2)
-    for pid, cmd in tagged(tag):
+    for pid, cmd in alive().items():
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             continue
         left.append(f"{pid} ({cmd[:120]})")
     return left
+
+
+def kill_in_round(job: ct.Job, rank: int, rnd: int, saves: int, delay: float) -> bool:
+    """kill -9 of `rank` `delay` seconds after restart round `rnd` (begun: its run-dir line is
+    in events.log) completed its `saves`-th checkpoint; False when the job ended before."""
+    deadline, begun = time.time() + RUN_TIMEOUT, None
+    log = job.run / "events.log"
+    while job.p.poll() is None and time.time() < deadline:
+        job.ranks()
+        if begun is None:
+            text = log.read_text(errors="replace") if log.exists() else ""
+            if len(re.findall(r"; (?:resumed from|starting from the initial weights)",
+                              text)) > rnd:
+                begun = time.time()
+        else:
+            new = 0
+            for p in (job.run / "checkpoints").glob("step_*/COMPLETE"):
+                try:
+                    new += p.stat().st_mtime >= begun
+                except OSError:  # removed by checkpoint.keep_last
+                    pass
+            if new >= saves:
+                return ct.kill_rank(job, rank, None, delay)
+        time.sleep(0.05)
+    return False
 
 
 def check(job: ct.Job, tag: str, watch: ServerWatch, code: int, restarts: int) -> list[str]:
@@ -165,7 +213,7 @@ def check(job: ct.Job, tag: str, watch: ServerWatch, code: int, restarts: int) -
     if rounds != list(range(restarts + 1)):
         problems.append(f"real servers seen in rounds {rounds}, expected one per round "
                         f"0..{restarts}: {seen}")
-    left = leftovers(job, tag)
+    left = leftovers(job, tag, seen)
     if left:
         problems.append(f"processes left: {left}")
     return problems
@@ -188,8 +236,9 @@ class RealChaos:
         job, tag, watch = start(run, free_base_port(self.rng), fault)
         fired = 0
         if not fault:
-            for step in steps:
-                fired += ct.kill_rank(job, rank, step, self.rng.uniform(0.0, 1.5))
+            for _ in steps:  # each kill in the round the kill before started
+                fired += kill_in_round(job, rank, fired, self.rng.randint(1, 2),
+                                       self.rng.uniform(0.0, 1.5))
         code = job.finish(RUN_TIMEOUT)
         if fault:  # a targeted kill fired when its round failed at step V - 1
             done = ct.failures(run)

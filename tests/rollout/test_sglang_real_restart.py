@@ -8,9 +8,9 @@ With no person acting the job ends 0: two automatic restarts and resumes in even
 metrics row for every step, the syncs after the last resume verified by the probe
 (`rollout.verify_sync_interval=1`) on the new server each round launched (a new pid), every
 COMPLETE checkpoint verifies, no lock, and no process of the job left: torchrun, the ranks of
-every round and every process carrying the job's TIER_RUN_TAG (each round's server with its
-scheduler and detokenizer). The checks are tests/rollout/chaos_sglang_real.py's, whose
-`--rounds` loop is the multi-round version.
+every round, every process carrying the job's TIER_RUN_TAG and every process in a server's
+session (each round's server with its scheduler and detokenizer). The checks are
+tests/rollout/chaos_sglang_real.py's, whose `--rounds` loop is the multi-round version.
 
 The rows are not compared with an uninterrupted run's, and the job runs with
 train.deterministic=false: a real server samples the same tokens for a request again only with
