@@ -38,6 +38,8 @@ LAST_ERROR = "last_error.json"
 # what a rank sees when another rank of its group died (gloo, NCCL, the store)
 PEER_LOST = ("closed by peer", "reset by peer", "Connection refused", "Broken pipe",
              "remote process exited", "NCCL communicator was aborted", "Socket Timeout")
+STARTUP_KILLED = ("not recorded: the group restarted after it died during its start-up, "
+                  "before it could record this failure")
 KILLED = ("no error was recorded: a process was killed (kill -9, the OOM killer, a lost node) "
           "or ended without a Python error")
 
@@ -183,6 +185,11 @@ class RestartRecord:
         err = _read_json(self.run_dir / LAST_ERROR)
         cause = _cause(err, rnd)
         step = _failed_step(self.run_dir)
+        done = [f.get("round", -1) for f in rec["failures"]]
+        # a group that died while it started recorded nothing: its predecessor's failure too
+        for lost in range(max(done, default=-1) + 1, rnd - 1):
+            rec["failures"].append({"round": lost, "step": step, "cause": STARTUP_KILLED,
+                                    "time": time.time()})
         rec["failures"].append({"round": rnd - 1, "step": step, "cause": cause,
                                 "time": time.time()})
         same = 0

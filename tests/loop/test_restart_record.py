@@ -109,3 +109,20 @@ def test_a_fault_with_a_round_fires_only_in_that_round(monkeypatch):
     assert not faults.active("kill_rank1_in_sync", 2)
     _round(monkeypatch, 1)  # a restarted round: only the items without '#N' fire again
     assert not faults.active("kill_rank1_in_sync", 3) and faults.active("kill_at_step", 2)
+
+
+def test_a_round_that_died_while_starting_is_still_counted(tmp_path, monkeypatch):
+    """A group killed during its start-up (before its own `begin`) leaves no line; the next
+    round records it too, so the same-step stop counts every failed round."""
+    _round(monkeypatch, 0)
+    RestartRecord(tmp_path).begin()
+    _metrics(tmp_path, range(2))
+    _round(monkeypatch, 2)  # round 1 died before it recorded round 0's failure
+    note = RestartRecord(tmp_path).begin().note
+    assert note.startswith("automatic restart 2 of 5 (torchrun): step 2 failed")
+    rec = json.loads((tmp_path / "restarts.json").read_text())
+    assert [(f["round"], f["step"]) for f in rec["failures"]] == [(0, 2), (1, 2)]
+    assert rec["failures"][0]["cause"] == restarts.STARTUP_KILLED
+    _round(monkeypatch, 3)  # the third failure at step 2 stops the job
+    with pytest.raises(RepeatedFailure, match="^step 2 failed 3 times"):
+        RestartRecord(tmp_path).begin()
