@@ -52,12 +52,13 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
 
     device_ledger.note("moment", "generation")
     device_ledger.note("generating")
-    if producer is None and hasattr(engine, "generator"):  # per-step seed: same after a resume
-        engine.generator.manual_seed(cfg.train.seed * 1_000_003 + step)
+    step_seed = cfg.train.seed * 1_000_003 + step  # per-step seed: the same after a resume
+    if producer is None and hasattr(engine, "generator"):
+        engine.generator.manual_seed(step_seed)
     elif producer is None and hasattr(engine, "sample_seeds") and cfg.train.deterministic:
         from megatron_gspo.rollout.base import SampleSeeds  # SGLang: a seed per sample
 
-        engine.sample_seeds = SampleSeeds(cfg.train.seed * 1_000_003 + step)
+        engine.sample_seeds = SampleSeeds(step_seed)
     if producer is not None:  # asynchronous rollouts: the oldest finished groups
         samples, m = producer.take(step)
     elif cfg.agent.enabled:

@@ -305,18 +305,30 @@ class TorchrunChaos:
         return 1 if self.problems else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=len(KINDS))
+def parse_args(argv: list[str] | None, doc: str, known: tuple[str, ...], prefix: str,
+               steps: bool = False, refuse=lambda: None) -> tuple:
+    """A chaos script's command line: `--rounds --seed --workdir --kinds` (and `--steps`);
+    returns (args, the chosen kinds, the work directory). `refuse()` returns a reason not to
+    run (an error of the command line) or None."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=len(known))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=chaos.STEPS)
+    if steps:
+        ap.add_argument("--steps", type=int, default=chaos.STEPS)
     ap.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds")
+    ap.add_argument("--kinds", default=",".join(known), help="comma-separated kinds")
     args = ap.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
-    if set(kinds) - set(KINDS):
-        ap.error(f"unknown kinds {sorted(set(kinds) - set(KINDS))}; known: {', '.join(KINDS)}")
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="chaos_torchrun_"))
+    if set(kinds) - set(known):
+        ap.error(f"unknown kinds {sorted(set(kinds) - set(known))}; known: {', '.join(known)}")
+    reason = refuse()
+    if reason:
+        ap.error(reason)
+    return args, kinds, Path(args.workdir or tempfile.mkdtemp(prefix=prefix))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, kinds, work = parse_args(argv, __doc__, KINDS, "chaos_torchrun_", steps=True)
     return TorchrunChaos(work, args.seed, args.steps).run_rounds(args.rounds, kinds)
 
 

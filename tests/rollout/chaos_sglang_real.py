@@ -23,14 +23,12 @@ Prints one line per round and the counts per kind; exit code 1 on any problem.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import re
 import signal
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -272,20 +270,16 @@ class RealChaos:
         return 1 if self.problems else 0
 
 
+def _not_installed() -> str | None:
+    if (tier.install_dir() / ".installed").is_file():
+        return None
+    return (f"SGLang CPU server not installed in {tier.install_dir()} "
+            "(scripts/sglang_cpu.sh; MEGATRON_GSPO_SGLANG_CPU names another install)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=len(KINDS))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds")
-    args = ap.parse_args(argv)
-    kinds = tuple(k for k in args.kinds.split(",") if k)
-    if set(kinds) - set(KINDS):
-        ap.error(f"unknown kinds {sorted(set(kinds) - set(KINDS))}; known: {', '.join(KINDS)}")
-    if not (tier.install_dir() / ".installed").is_file():
-        ap.error(f"SGLang CPU server not installed in {tier.install_dir()} "
-                 "(scripts/sglang_cpu.sh; MEGATRON_GSPO_SGLANG_CPU names another install)")
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="chaos_sglang_real_"))
+    args, kinds, work = ct.parse_args(argv, __doc__, KINDS, "chaos_sglang_real_",
+                                      refuse=_not_installed)
     return RealChaos(work, args.seed).run_rounds(args.rounds, kinds)
 
 

@@ -42,6 +42,7 @@ import logging
 import os
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -234,9 +235,8 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
 
         async def one(slot: Any) -> None:
             req = requests[slot.request_idx]
-            sp = params[slot.request_idx].to_sglang()
-            if seeds is not None:
-                sp["sampling_seed"] = seeds(slot.out_idx)
+            p = params[slot.request_idx]
+            sp = (p if seeds is None else replace(p, seed=seeds(slot.out_idx))).to_sglang()
             body = {"input_ids": list(req.prompt_ids), "sampling_params": sp,
                     "return_logprob": True}
             if self.return_routing:
