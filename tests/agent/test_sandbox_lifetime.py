@@ -171,3 +171,45 @@ def test_ctrl_c_during_a_tool_call_prints_one_line():
     noise = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[")]
     assert p.returncode == 130, err[-3000:]
     assert noise == ["megatron-gspo: interrupted"], "\n".join(noise[:20])
+
+
+def test_a_killed_call_is_reaped_by_asyncio_alone(monkeypatch, caplog):
+    """The stopped call's child is reaped by asyncio's child watcher only. A second reaper (the
+    poll inside Popen.send_signal, bpo-38630) that comes first makes the watcher log "Unknown
+    child process pid N, will report returncode 255" (seen on Ctrl-C in CI). It comes first
+    when the child is dead and the watcher's thread has not reached its blocking waitpid yet,
+    as on a busy machine; here both are made so on purpose."""
+    import asyncio
+    import logging
+
+    from megatron_gspo.agent.tools.python_sandbox import PythonSandbox
+
+    real_waitpid = os.waitpid
+
+    def late_blocking_waitpid(pid: int, options: int):
+        if options == 0:  # the watcher thread's call (a poll passes WNOHANG)
+            time.sleep(2.0)
+        return real_waitpid(pid, options)
+
+    real_killpg = os.killpg
+
+    def killpg_then_pause(pgid: int, sig: int) -> None:  # the child dies before the next line
+        real_killpg(pgid, sig)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(os, "waitpid", late_blocking_waitpid)
+    monkeypatch.setattr(os, "killpg", killpg_then_pause)
+    sb = PythonSandbox(cpu_seconds=5, wall_timeout_s=0.5)
+
+    async def cancelled() -> None:  # Ctrl-C's path: the call's task is cancelled
+        task = asyncio.ensure_future(sb.run("import time; time.sleep(30)"))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.WARNING, logger="asyncio"):
+        rc, _, _, timed_out = asyncio.run(sb.run("import time; time.sleep(30)"))
+        assert timed_out and rc is None  # the wall-clock kill's path
+        asyncio.run(cancelled())
+    assert [r.getMessage() for r in caplog.records] == []

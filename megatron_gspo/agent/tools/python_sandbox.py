@@ -55,6 +55,7 @@ Landlock ABI 7) all layers apply.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import shutil
@@ -209,15 +210,20 @@ class PythonSandbox:
                     watch.cancel()
                 # Everything started from the child dies: its process group/session, the PID
                 # namespace (killing its init kills all), and every member of the cgroup.
+                # The child leads its own group, so killpg reaches it; no proc.kill() after it:
+                # Popen.send_signal polls first (bpo-38630), and a poll that wins the race
+                # against asyncio's child watcher reaps the child under it, which then logs
+                # "Unknown child process pid N, will report returncode 255" (CPython's
+                # asyncio/unix_events.py, ThreadedChildWatcher._do_waitpid). Only the watcher
+                # reaps, so the pid stays ours (alive or a zombie) until proc.wait() returns.
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                except ProcessLookupError:
+                    pass  # no member left: the child has exited
+                except PermissionError:  # the group holds a member we may not signal
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(proc.pid, signal.SIGKILL)
                 if proc.returncode is None:
-                    try:
-                        proc.kill()
-                    except ProcessLookupError:
-                        pass
                     await proc.wait()
                 if cgroup is not None:
                     sandbox_os.kill_cgroup(cgroup)
