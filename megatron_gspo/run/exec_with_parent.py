@@ -138,7 +138,8 @@ def guard(parent_pid: int, argv: list[str]) -> int:
     if leads_session:
         kill_session_but_me(os.getpid())
     if rc < 0:  # ended by a signal: end the same way, so the launcher sees what the command did
-        signal.signal(-rc, signal.SIG_DFL)
+        if -rc in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, GUARD_SIGNAL):
+            signal.signal(-rc, signal.SIG_DFL)  # (SIGKILL's handler cannot be set, nor reset)
         os.kill(os.getpid(), -rc)
         return 128 - rc
     return rc

@@ -101,7 +101,8 @@ def test_a_server_killed_while_its_helpers_start_leaves_none_of_them(tmp_path):
 
 def test_a_server_that_exits_leaves_nothing_and_reports_its_own_exit(tmp_path):
     """The server exits (code 3) before its helper armed anything: the helper is killed, and
-    the launcher reads the server's own exit code; stop() reports SIGTERM the same way."""
+    the launcher reads the server's own exit code; stop() reports SIGTERM the same way, and a
+    server killed by a signal (SIGKILL, SIGUSR2) reads as that signal."""
     from megatron_gspo.rollout.sglang.launch import ServerProcess
 
     pid_file = tmp_path / "helper.pid"
@@ -115,6 +116,14 @@ def test_a_server_that_exits_leaves_nothing_and_reports_its_own_exit(tmp_path):
         time.sleep(0.5)
         q.stop(grace_s=10)
         assert q.returncode == -signal.SIGTERM
+        for sig in (signal.SIGKILL, signal.SIGUSR2):  # the server alone dies by a signal
+            r = ServerProcess([sys.executable, "-c", "import time; time.sleep(300)"], "server")
+            deadline = time.monotonic() + 30
+            while not psutil.Process(r.proc.pid).children():
+                assert time.monotonic() < deadline, "the server never started"
+                time.sleep(0.05)
+            os.kill(psutil.Process(r.proc.pid).children()[0].pid, sig)
+            assert r.proc.wait(timeout=30) == -sig
     finally:
         _kill_all(helper)
 
