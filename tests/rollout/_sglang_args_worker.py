@@ -94,14 +94,14 @@ def main() -> None:
                       colocated=True, base_gpu_id=2, seed=7, dtype="bfloat16", api_key="k",
                       extra_args=["--context-length", "128"])
     port = pick_ports("127.0.0.1", 0, 1)[0]
-    a = parse(server_argv(spec, 1, port))
+    a = parse(server_argv(spec, 1, port, 25001))
     out["parsed"] = {k: getattr(a, k) for k in (
         "model_path", "host", "port", "tp_size", "base_gpu_id", "random_seed", "dtype",
-        "mem_fraction_static", "enable_memory_saver", "api_key", "context_length")}
+        "mem_fraction_static", "enable_memory_saver", "api_key", "context_length", "nccl_port")}
     out["expected"] = {"model_path": model, "host": "127.0.0.1", "port": port, "tp_size": 2,
                        "base_gpu_id": 4, "random_seed": 8, "dtype": "bfloat16",
                        "mem_fraction_static": 0.6, "enable_memory_saver": True,
-                       "api_key": "k", "context_length": 128}
+                       "api_key": "k", "context_length": 128, "nccl_port": 25001}
     # every port pick_ports hands out is one SGLang accepts
     ports = pick_ports("127.0.0.1", 0, 40)
     refused = []

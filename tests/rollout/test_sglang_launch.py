@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
+from megatron_gspo.rollout.sglang import launch
 from megatron_gspo.rollout.sglang.client import SGLangEngine
-from megatron_gspo.rollout.sglang.launch import (LaunchSpec, check_local_gpus, router_argv,
-                                                 server_argv)
+from megatron_gspo.rollout.sglang.launch import (DIST_PORT_RANGE, LaunchSpec, check_local_gpus,
+                                                 pick_dist_port, router_argv, server_argv)
 
 STANDIN = "megatron_gspo.rollout.standin.server"
 
@@ -41,6 +42,32 @@ def test_server_argv_matches_sglang_flags():
         SGLangEngine()
     with pytest.raises(ValueError, match="dist_master"):
         SGLangEngine(server_urls=["http://x:1"], weight_sync="distributed")
+
+
+def test_dist_port_is_picked_under_the_ephemeral_range_and_passed(monkeypatch):
+    """Each launched server gets its torch.distributed store's port from the launcher
+    (`--nccl-port`): free, under the kernel's ephemeral range, distinct within a launch."""
+    import random
+
+    ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    rng, taken = random.Random(0), [30000, 30001]
+    for _ in range(20):
+        taken.append(pick_dist_port(taken, rng))
+    picks = taken[2:]
+    assert len(set(picks)) == len(picks)
+    assert all(DIST_PORT_RANGE[0] <= p < min(DIST_PORT_RANGE[1] + 1, ephemeral_low)
+               for p in picks)
+    with socket.socket() as busy:  # a port in use is never handed out
+        busy.bind(("127.0.0.1", picks[0]))
+        busy.listen()
+        monkeypatch.setattr(launch, "DIST_PORT_RANGE", (picks[0], picks[0] + 1))
+        assert {pick_dist_port([], random.Random(i)) for i in range(8)} == {picks[0] + 1}
+        assert pick_dist_port([picks[0] + 1]) >= ephemeral_low  # none left: the OS's pick
+    spec = LaunchSpec(model_path="m", python="py")
+    assert server_argv(spec, 0, 30000, 25001)[-2:] == ["--nccl-port", "25001"]
+    assert "--nccl-port" not in server_argv(spec, 0, 30000)
+    own = LaunchSpec(model_path="m", python="py", extra_args=["--nccl-port", "24000"])
+    assert server_argv(own, 0, 30000, 25001).count("--nccl-port") == 1  # the user's wins
 
 
 def test_launch_must_fit_on_the_node():

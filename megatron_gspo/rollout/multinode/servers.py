@@ -35,6 +35,7 @@ from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.sglang.launch import (
     LaunchSpec,
     ServerProcess,
+    pick_dist_port,
     pick_ports,
     server_argv,
     server_env,
@@ -181,8 +182,8 @@ class NodeServers(SGLangEngine):
             if not _can_listen(spec.host, port):
                 port = pick_ports(spec.host, spec.base_port, 1, taken=self._ports())[0]
             logp = os.path.join(spec.log_dir, f"sglang_server_{i}.log") if spec.log_dir else None
-            proc = ServerProcess(server_argv(spec, i, port), f"sglang server {i} (port {port})",
-                                 server_env(spec), logp)
+            argv = server_argv(spec, i, port, pick_dist_port([*self._ports(), port]))
+            proc = ServerProcess(argv, f"sglang server {i} (port {port})", server_env(spec), logp)
             url = f"http://{spec.host}:{port}"
             self.procs[i], self.urls[i] = proc, url
             try:

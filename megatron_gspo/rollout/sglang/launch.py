@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -131,8 +132,9 @@ def check_local_gpus(spec: LaunchSpec, visible: int) -> None:
             "sync: on every node of the job; otherwise on the learner's first node)")
 
 
-def server_argv(spec: LaunchSpec, index: int, port: int) -> list[str]:
-    """The command line of server `index` listening on `port`."""
+def server_argv(spec: LaunchSpec, index: int, port: int, dist_port: int | None = None) -> list[str]:
+    """The command line of server `index` listening on `port`; `dist_port` (`--nccl-port`,
+    unless `extra_args` names one) is its torch.distributed store's port (`pick_dist_port`)."""
     argv = [
         spec.python, "-m", spec.module,
         "--model-path", spec.model_path,
@@ -151,6 +153,8 @@ def server_argv(spec: LaunchSpec, index: int, port: int) -> list[str]:
         argv += ["--api-key", spec.api_key]
     if spec.deterministic and spec.device != "cpu":
         argv.append("--enable-deterministic-inference")
+    if dist_port is not None and "--nccl-port" not in spec.extra_args:
+        argv += ["--nccl-port", str(dist_port)]
     if spec.device == "cpu":
         argv += cpu_server_args(spec.extra_args)
     argv += list(spec.extra_args)
@@ -252,6 +256,40 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+#: where `pick_dist_port` looks: under the kernel's ephemeral range (32768 up by default)
+DIST_PORT_RANGE = (22000, 29999)
+
+
+def pick_dist_port(taken: Sequence[int] = (), rng: random.Random | None = None,
+                   attempts: int = 256) -> int:
+    """A free port for a launched server's torch.distributed store (`--nccl-port`), under the
+    kernel's ephemeral range. Left to itself, SGLang 0.5.12 takes a bind(0) port
+    (`get_free_port()` in server_args.py `PortArgs.init_new`): an ephemeral one, which an
+    outgoing connection (gloo, NCCL, HTTP) can take in the seconds before the scheduler's
+    TCPStore binds it, and the server then fails to start with EADDRINUSE (seen with two jobs
+    on one machine). 0.5.23 picks under the ephemeral range itself
+    (`get_free_port_below_ephemeral()`, srt/utils/network.py); passing the port gives both
+    releases that, and keeps the servers of one launch on distinct ports.
+
+    Args:
+        taken: ports not to hand out (the servers' own, earlier picks).
+        rng: randomness of the pick (default: the `random` module's).
+    Returns:
+        a port free on every IPv4 address at the time of the pick.
+    """
+    low, high = DIST_PORT_RANGE
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = min(high, int(f.read().split()[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    pool = [p for p in range(low, high + 1) if p not in set(taken)]
+    for p in (rng or random).sample(pool, min(attempts, len(pool))):
+        if port_is_free("0.0.0.0", p):
+            return p
+    return pick_ports("127.0.0.1", 0, 1, taken=taken)[0]
 
 
 def pick_ports(host: str, base: int, count: int, taken: Sequence[int] = (),

@@ -24,6 +24,7 @@ from megatron_gspo.rollout.sglang import compat
 from megatron_gspo.rollout.sglang.launch import (
     LaunchSpec,
     ServerProcess,
+    pick_dist_port,
     pick_ports,
     redact_argv,
     router_argv,
@@ -98,11 +99,13 @@ class SGLangServers:
         spec = self.spec
         assert spec is not None
         ports = pick_ports(spec.host, spec.base_port, spec.num_servers)
+        taken = list(ports)
         for i, port in enumerate(ports):
             logp = os.path.join(spec.log_dir, f"sglang_server_{i}.log") if spec.log_dir else None
             if spec.log_dir:
                 os.makedirs(spec.log_dir, exist_ok=True)
-            argv = server_argv(spec, i, port)
+            taken.append(pick_dist_port(taken))
+            argv = server_argv(spec, i, port, taken[-1])
             log.info("launching rollout server %d: %s", i, " ".join(redact_argv(argv)))
             name = f"sglang server {i} (port {port})"
             self.procs.append(ServerProcess(argv, name, server_env(spec), logp))
