@@ -55,7 +55,6 @@ Landlock ABI 7) all layers apply.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import os
 import shutil
@@ -218,11 +217,8 @@ class PythonSandbox:
                 # reaps, so the pid stays ours (alive or a zombie) until proc.wait() returns.
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass  # no member left: the child has exited
-                except PermissionError:  # the group holds a member we may not signal
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass  # no member left (or none this process may signal): nothing to kill
                 if proc.returncode is None:
                     await proc.wait()
                 if cgroup is not None:
