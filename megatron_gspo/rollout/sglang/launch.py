@@ -285,7 +285,8 @@ def pick_dist_port(taken: Sequence[int] = (), rng: random.Random | None = None,
             high = min(high, int(f.read().split()[0]) - 1)
     except (OSError, ValueError, IndexError):
         pass
-    pool = [p for p in range(low, high + 1) if p not in set(taken)]
+    skip = set(taken)
+    pool = [p for p in range(low, high + 1) if p not in skip]
     for p in (rng or random).sample(pool, min(attempts, len(pool))):
         if port_is_free("0.0.0.0", p):
             return p
