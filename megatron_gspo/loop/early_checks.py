@@ -1,8 +1,9 @@
 """Checks that run before the learner is built, so a wrong setting costs seconds and prints
 one line (a ConfigError naming the field) instead of a traceback after minutes of start-up:
 the model's architecture, the run and checkpoint directories, the parallel layout against the
-world size and the model, the KL reference, the agent environment, chat template and labels,
-routing replay; once prompts are tokenized, rows whose label or length the run cannot use.
+world size and the model (upstream refusals included), the weight-sync backend, the KL
+reference, the agent environment, chat template and labels, routing replay; once prompts are
+tokenized, rows whose label or length the run cannot use.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_model_layout(cfg, hf_config, world)
     check_memory(cfg, hf_config, world)
+    check_update_backend(cfg)
     if cfg.agent.enabled:
         _check_agent(cfg)
         _check_agent_chat(cfg, tok)
