@@ -90,6 +90,35 @@ def check_model_layout(cfg: Config, hf_config: dict, world: int,
         check_layout(layout, world, hf_config)
     except ParallelLayoutError as e:
         raise ConfigError(f"parallel: {e}") from None
+    from megatron_gspo.megatron.models.deepseek_v3 import (DeepseekConfigError,
+                                                           check_training_layout)
+
+    try:  # refused here, before torch.distributed and any model: one line, not one per rank
+        check_training_layout(hf_config, p.tensor)
+    except DeepseekConfigError as e:
+        raise ConfigError(f"parallel.tensor: {e}") from None
+
+
+def check_update_backend(cfg: Config) -> None:
+    """A broadcast weight sync (`rollout.weight_sync` distributed, or auto without colocation)
+    to servers of `rollout.sglang_device=cuda` runs over NCCL: a torch built without it (a CPU
+    wheel) is a ConfigError naming the field, instead of torch's "Distributed package doesn't
+    have NCCL built in" at the first sync."""
+    import torch.distributed as dist
+
+    r = cfg.rollout
+    sync = r.weight_sync if r.weight_sync != "auto" else (
+        "tensor" if r.colocate else "distributed")
+    if r.engine != "sglang" or sync != "distributed" or r.sglang_device != "cuda":
+        return
+    if not dist.is_nccl_available():
+        import torch
+
+        raise ConfigError(
+            f"rollout.sglang_device: 'cuda' sends the weights to the SGLang servers by an NCCL "
+            f"broadcast (rollout.weight_sync=distributed), but this torch ({torch.__version__}) "
+            "has no NCCL; set rollout.sglang_device=cpu for servers on SGLang's CPU engine "
+            "(gloo broadcast), or run the learner with a CUDA build of torch")
 
 
 def check_memory(cfg: Config, hf_config: dict, world: int, gpu_bytes: int | None = None) -> None:
