@@ -103,6 +103,8 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
             if engine is not None:
                 engine.resume_memory()
             _send(engine, buckets, version)
+        if engine is not None:  # the stream's counts, as the full colocated sync reports them
+            st.update(engine.sync_stats)
     elif _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
         from megatron_gspo.rollout.multinode.sync import multinode_sync
 
@@ -154,7 +156,8 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
             event(f"weight sync v{version}: {note}")
     if event is not None and order:
         peak = (f"; peak live bucket bytes {int(st['peak_live_bucket_bytes'])} (largest bucket "
-                f"{int(st['max_bucket_bytes'])}, bound {r.bucket_bytes})") if st else ""
+                f"{int(st['max_bucket_bytes'])}, bound {r.bucket_bytes})"
+                ) if st.get("peak_live_bucket_bytes") else ""  # measured by the tensor paths
         event(f"weight sync v{version}: " + " -> ".join(order) + peak)
     learner.synced_base = True
     out = {f"weight_sync/{k}": float(v) for k, v in st.items()}

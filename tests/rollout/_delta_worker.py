@@ -8,9 +8,14 @@ TAMPER_VERSION: once the server loaded version TAMPER_VERSION - 1, the loader's 
 model.norm.weight gets 1 added (a base the learner does not know), so the delta sync of
 TAMPER_VERSION serves wrong weights and its probe fails. RESUME_STEPS: a
 second `train.run` resumes the run dir to that many steps against the same server. Prints
-"RESULT {...}" (the metrics rows, the server's weight version, per run)."""
+"RESULT {...}" (the metrics rows, the server's weight version, per run).
+
+With SGLANG_SERVER_MODULE set (the stand-in's module) the run launches its own servers
+(`rollout.num_servers`, no server_urls; no tamper, no resume); the server's weight version is
+then None."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +37,11 @@ def main(work: str, overrides: list[str], tamper: int | None, resume: int | None
     from megatron_gspo.rollout.sglang.delta_sync import LOADER, loader_dir
     from megatron_gspo.rollout.standin.server import StandinServer
 
+    if os.environ.get("SGLANG_SERVER_MODULE"):  # launched by the run (build.sglang_engine)
+        cfg = load_config(ROOT / "examples" / "tiny" / "config.yaml", [*BASE, *overrides])
+        rows = _rows(train.run(cfg, str(Path(work) / "run")))
+        print("RESULT " + json.dumps({"runs": [rows], "weight_version": None, "died": None}))
+        return
     sys.path.insert(0, loader_dir(str(Path(work) / "loader")))
     model = ROOT / "examples" / "tiny" / "base"
     srv = StandinServer(EmbeddedEngine(str(model), dtype="float32", seed=3),

@@ -7,6 +7,7 @@ with a full sync."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,37 @@ def test_deltas_probe_mismatch_and_resume(tmp_path):
     assert events.count("full (first sync)") == 2  # the fresh run and the resumed one
     assert "weight sync v3: full (sync probe mismatch)" in events
     assert got["weight_version"] == "5" and got["died"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,offload", [("float32", "true"), ("bfloat16", "true"),
+                                           ("float32", "false")])
+def test_colocated_deltas_on_launched_servers(tmp_path, dtype, offload):
+    """The combination docs/weight-sync.md offers for 8B: colocated servers launched by the run,
+    the learner offloaded while they generate (rollout.offload_learner, on by default; also
+    off), deltas on, the sync probe at every step. It crashed at the first sync: a segfault when the
+    offloaded learner came back (the full encoding handed a live parameter's host storage to
+    shared memory) and, with the learner not offloaded, a KeyError on the stream's stats."""
+    from megatron_gspo.rollout.sglang.weights import PROBE_TOLERANCE
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+           "SGLANG_SERVER_MODULE": "megatron_gspo.rollout.standin.server"}
+    out = subprocess.run([sys.executable, str(WORKER), str(tmp_path), json.dumps([
+        "rollout.weight_sync_delta=on", "rollout.colocate=true", "rollout.num_servers=1",
+        "rollout.startup_timeout=240", f"model.dtype={dtype}",
+        f"rollout.offload_learner={offload}"])],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, (out.returncode, out.stderr[-3000:])
+    (rows,) = json.loads(line[len("RESULT "):])["runs"]
+    sync = [{k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("weight_sync/")}
+            for r in rows]
+    assert len(sync) == 3 and all(s["delta"] == 1.0 for s in sync)
+    assert all(s["probe_max_diff"] < PROBE_TOLERANCE[dtype] for s in sync)
+    assert all(s["delta_bytes_sent"] < s["delta_bytes_full"] for s in sync)
+    assert all(s["bytes"] == s["delta_bytes_sent"] and s["buckets"] >= 1 for s in sync)
+    assert all((r.get("memory/learner_offloaded_bytes", 0) > 0) == (offload == "true")
+               for r in rows)  # offloaded, and back for the probe and the next step
+    events = (tmp_path / "run" / "events.log").read_text()
+    assert "weight sync v0: full (first sync)" in events
+    assert "weight sync v3: release kv_cache,cuda_graph -> " in events  # the KV cache only

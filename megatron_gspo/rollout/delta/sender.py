@@ -159,6 +159,12 @@ class DeltaSender:
                 if not st.delta and e.kind != "full":  # a full sync sends every tensor whole
                     e = Encoded(name, "full", t.dtype, tuple(t.shape), [t.detach().contiguous()],
                                 e.changed, e.numel, e.numel * t.element_size())
+                if e.kind == "full" and not e.parts[0].is_cuda:
+                    # the exported tensor may be a live parameter's storage, and pickling a host
+                    # tensor for shared memory moves its storage into shared memory in place
+                    # (torch's file_system reduction); an offloaded learner then resizes a
+                    # mapping it does not own (a segfault): host payloads send a copy
+                    e.parts = [e.parts[0].clone()]
                 st.kinds[e.kind] += 1
                 encs.append(e)
                 self._pending.append((name, e, t))
