@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron_gspo.run import exec_with_parent
+from megatron_gspo.run import exec_with_parent, server_record
 from megatron_gspo.rollout.sglang.protocol import HEALTH_GENERATION_ENV, MAX_SERVER_PORT
 
 log = logging.getLogger(__name__)
@@ -319,19 +319,33 @@ def pick_ports(host: str, base: int, count: int, taken: Sequence[int] = (),
     return ports
 
 
+def argv_gpus(argv: Sequence[str]) -> list[int]:
+    """GPUs of a server command line (--base-gpu-id, --tp-size); [] for one without them."""
+    def flag(name: str) -> int | None:
+        return int(argv[argv.index(name) + 1]) if name in argv[:-1] else None
+
+    base = flag("--base-gpu-id")
+    return [] if base is None else list(range(base, base + (flag("--tp-size") or 1)))
+
+
 class ServerProcess:
     """One launched server (or router) process, in its own session so it can be stopped with
-    everything it spawned."""
+    everything it spawned. In a torchrun round after a restart, the first one starts once the
+    dead round's servers are gone and their GPU memory is back (`run.server_record`)."""
 
     def __init__(self, argv: list[str], name: str, env: dict[str, str] | None = None,
                  log_path: str | None = None) -> None:
         self.argv, self.name = argv, name
         self.log_path = log_path
+        waited = server_record.before_launch()
+        if waited:
+            log.info("waited %.1f s for the previous round's servers to end", waited)
         self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115
         self.proc = subprocess.Popen(  # ends with this process, also on SIGKILL
             exec_with_parent.wrap(argv), env={**launch_environ(), **(env or {})}, stdout=self._log,
             stderr=self._log, start_new_session=True,
         )
+        server_record.add(self.proc.pid, argv_gpus(argv), name)
 
     @property
     def returncode(self) -> int | None:
@@ -354,6 +368,8 @@ class ServerProcess:
                 if not self.alive():
                     break
         self.proc.poll()
+        if self.proc.returncode is not None:
+            server_record.forget(self.proc.pid)
         if self._log is not None:
             self._log.close()
             self._log = None
