@@ -172,15 +172,24 @@ DENIED_GLOBALS = frozenset({
 })
 
 
+def prefix_refusal(module: str, name: str) -> str | None:
+    """Why SGLang 0.5.12's `SafeUnpickler` refuses the global `module.name` (outside its module
+    prefixes, or denied), or None when it loads it. 0.5.23's exact list: `sglang.compat`."""
+    if (module, name) not in DENIED_GLOBALS and (module + ".").startswith(
+            ALLOWED_MODULE_PREFIXES):
+        return None
+    return (f"Blocked unsafe class loading ({module}.{name}): not in SGLang's SafeUnpickler "
+            "allow-list")
+
+
 class AllowListUnpickler(pickle.Unpickler):
-    """Unpickler that loads only the globals SGLang's `SafeUnpickler` loads."""
+    """Unpickler that loads only the globals SGLang 0.5.12's `SafeUnpickler` loads."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in DENIED_GLOBALS and (module + ".").startswith(
-                ALLOWED_MODULE_PREFIXES):
+        why = prefix_refusal(module, name)
+        if why is None:
             return super().find_class(module, name)
-        raise WeightSyncError(f"Blocked unsafe class loading ({module}.{name}): not in "
-                              "SGLang's SafeUnpickler allow-list")
+        raise WeightSyncError(why)
 
 
 def deserialize(data: str | bytes) -> Any:
@@ -190,10 +199,16 @@ def deserialize(data: str | bytes) -> Any:
     return AllowListUnpickler(io.BytesIO(data)).load()
 
 
-def payload_error(entry: str) -> str | None:
+def payload_error(entry: str, refusal=prefix_refusal) -> str | None:
     """Why SGLang's server would die on this serialized entry, or None: text that is not
-    base64, or a pickled global outside its unpickler's allow-list (both raise in its
-    scheduler, which ends the server). The pickle is scanned, not loaded."""
+    base64, or a pickled global its unpickler refuses (both raise in its scheduler, which ends
+    the server). The pickle is scanned, not loaded.
+
+    Args:
+        entry: one `serialized_named_tensors` entry.
+        refusal: (module, name) -> why the served release refuses that global, or None
+            (`sglang.compat.unpickler_refusal`; default 0.5.12's module prefixes).
+    """
     try:
         data = base64.b64decode(entry, validate=True)
     except (ValueError, TypeError) as e:
@@ -214,11 +229,12 @@ def payload_error(entry: str) -> str | None:
                 module, name = (arg.split(" ", 1) if op.name != "STACK_GLOBAL"
                                 else (strings[-2], strings[-1]) if len(strings) > 1
                                 else (None, None))
-                if not (isinstance(module, str) and isinstance(name, str)) or (
-                        (module, name) in DENIED_GLOBALS
-                        or not (module + ".").startswith(ALLOWED_MODULE_PREFIXES)):
+                if not (isinstance(module, str) and isinstance(name, str)):
                     return (f"Blocked unsafe class loading ({module}.{name}): not in "
                             "SGLang's SafeUnpickler allow-list")
+                why = refusal(module, name)
+                if why:
+                    return why
                 strings.append(None)
             else:
                 strings.append(None)

@@ -195,10 +195,12 @@ class SGLangWeightSync:
         `serialized_named_tensors` (one per TP rank)."""
         if len(entries) != len(self.urls):
             raise RolloutError(f"{len(entries)} entry lists for {len(self.urls)} servers")
-        for e in {x for server in entries for x in server}:  # what would end a server: not sent
-            bad = payload_error(e)
-            if bad:
-                raise RolloutError(f"weight sync to version {version}: {bad}; not sent")
+        for url, server in zip(self.urls, entries, strict=True):  # what would end a server:
+            refusal = compat.unpickler_refusal(self.server_info.get(url))  # its release's rule
+            for e in set(server):
+                bad = payload_error(e, refusal)
+                if bad:
+                    raise RolloutError(f"weight sync to version {version}: {bad}; not sent")
         body = {"load_format": load_format, "flush_cache": False, "weight_version": str(version)}
         await asyncio.gather(*(
             self._post(u, "/update_weights_from_tensor", {**body, "serialized_named_tensors":
