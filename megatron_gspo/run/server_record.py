@@ -90,7 +90,7 @@ def record_path() -> Path | None:
 def _locked(path: Path):
     """Read-modify-write of the record under an exclusive lock; yields its entry list."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
+    with open(path.parent / ".lock", "a") as lock:  # one for every job: none left behind
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             entries = json.loads(path.read_text()).get("servers", [])

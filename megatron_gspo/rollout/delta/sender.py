@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -76,15 +77,20 @@ class DeltaSender:
         threshold: auto: a delta sync follows a sync whose changed share was below this.
         base: copy | hash (see module docstring).
         xor_min_share: changed share of a tensor from which its XOR encoding is tried.
+        together: HF name -> (group key, size) or None: tensors the engine's loader fuses on
+            load and drops when one arrives alone (the exporter keeps a group in one bucket,
+            `StateDictAdapter.bucket_group`); when one of a group is sent, all of it is.
     """
 
     def __init__(self, mode: str = "auto", threshold: float = 0.5, base: str = "copy",
-                 xor_min_share: float = 0.05) -> None:
+                 xor_min_share: float = 0.05,
+                 together: Callable[[str], tuple[str, int] | None] | None = None) -> None:
         if mode not in MODES or base not in BASES:
             raise ValueError(f"delta sync mode {mode!r} / base {base!r}: expected one of "
                              f"{MODES} / {BASES}")
         self.mode, self.threshold, self.base_kind = mode, threshold, base
         self.xor_min_share = xor_min_share
+        self.together = together
         self.session = uuid.uuid4().hex[:12]  # tokens of this process: a new one never matches
         self.base: dict[str, torch.Tensor | bytes] = {}
         self.acked_version: int | None = None
@@ -133,15 +139,17 @@ class DeltaSender:
         t0 = time.perf_counter()
         st, out = self.stats, []
         if self.base_kind == "hash":
-            for name, t in named:
-                d = digest(t)
+            digests = [digest(t) for _, t in named]
+            keep = self._partners([self.base.get(n) == d for (n, _), d in zip(
+                named, digests, strict=True)], named)
+            for (name, t), d, partner in zip(named, digests, keep, strict=True):
                 same = self.base.get(name) == d
                 n = t.numel()
                 if name in self.base:
                     st.numel += n
                     st.changed += 0 if same else n  # per tensor: all or nothing
                 st.bytes_full += n * t.element_size()
-                if same and st.delta:
+                if same and st.delta and not partner:
                     st.kinds["same"] += 1
                     continue
                 st.kinds["full"] += 1
@@ -149,13 +157,19 @@ class DeltaSender:
                 self._pending.append((name, d, t))
                 out.append((name, t))
         else:
+            first = [encode_tensor(name, self.base.get(name), t, self.xor_min_share)
+                     for name, t in named]
+            keep = self._partners([e.kind == "same" for e in first], named)
             encs = []
-            for name, t in named:
-                e = encode_tensor(name, self.base.get(name), t, self.xor_min_share)
+            for (name, t), e, partner in zip(named, first, keep, strict=True):
                 if name in self.base:
                     st.numel += e.numel
                     st.changed += e.changed
                 st.bytes_full += e.numel * t.element_size()
+                if partner:  # unchanged, sent for its group: one element rewritten in place
+                    e = Encoded(name, "sparse", t.dtype, tuple(t.shape), [
+                        torch.zeros(1, dtype=torch.int32, device=t.device),
+                        t.detach().reshape(-1)[:1].clone()], 0, e.numel, 4 + t.element_size())
                 if not st.delta and e.kind != "full":  # a full sync sends every tensor whole
                     e = Encoded(name, "full", t.dtype, tuple(t.shape), [t.detach().contiguous()],
                                 e.changed, e.numel, e.numel * t.element_size())
@@ -173,6 +187,15 @@ class DeltaSender:
             st.bytes_sent += wire_bytes(out)
         st.encode_s += time.perf_counter() - t0
         return out
+
+    def _partners(self, same: list[bool], named: list) -> list[bool]:
+        """Per tensor of a bucket: unchanged (`same`) but sent all the same, because another
+        tensor of its `together` group is sent."""
+        if self.together is None:
+            return [False] * len(named)
+        keys = [self.together(n) for n, _ in named]
+        sent = {k[0] for k, s in zip(keys, same, strict=True) if k is not None and not s}
+        return [s and k is not None and k[0] in sent for k, s in zip(keys, same, strict=True)]
 
     def commit(self) -> None:
         """The engines acknowledged the buckets encoded since the last commit: they are the

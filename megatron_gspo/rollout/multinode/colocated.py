@@ -15,7 +15,9 @@ where they are, model_executor/model_runner.py): with CUDA, server i's TP rank k
 copy of the bucket, so every server rank receives handles to memory on its own GPU; the entries
 are gathered to rank 0, which posts them. Without CUDA (CPU stand-in servers) rank 0
 serializes every entry (host shared memory). Attached servers with CUDA (GPU placement unknown)
-are refused with one line.
+are refused with one line. A delta sync (`rollout.weight_sync_delta`, rank 0's `engine.delta`)
+takes the same placement: rank 0 encodes each bucket, the encoded pairs are broadcast to the
+ranks of the plan, and each serializes its servers' entries from its own GPU.
 """
 
 from __future__ import annotations
@@ -151,6 +153,9 @@ def stream_buckets(
     """
     rank = dist.get_rank() if _dist() else 0
     senders = {r for row in plan for r in row} if plan is not None else {0}
+    if _delta_on(engine):
+        _stream_deltas(buckets, engine, version, plan, rank, senders, num_servers, tp_size)
+        return
     live = LiveBytes()
     if engine is not None:
         engine.sync(engine.abegin_tensor_update())
@@ -178,6 +183,99 @@ def stream_buckets(
     finally:
         if engine is not None:
             engine.sync(engine.continue_generation())
+
+
+def _delta_on(engine: Any) -> bool:
+    """Whether rank 0's engine sends deltas (a `rollout.delta` sender as `engine.delta`),
+    told to every rank."""
+    sender = getattr(engine, "delta", None)
+    box = [sender is not None and sender.enabled]
+    if _dist():
+        dist.broadcast_object_list(box, src=0)
+    return bool(box[0])
+
+
+def _stream_deltas(
+    buckets: Iterable[list], engine: Any, version: int, plan: list[list[int]] | None, rank: int,
+    senders: set[int], num_servers: int, tp_size: int,
+) -> None:
+    """`stream_buckets` with the delta sync (`sglang.delta_sync`): rank 0 encodes each bucket
+    against its base; with a plan the encoded pairs are broadcast and every rank of the plan
+    serializes its servers' entries from its own device, as for a full bucket."""
+    import time
+
+    from megatron_gspo.rollout.sglang import delta_sync
+
+    sender = getattr(engine, "delta", None)
+    live = LiveBytes()
+    if engine is not None:
+        engine.sync(delta_sync.abegin_delta(engine, sender, version))
+    ok = False
+    try:
+        for bucket in buckets:
+            named = list(bucket)
+            del bucket
+            pairs, err = None, None
+            if engine is not None:
+                try:
+                    engine.check_shapes(named, version)
+                    pairs = sender.encode(named)
+                except Exception as e:  # re-raised on every rank by _share_pairs
+                    err = f"{type(e).__name__}: {e}"
+            del named
+            pairs, copy, count = _share_pairs(pairs, err, rank, senders,
+                                              sender is not None and sender.base_kind == "copy")
+            reqs = delta_sync.tensor_requests(pairs, copy) if pairs is not None else [
+                (None, None)] * count
+            total = sum(t.numel() * t.element_size() for _, t in pairs or ())
+            del pairs
+            peak, t0 = 0, time.perf_counter()
+            while reqs:
+                payload, fmt = reqs.pop(0)
+                if payload is not None:
+                    peak = max(peak, live.add(payload))
+                entries = _entries(payload, plan, rank, num_servers, tp_size)
+                err = _send(engine, entries, fmt, version)
+                del payload, entries  # the servers have copied from the shared memory
+                if err is not None:
+                    raise RolloutError(f"weight sync: {err}")
+            if engine is not None:
+                sender.stats.apply_s += time.perf_counter() - t0
+                engine.note_bucket(total, peak)
+                sender.commit()
+        ok = True
+    finally:
+        if engine is not None:
+            engine.sync(delta_sync.aend_delta(engine, sender, version, ok))
+
+
+def _share_pairs(
+    pairs: list | None, err: str | None, rank: int, senders: set[int], copy: bool
+) -> tuple[list | None, bool, int]:
+    """Rank 0's encoded `pairs` to the ranks that serialize (collective): (the pairs on this
+    rank's device, or None where it does not serialize; rank 0's `copy`; the number of
+    requests they make). Rank 0's `err` raises on every rank. Gloo carries them in host
+    memory, NCCL on each rank's current GPU."""
+    meta = [(err, None, copy)]
+    if rank == 0 and err is None:
+        meta = [(None, [(n, t.dtype, tuple(t.shape)) for n, t in pairs or ()], copy)]
+    if _dist():
+        dist.broadcast_object_list(meta, src=0)
+    err, names, copy = meta[0]
+    if err is not None:
+        raise RolloutError(f"weight sync: {err}")
+    count = 1 if copy else len({dt for _, dt, _ in names})  # one flattened bucket per dtype
+    if not _dist() or senders == {0}:
+        return (pairs if rank == 0 else None), copy, count
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    out = []
+    for i, (name, dtype, shape) in enumerate(names):
+        t = pairs[i][1].to(dev).contiguous() if rank == 0 else torch.empty(
+            shape, dtype=dtype, device=dev)
+        dist.broadcast(t, src=0)
+        out.append((name, t))
+    return (out if rank in senders else None), copy, count
 
 
 def _entries(

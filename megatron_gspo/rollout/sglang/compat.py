@@ -30,6 +30,13 @@ upstream file that changed (paths under python/sglang/srt/):
   `unpickler_refusal` picks the rule of the release a server reports (`/server_info` version);
   a server that reports none, or one between the two, gets both.
 - The range itself (`SUPPORTED`, `version_warning`): a server outside it is served but logged.
+
+Not a difference: `UpdateWeightsFromTensorReqInput.torch_empty_cache` (managers/io_struct.py)
+exists in both releases and is read only when the same request sets `flush_cache`
+(scheduler_update_weights_mixin.py `flush_cache_after_weight_update` in 0.5.12,
+scheduler_components/weight_updater.py in 0.5.23); the weight sync posts its buckets with
+`flush_cache` false and ends with `/flush_cache`, whose `Scheduler.flush_cache(empty_cache=True)`
+empties the server's allocator cache in both.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from megatron_gspo.rollout.base import Bucket
+from megatron_gspo.rollout.base import Bucket, RolloutError
 from megatron_gspo.rollout.delta.codec import file_pairs, write_file
 from megatron_gspo.rollout.delta.sender import DeltaSender
 from megatron_gspo.rollout.weight_sync import bucket_payloads, dtype_name
@@ -80,27 +80,75 @@ async def acheck_base(engine: Any, sender: DeltaSender) -> None:
             return
 
 
-async def aupdate_delta(engine: Any, sender: DeltaSender, buckets: Iterable[Bucket],
-                        version: int, disk_dir: str | None = None) -> dict[str, float]:
-    """One sync through `sender` by the engine's `weight_sync` path (or files in `disk_dir`).
+def tensor_requests(pairs: list, copy: bool) -> list[tuple[Any, str | None]]:
+    """(payload, load_format) of each `/update_weights_from_tensor` of one encoded bucket: the
+    delta bucket for the loader (base copy), or SGLang's flattened buckets (base hash)."""
+    return [(pairs, LOADER)] if copy else list(bucket_payloads(pairs))
 
-    Returns:
-        the sync's `delta_*` numbers (also kept in `sender.stats`).
-    """
+
+def off_host_error(pairs: list) -> str | None:
+    """Why rank 0 alone must not serialize `pairs` for every server, or None: tensors on a GPU
+    would reach each server as CUDA IPC handles to rank 0's GPU (a context on it that no plan
+    counts, SGLang managers/tp_worker.py); `multinode.colocated.stream_buckets` places them."""
+    t = next((t for _, t in pairs if t.device.type != "cpu"), None)
+    if t is None:
+        return None
+    return (f"a delta bucket on {t.device} cannot go to every server from one process; "
+            "colocated servers get it through the colocated tensor sync, servers attached by "
+            "URL through rollout.weight_sync=distributed")
+
+
+async def abegin_delta(engine: Any, sender: DeltaSender, version: int,
+                       dist_path: bool = False) -> None:
+    """Start a delta sync: check the base, choose full or delta, pause the servers, open their
+    update sessions (and install the loader's wrapper before a full broadcast sync). Once the
+    servers are paused a failure ends the sync (`aend_delta`) before it is raised."""
     await engine.astart()
     await acheck_base(engine, sender)
     st = sender.begin(version)
-    copy = sender.base_kind == "copy"
-    dist_path = engine.weight_sync == "distributed" and disk_dir is None
-    ok = False
     if dist_path and engine._update_group is None:
         await engine.aconnect_distributed(*engine.dist_master, backend=engine.dist_backend)
     engine._reset_sync_stats()
     await engine.pause_generation()
     try:
         await engine.abegin_update_sessions()
-        if dist_path and copy and not st.delta:  # (re)install the wrapper of load_weights
+        if dist_path and sender.base_kind == "copy" and not st.delta:  # (re)install wrapper
             await _post_tensor(engine, [], LOADER, version)
+    except BaseException:
+        await aend_delta(engine, sender, version, False)
+        raise
+
+
+async def aend_delta(engine: Any, sender: DeltaSender, version: int, ok: bool) -> None:
+    """End a delta sync: on success close the sessions, flush the cache and take `version`;
+    the sender keeps its base only when `ok`; generation goes on either way."""
+    try:
+        if ok:
+            await engine.aend_update_sessions()
+            await engine.flush_cache()
+            engine._version = int(version)
+    except BaseException:
+        ok = False
+        raise
+    finally:
+        sender.releases_seen = getattr(engine, "weights_releases", 0)
+        sender.finish(ok)
+        await engine.continue_generation()
+
+
+async def aupdate_delta(engine: Any, sender: DeltaSender, buckets: Iterable[Bucket],
+                        version: int, disk_dir: str | None = None) -> dict[str, float]:
+    """One sync through `sender` by the engine's `weight_sync` path (or files in `disk_dir`),
+    posted by this process alone: CPU tensors on the tensor path (`off_host_error`).
+
+    Returns:
+        the sync's `delta_*` numbers (also kept in `sender.stats`).
+    """
+    copy = sender.base_kind == "copy"
+    dist_path = engine.weight_sync == "distributed" and disk_dir is None
+    await abegin_delta(engine, sender, version, dist_path)
+    st, ok = sender.stats, False
+    try:
         for i, bucket in enumerate(buckets):
             named = list(bucket)
             del bucket
@@ -114,23 +162,19 @@ async def aupdate_delta(engine: Any, sender: DeltaSender, buckets: Iterable[Buck
                 await _post_tensor(engine, file_pairs(path), LOADER, version)
             elif dist_path and pairs:
                 await _broadcast(engine, pairs, version)
-            elif copy:
-                await _post_tensor(engine, pairs, LOADER, version)
-            else:
-                for payload, fmt in bucket_payloads(pairs):
+            elif not dist_path:
+                bad = off_host_error(pairs)
+                if bad:
+                    raise RolloutError(f"weight sync to version {version}: {bad}")
+                for payload, fmt in tensor_requests(pairs, copy):
                     await _post_tensor(engine, payload, fmt, version)
             st.apply_s += time.perf_counter() - t0
             engine.note_bucket(sum(t.numel() * t.element_size() for _, t in pairs), 0)
             del pairs
             sender.commit()
-        await engine.aend_update_sessions()
-        await engine.flush_cache()
-        engine._version = int(version)
         ok = True
     finally:
-        sender.releases_seen = getattr(engine, "weights_releases", 0)
-        sender.finish(ok)
-        await engine.continue_generation()
+        await aend_delta(engine, sender, version, ok)
     return st.metrics()
 
 

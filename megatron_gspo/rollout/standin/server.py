@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import threading
@@ -97,6 +98,8 @@ class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
         self.faults = Faults()
         self.weight_version = "default"
         self.stats = {"generate_calls": 0, "samples": 0, "weight_updates": 0, "flushes": 0}
+        # (load_format, per TP rank `weights.origins` of its entry) of the latest tensor updates
+        self.received: collections.deque = collections.deque(maxlen=256)
         self.released = False  # some memory region is released (generation refused)
         self.released_tags: set[str] = set()
         self.weights_cpu_backup = weights_cpu_backup

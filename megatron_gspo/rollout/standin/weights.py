@@ -85,6 +85,7 @@ class WeightEndpoints:
             return await self._custom_load(request, body)
         try:  # every TP rank deserializes its own entry (SGLang tp_worker.py)
             ranks = [decode_tensor_update(body, tp_rank=k) for k in range(self.tp_size)]
+            self.received.append((body.get("load_format"), [origins(r) for r in ranks]))
             for k, other in enumerate(ranks[1:], 1):
                 if [n for n, _ in other] != [n for n, _ in ranks[0]] or not all(
                         a.equal(b) for (_, a), (_, b) in zip(ranks[0], other, strict=True)):
@@ -119,7 +120,10 @@ class WeightEndpoints:
             return _fail("Failed to update weights from tensor: the weights region is released")
         fmt = str(body["load_format"])
         try:
-            named = decode_tensor_update({**body, "load_format": None}, tp_rank=0)
+            ranks = [decode_tensor_update({**body, "load_format": None}, tp_rank=k)
+                     for k in range(self.tp_size)]
+            self.received.append((fmt, [origins(r) for r in ranks]))
+            named = ranks[0]
             module, _, func = fmt.rpartition(".")
             loader = getattr(importlib.import_module(module), func)
             await asyncio.to_thread(loader, self.served_model, named)
@@ -276,12 +280,60 @@ class ServedModel:
     def load_weights(self, weights: Any) -> None:
         engine = self.server.engine
         named = [(n, t) for n, t in weights if engine.param_shape(n) is not None]
+        if type(engine.model).__name__ in FUSED_A_PROJ and getattr(
+                engine.model.config, "q_lora_rank", None) is not None:
+            named = fuse_a_proj(named)
         for n, t in named:
             if tuple(t.shape) != engine.param_shape(n):
                 raise AssertionError(f"{n} has shape {tuple(t.shape)}, the model "
                                      f"{engine.param_shape(n)}")
         engine.load_buckets([named], engine.weight_version)
         self.server.lost_weights.difference_update(n for n, _ in named)
+
+
+#: Architectures whose SGLang load_weights fuses each layer's `q_a_proj` and
+#: `kv_a_proj_with_mqa` into `fused_qkv_a_proj_with_mqa` when `q_lora_rank` is set
+#: (models/deepseek_common/deepseek_weight_loader.py, 0.5.12 and 0.5.23).
+FUSED_A_PROJ = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def fuse_a_proj(named: list) -> list:
+    """As SGLang's DeepSeek loader: a layer's two attention down-projections are cached within
+    one load_weights call (`cached_a_proj`) and loaded once both arrived; one whose partner is
+    not in the same call is dropped without a word."""
+    cached: dict = {}
+    out = []
+    for n, t in named:
+        if "q_a_proj" not in n and "kv_a_proj_with_mqa" not in n:
+            out.append((n, t))
+            continue
+        cached[n] = t
+        q = n.replace("kv_a_proj_with_mqa", "q_a_proj")
+        kv = n.replace("q_a_proj", "kv_a_proj_with_mqa")
+        if q in cached and kv in cached:
+            out += [(q, cached.pop(q)), (kv, cached.pop(kv))]
+    return out
+
+
+def origins(named: Any) -> list[str]:
+    """Where the memory of each received tensor lives, as its handle names it: "cuda:N" (a
+    CUDA IPC handle names its device), "pid:P" (host shared memory: torch names the file
+    /torch_<P>_..., P the process that shared it), "local" otherwise."""
+    import re
+
+    out = []
+    for _, t in named:
+        st = t.untyped_storage()
+        if t.is_cuda:
+            out.append(f"cuda:{t.device.index}")
+            continue
+        try:  # a storage shared another way (file descriptor) has no such name
+            mo = re.match(rb"/torch_(\d+)_", st._share_filename_cpu_()[1]) if (
+                st.is_shared() and st.nbytes()) else None
+        except RuntimeError:
+            mo = None
+        out.append(f"pid:{int(mo.group(1))}" if mo else "local")
+    return out
 
 
 def weights_digest(named: Any) -> str:

@@ -1,0 +1,106 @@
+"""Where a delta weight sync's payloads go (issue 53, defects 4 and 5): with colocated servers
+each server's delta payload is serialized by the learner rank on that server's GPU (the
+entry-rank plan of the full sync), one process never hands GPU tensors to every server (the
+refusal attached servers get), and tensors SGLang fuses on load (DeepSeek's two attention
+down-projections) reach the server together even when only one of them changed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.rollout.delta.sender import DeltaSender
+from megatron_gspo.rollout.sglang import delta_sync
+from megatron_gspo.rollout.sglang.client import SGLangEngine
+from megatron_gspo.rollout.standin.server import StandinServer
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_delta_ipc_worker.py")
+
+
+@pytest.mark.slow
+def test_delta_payload_of_server_i_comes_from_the_learner_rank_on_its_gpu(tmp_path):
+    from megatron_gspo.megatron.parallel import free_port
+
+    port, loader = free_port(), delta_sync.loader_dir(str(tmp_path / "loader"))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(port), loader],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    r0 = json.loads(next(x for x in outs[0][0].splitlines() if x.startswith("RESULT "))[7:])
+    assert r0["delta"] and r0["equal"] == [True, True] and r0["versions"] == ["2", "2"]
+    for i, received in enumerate(r0["received"]):
+        deltas = [o for fmt, o in received if fmt == delta_sync.LOADER]
+        assert deltas and len(deltas) == len(received), received
+        # every tensor of server i's entries lives in learner rank i's memory (on GPUs: a
+        # CUDA IPC handle to GPU i, never one to rank 0's GPU)
+        assert {x for o in deltas for rank_o in o for x in rank_o} == {f"pid:{r0['pids'][i]}"}
+
+
+def test_a_delta_bucket_on_a_gpu_is_refused_from_one_process(engine, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(delta_sync.loader_dir(str(tmp_path / "loader")))
+    srv = StandinServer(engine, model_path="tiny",
+                        custom_weight_loaders=[delta_sync.LOADER]).start_in_thread()
+    client = SGLangEngine(server_urls=[srv.url], backoff_s=0.01)  # attached by URL
+    client.delta = DeltaSender("on")
+    try:  # "meta" stands for "cuda" here, as a CUDA export would place the tensors
+        bucket = [(k, torch.empty(v.shape, dtype=v.dtype, device="meta"))
+                  for k, v in engine.model.named_parameters()]
+        with pytest.raises(RolloutError, match="a delta bucket on meta cannot go to every "
+                           "server from one process.*rollout.weight_sync=distributed"):
+            client.update_weights([bucket], 1)
+        assert srv.stats["weight_updates"] == 0 and not srv.received
+        assert client.delta.acked_version is None  # the next sync is full
+    finally:
+        client.shutdown()
+        srv.stop_thread()
+
+
+def test_deepseek_down_projections_reach_the_server_in_one_delta_sync(tmp_path, monkeypatch):
+    from megatron_gspo.convert import get_adapter
+    from megatron_gspo.megatron.io.export import bucketize
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+    from tests.convert.tiny_families import DEEPSEEK_V3, make_family_model
+
+    monkeypatch.syspath_prepend(delta_sync.loader_dir(str(tmp_path / "loader")))
+    make_family_model("DeepseekV3ForCausalLM", tmp_path / "m", seed=1)
+    served = EmbeddedEngine(str(tmp_path / "m"))
+    adapter = get_adapter(DEEPSEEK_V3)
+    dims = adapter.dims(DEEPSEEK_V3)
+    q_a, kv_a = (f"model.layers.0.self_attn.{p}.weight" for p in ("q_a_proj", "kv_a_proj_with_mqa"))
+    params = dict(served.model.named_parameters())
+    # the stand-in drops a lone down-projection, as SGLang's DeepSeek loader does
+    before = params[q_a].detach().clone()
+    srv = StandinServer(served, model_path=str(tmp_path / "m"),
+                        custom_weight_loaders=[delta_sync.LOADER]).start_in_thread()
+    srv.served_model.load_weights([(q_a, before + 1)])
+    assert torch.equal(params[q_a], before)
+    client = SGLangEngine(server_urls=[srv.url], backoff_s=0.01)
+    client.delta = DeltaSender("on")
+    client.delta.together = lambda n: adapter.bucket_group(n, dims)
+    w = {k: v.detach().clone() + 1e-3 for k, v in params.items()}
+    bound = w[q_a].numel() * 4  # a bound that would put q_a_proj and kv_a_proj_with_mqa apart
+
+    def sync(version):
+        client.update_weights(bucketize(iter(sorted(w.items())), bound,
+                                        together=client.delta.together), version)
+        return all(torch.equal(params[k], v) for k, v in w.items())
+
+    try:
+        assert sync(1) and not client.delta.stats.delta  # full
+        w[q_a] = w[q_a] * 1.01  # only one of the pair changed
+        assert sync(2) and client.delta.stats.delta  # ONE delta sync: the server holds it
+        assert client.delta.stats.kinds["same"] == len(w) - 2
+    finally:
+        client.shutdown()
+        srv.stop_thread()
