@@ -100,3 +100,47 @@ bind_address() {
     [[ -n "$addr" ]] || die "ROLLOUT_HOST=internal: cannot find this node's address; set ROLLOUT_HOST to it"
     echo "$addr"
 }
+
+# gpu_memory: GPU_MEMORY, else the smallest memory.total nvidia-smi lists (as "<MiB>MiB"), else
+# nothing (no GPU known: the plan then checks the layout, not the memory).
+gpu_memory() {
+    local mib
+    if [[ -n "${GPU_MEMORY:-}" ]]; then
+        echo "$GPU_MEMORY"
+    elif command -v nvidia-smi >/dev/null 2>&1; then
+        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null \
+              | sort -n | head -n 1 | tr -d ' ')
+        is_uint "$mib" || die "nvidia-smi did not report the GPUs' memory; set GPU_MEMORY (e.g. 80GiB)"
+        echo "${mib}MiB"
+    fi
+}
+
+# run_plan CONFIG NNODES GPUS_PER_NODE: `megatron-gspo plan --brief` on CONFIG with the
+# overrides in OVERRIDE_ARGS (split_train_args) on NNODES x GPUS_PER_NODE GPUs; sets plan_lines
+# (its output lines: rollout, learner, verdict; or its one-line error) and plan_rc (0 fits,
+# 1 does not fit or would be refused, 2 a config error).
+# shellcheck disable=SC2034  # plan_lines and plan_rc are read by the scripts that source this
+run_plan() {
+    local config=$1 nodes=$2 gpus=$3 mem out
+    mem=$(gpu_memory)
+    local args=(plan "$config" --brief --nodes "$nodes" --gpus-per-node "$gpus"
+                --gpu-memory "${mem:-unknown}")
+    if [[ -n "${MODEL_CONFIG:-}" ]]; then
+        args+=(--model-config "$MODEL_CONFIG")
+    fi
+    plan_rc=0
+    out=$("${MEGATRON_GSPO:-megatron-gspo}" "${args[@]}" "${OVERRIDE_ARGS[@]}" 2>&1) || plan_rc=$?
+    mapfile -t plan_lines <<< "$out"
+    if (( plan_rc > 1 )) && (( ${#plan_lines[@]} )); then  # a config error: its last line
+        plan_lines=("plan: ${plan_lines[-1]}")
+    fi
+}
+
+# plan_refusal: the line of plan_lines that says why the plan refused.
+plan_refusal() {
+    local line
+    for line in "${plan_lines[@]}"; do
+        [[ "$line" == plan:* ]] && { echo "$line"; return; }
+    done
+    echo "plan: ${plan_lines[-1]:-megatron-gspo plan failed}"
+}

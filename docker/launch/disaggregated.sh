@@ -5,7 +5,9 @@
 #
 # Usage:
 #   disaggregated.sh [--dry-run] rollout MODEL_DIR     start this node's SGLang servers, wait
-#   disaggregated.sh [--dry-run] learner CONFIG.yaml [--run-dir DIR] [section.key=value ...]
+#   disaggregated.sh [--dry-run] [--skip-plan] learner CONFIG.yaml [--run-dir DIR] [key=value ...]
+#                                                       the learner (torchrun.sh: the memory plan
+#                                                       of this exact command runs first)
 #
 # rollout role, environment:
 #   GPUS_PER_NODE         GPUs on this node used for serving        (default: nvidia-smi count)
@@ -26,7 +28,10 @@
 #   LOG_DIR               server logs go to LOG_DIR/sglang_<host>_<i>.log (default: stdout)
 #   SGLANG_EXTRA_ARGS     extra arguments for every server (word-split)
 #   SGLANG_SERVER_MODULE  Python module run with SGLang's flags (default sglang.launch_server)
-# learner role, environment: torchrun.sh's (NNODES counts learner nodes only) plus
+# learner role: the config's settings stand, except the placement this role is: it adds
+# rollout.engine=sglang, rollout.colocate=false, rollout.server_urls and
+# rollout.weight_sync=distributed. Environment: torchrun.sh's (NNODES counts learner nodes only,
+# GPU_MEMORY, MODEL_CONFIG, SKIP_PLAN) plus
 #   ROLLOUT_URLS          comma-separated server URLs, e.g. http://node2:30000,http://node2:30001
 #   ROLLOUT_DTYPE         when set, also the learner's model.dtype (before the user's overrides)
 #   SGLANG_API_KEY        when set, the learner sends it (rollout.api_key_env=SGLANG_API_KEY: the
@@ -40,11 +45,14 @@ here=$(dirname "${BASH_SOURCE[0]}")
 source "$here/common.sh"
 
 dry_run=0
-if [[ "${1:-}" == "--dry-run" ]]; then
-    dry_run=1
-    shift
-fi
-usage="usage: disaggregated.sh [--dry-run] rollout MODEL_DIR | learner CONFIG.yaml [args ...]"
+while (( $# )); do
+    case "$1" in
+        --dry-run) dry_run=1; shift ;;
+        --skip-plan) export SKIP_PLAN=1; shift ;;
+        *) break ;;
+    esac
+done
+usage="usage: disaggregated.sh [--dry-run] [--skip-plan] rollout MODEL_DIR | learner CONFIG.yaml [args ...]"
 (( $# >= 2 )) || die "$usage"
 role=$1
 shift

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-node launch of `megatron-gspo train` with torchrun (static rendezvous at MASTER_ADDR).
 #
-# Usage: torchrun.sh [--dry-run] CONFIG.yaml [--run-dir DIR] [section.key=value ...]
+# Usage: torchrun.sh [--dry-run] [--skip-plan] CONFIG.yaml [--run-dir DIR] [section.key=value ...]
 #
 # Run the same command on every node; only NODE_RANK differs. Environment:
 #   NNODES         number of nodes                                (default 1)
@@ -15,17 +15,30 @@
 #   LOG_DIR        if set, torchrun also writes every rank's output under LOG_DIR/node<RANK>
 #   TORCHRUN       torchrun executable                            (default torchrun)
 #   MEGATRON_GSPO  the CLI executable                             (default megatron-gspo)
-# --dry-run prints the torchrun command line (shell-quoted, one line) and exits.
+#   GPU_MEMORY     memory of one GPU for the plan, e.g. 80GiB     (default: the smallest GPU
+#                  nvidia-smi lists; without either the plan checks the layout, not the memory)
+#   MODEL_CONFIG   the model's config.json (or its directory) for the plan (default: model.path)
+#   SKIP_PLAN=1    same as --skip-plan
+# The config is the one source of truth for the layout: this script adds no override of its
+# own. Before torchrun starts, `megatron-gspo plan --brief` runs on this exact command (the
+# config and overrides, NNODES x GPUS_PER_NODE GPUs): a layout that does not fit the GPUs' memory,
+# or that the trainer would refuse at start, stops here with one line naming the changes
+# checked that fit (--skip-plan launches anyway). --dry-run prints the torchrun command line
+# (shell-quoted, one line), then the plan's lines (the resolved rollout layout, the learner
+# layout, the verdict) as comments, and exits with the plan's status.
 set -euo pipefail
 # shellcheck source=docker/launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 dry_run=0
-if [[ "${1:-}" == "--dry-run" ]]; then
-    dry_run=1
-    shift
-fi
-(( $# >= 1 )) || die "usage: torchrun.sh [--dry-run] CONFIG.yaml [--run-dir DIR] [key=value ...]"
+while (( $# )); do
+    case "$1" in
+        --dry-run) dry_run=1; shift ;;
+        --skip-plan) export SKIP_PLAN=1; shift ;;
+        *) break ;;
+    esac
+done
+(( $# >= 1 )) || die "usage: torchrun.sh [--dry-run] [--skip-plan] CONFIG.yaml [--run-dir DIR] [key=value ...]"
 config=$1
 shift
 [[ "$config" != -* ]] || die "first argument must be the config file, got '$config'"
@@ -64,13 +77,25 @@ if [[ -n "${LOG_DIR:-}" ]]; then
 fi
 cmd+=(--no-python "${MEGATRON_GSPO:-megatron-gspo}" train "$config" "$@")
 
+plan_lines=()
+plan_rc=0
+if [[ "${SKIP_PLAN:-0}" != 1 ]]; then
+    split_train_args "$@"
+    run_plan "$config" "$nnodes" "$gpus"
+fi
+
 if (( dry_run )); then
     printf '%q ' "${cmd[@]}"
     echo
-    exit 0
+    for line in "${plan_lines[@]}"; do echo "# $line"; done
+    exit "$plan_rc"
 fi
 
 [[ -f "$config" ]] || die "config file not found: $config"
+if (( plan_rc != 0 )); then
+    die "$(plan_refusal) (--skip-plan or SKIP_PLAN=1 launches anyway)"
+fi
+for line in "${plan_lines[@]}"; do echo "torchrun.sh: $line" >&2; done
 # One hardware queue per device keeps tensor-parallel communication ordered with compute.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}

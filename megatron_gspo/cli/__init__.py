@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--ledger-spec", default=None, metavar="PATH",
                    help="also write the device-memory ledger's spec of one GPU to PATH (a CPU "
                    "run with MEGATRON_GSPO_DEVICE_LEDGER=PATH reports what that GPU would hold)")
+    m.add_argument("--brief", action="store_true",
+                   help="print three lines (the resolved rollout layout, the learner layout, "
+                   "the verdict with the changes that fit) instead of the table; the launch "
+                   "scripts run this before torchrun")
     m.add_argument("overrides", nargs="*")
     f = sub.add_parser("fields", help="list every config field with its type, default and doc")
     f.add_argument("--markdown", action="store_true",
@@ -125,23 +129,50 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plan(cfg, args) -> int:
-    """`megatron-gspo plan`: print the table; exit 1 when the layout does not fit."""
-    from megatron_gspo.cli.plan import checked_model_config
+    """`megatron-gspo plan`: print the table (or, with --brief, three lines); exit 1 when the
+    layout does not fit or the launch would be refused."""
+    from megatron_gspo.cli.plan import (UNKNOWN, checked_model_config, launch_problems,
+                                        rollout_line)
     from megatron_gspo.config import ConfigError
+    from megatron_gspo.megatron.memory import changes as mc
     from megatron_gspo.megatron.memory import report as mr
 
     hf = checked_model_config(cfg, args)  # the flags, and model and layout as training checks
+    refused = launch_problems(cfg, args.nodes, args.gpus_per_node)
+    if args.gpu_memory == UNKNOWN:  # a launch on a machine without a GPU it could count
+        print(rollout_line(cfg))
+        print(f"plan: refused: {'; '.join(refused)}" if refused else
+              "plan: memory not checked: no GPU size (set GPU_MEMORY, or run where nvidia-smi "
+              "lists the GPUs); layout checked")
+        return 1 if refused else 0
     try:
         x = mr.inputs_from_config(cfg, hf, gpu_bytes=mr.parse_bytes(args.gpu_memory),
                                   gpus_per_node=args.gpus_per_node, nodes=args.nodes)
         plan = mr.build_plan(x)
+        fix = None if plan.fits else mc.describe_changes(mc.fitting_changes(x))
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"plan: {type(e).__name__}: {e}") from None
-    print(mr.format_plan(plan, x, None if plan.fits else mr.suggest(x)))
+    if args.brief:
+        print(rollout_line(cfg))
+        print(f"learner: TP{x.tp} PP{x.pp} CP{x.cp} EP{x.ep} DP{x.dp} on {x.world} GPUs "
+              f"({args.nodes} x {args.gpus_per_node}) of {x.gpu_bytes / mr.GiB:.1f} GiB")
+        if refused:
+            print(f"plan: refused: {'; '.join(refused)}")
+        elif plan.fits:
+            name, total, _ = max(plan.moments, key=lambda m: m[1])
+            kv = f"; SGLang KV cache {plan.kv_tokens} tokens" if plan.kv_tokens else ""
+            print(f"plan: fits: largest moment {name} {total / mr.GiB:.1f} GiB "
+                  f"({100 * total / plan.gpu_bytes:.0f}% of the GPU){kv}")
+        else:
+            print(f"plan: does not fit: {'; '.join(plan.problems)}; {fix}")
+    else:
+        print(mr.format_plan(plan, x, fix))
+        for p in refused:
+            print(f"refused at launch: {p}")
     if args.ledger_spec:  # the device-memory ledger of one GPU of this plan
         mr.ledger_spec(plan, x, args.config.rsplit("/", 1)[-1].removesuffix(".yaml")).dump(
             args.ledger_spec)
-    return 0 if plan.fits else 1
+    return 0 if plan.fits and not refused else 1
 
 
 if __name__ == "__main__":

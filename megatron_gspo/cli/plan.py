@@ -15,6 +15,7 @@ from pathlib import Path
 from megatron_gspo.config import ConfigError
 
 MAX_CONFIG_BYTES = 16 * 2**20  # a config.json is kilobytes; /dev/zero would never end
+UNKNOWN = "unknown"  # --gpu-memory of a launch that found no GPU: layout checks, no memory
 
 
 def checked_model_config(cfg, args) -> dict:
@@ -33,8 +34,11 @@ def checked_model_config(cfg, args) -> dict:
     for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--nodes", args.nodes)):
         if value < 1:
             raise ConfigError(f"plan: {flag}: expected an integer >= 1, got {value}")
+    if args.gpu_memory == UNKNOWN and not args.brief:
+        raise ConfigError(f"plan: --gpu-memory {UNKNOWN} goes with --brief (the table needs a "
+                          "size)")
     try:
-        gpu_bytes = parse_bytes(args.gpu_memory)
+        gpu_bytes = 1 if args.gpu_memory == UNKNOWN else parse_bytes(args.gpu_memory)
     except (ValueError, OverflowError) as e:
         raise ConfigError(f"plan: --gpu-memory: {e}") from None
     if gpu_bytes < 1:
@@ -66,3 +70,51 @@ def read_model_config(src: Path) -> dict:
         raise ConfigError(f"plan: model config {src}: a JSON {type(hf).__name__}, expected an "
                           "object of model settings")
     return hf
+
+
+def launch_problems(cfg, nodes: int, gpus_per_node: int) -> list[str]:
+    """What a launch of `cfg` on `nodes` x `gpus_per_node` GPUs would refuse at start-up before
+    any memory is used: launched servers needing more GPUs than a node has
+    (`rollout.sglang.launch.check_local_gpus`), and servers bound to loopback on a job whose
+    nodes each launch their own (rank 0 on node 0 could not reach them)."""
+    from megatron_gspo.rollout.sglang.launch import LaunchSpec, check_local_gpus
+
+    r = cfg.rollout
+    if r.engine != "sglang" or r.server_urls:
+        return []
+    out = []
+    try:
+        check_local_gpus(LaunchSpec(model_path=str(cfg.model.path), num_servers=r.num_servers,
+                                    tp_size=r.tp_size), gpus_per_node)
+    except ValueError as e:
+        out.append(str(e))
+    loopback = r.host == "localhost" or r.host.startswith("127.") or r.host == "::1"
+    if nodes > 1 and r.colocate and r.weight_sync in ("auto", "tensor") and loopback:
+        out.append(f"rollout.host={r.host}: each of the {nodes} nodes launches its own servers "
+                   "and node 0 could not reach the others'; set rollout.host: internal (each "
+                   "node's cluster-internal address) or ROLLOUT_HOST")
+    return out
+
+
+def rollout_line(cfg) -> str:
+    """The resolved rollout layout as key=value pairs (`plan --brief`, the launchers' dry
+    runs)."""
+    from megatron_gspo.megatron.memory.report import offload_learner_enabled
+
+    r = cfg.rollout
+    keys = [("engine", r.engine)]
+    if r.engine == "sglang":
+        keys += [("colocate", r.colocate)]
+        if r.server_urls:
+            keys += [("server_urls", ",".join(r.server_urls))]
+        else:
+            keys += [("num_servers", r.num_servers), ("tp_size", r.tp_size),
+                     ("mem_fraction", r.mem_fraction), ("host", r.host),
+                     ("base_port", r.base_port)]
+        keys += [("weight_sync", r.weight_sync), ("weight_sync_delta", r.weight_sync_delta),
+                 ("offload_learner", offload_learner_enabled(cfg))]
+    else:
+        keys += [("dtype", r.dtype)]
+    keys += [("group_size", r.group_size), ("max_new_tokens", r.max_new_tokens)]
+    return "rollout: " + " ".join(
+        f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in keys)

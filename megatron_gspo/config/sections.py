@@ -118,8 +118,9 @@ class RolloutConfig:
     offload_learner: bool | None = option(
         None, "colocated SGLang: the learner's weights, grads, fp32 main weights, Adam moments "
         "and KL reference leave the GPU while the servers hold it; null = on when colocated")
-    host: str = option("127.0.0.1", "host SGLang servers bind to (colocated on several hosts: "
-                       "each node's address that rank 0 reaches)")
+    host: str = option("127.0.0.1", "host SGLang servers bind to; internal: each node's "
+                       "cluster-internal address (what its host name resolves to), which "
+                       "colocated servers on several nodes need so that rank 0 reaches them")
     base_port: int = option(30000, "first port for launched servers (SGLang refuses ports above "
                             "55535: it adds 10000 for its gRPC port)", ge=1, le=55535)
     extra_server_args: list[str] = option([], "extra command-line arguments for SGLang servers")

@@ -322,8 +322,14 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
         if r.weight_sync_delta != "off" and colocated_on_every_node(cfg):
             raise ConfigError("rollout.weight_sync_delta: off with servers on every node")
         runtime = _server_runtime(r)
+        from megatron_gspo.rollout.multinode.servers import bind_host
+
+        try:
+            host = bind_host(r.host)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         launch = LaunchSpec(model_path=str(cfg.model.path), num_servers=r.num_servers,
-                            tp_size=r.tp_size, host=r.host, base_port=r.base_port,
+                            tp_size=r.tp_size, host=host, base_port=r.base_port,
                             mem_fraction_static=r.mem_fraction, colocated=r.colocate,
                             seed=cfg.train.seed, dtype=cfg.model.dtype,
                             extra_args=tuple(r.extra_server_args) + (

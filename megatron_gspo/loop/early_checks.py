@@ -124,7 +124,7 @@ def check_update_backend(cfg: Config) -> None:
 def check_memory(cfg: Config, hf_config: dict, world: int, gpu_bytes: int | None = None) -> None:
     """The memory plan (`megatron-gspo plan`) of this layout on this GPU: a ConfigError naming
     the biggest term when it cannot fit. Skipped without CUDA unless `gpu_bytes` is given."""
-    from megatron_gspo.megatron.memory.report import check_before_launch
+    from megatron_gspo.megatron.memory.changes import check_before_launch
 
     if gpu_bytes is None:
         import torch

@@ -8,6 +8,7 @@ import shlex
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,16 +22,24 @@ CLEAN_ENV = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT
              "ROLLOUT_TP", "ROLLOUT_MEM_FRACTION", "ROLLOUT_URLS", "ROLLOUT_BASE_PORT",
              "ROLLOUT_NODES", "PLACEMENT", "IMAGE", "MODEL_DIR", "DRY_RUN", "SGLANG_EXTRA_ARGS",
              "TORCHRUN", "MEGATRON_GSPO", "ROLLOUT_HOST", "ROLLOUT_DTYPE", "SGLANG_API_KEY",
-             "SGLANG_SERVER_MODULE", "PYTHON", "MAX_RESTARTS", "MONITOR_INTERVAL")
+             "SGLANG_SERVER_MODULE", "PYTHON", "MAX_RESTARTS", "MONITOR_INTERVAL",
+             "SKIP_PLAN", "GPU_MEMORY", "MODEL_CONFIG", "ROLLOUT_NUM_SERVERS")
 
 
-def run(script: str, *args: str, env: dict[str, str] | None = None, path_prefix: str = ""):
+def run(script: str, *args: str, env: dict[str, str] | None = None, path_prefix: str = "",
+        plan: bool = False):
+    """The script's output; without `plan` the memory plan is skipped (SKIP_PLAN=1: these
+    tests check command lines of made-up configs; tests/docker/test_launch_plan.py checks the
+    plan); `megatron-gspo` resolves to this environment's."""
     e = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV and not k.startswith("SLURM")}
+    e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
     if path_prefix:
         e["PATH"] = f"{path_prefix}:{e['PATH']}"
+    if not plan:
+        e["SKIP_PLAN"] = "1"
     e.update(env or {})
     return subprocess.run(["bash", str(LAUNCH / script), *args], check=False, env=e,
-                          capture_output=True, text=True, timeout=30, cwd=ROOT)
+                          capture_output=True, text=True, timeout=240 if plan else 30, cwd=ROOT)
 
 
 def argv_lines(out: str) -> list[list[str]]:
@@ -128,6 +137,8 @@ def test_torchrun_rejects_bad_environment(env, message):
 
 
 def test_colocated_two_nodes():
+    """The variables that are set become overrides (ROLLOUT_TP also fills the node with
+    servers); the user's own overrides come last and win."""
     env = {"NNODES": "2", "NODE_RANK": "1", "GPUS_PER_NODE": "8", "MASTER_ADDR": "node-a",
            "ROLLOUT_TP": "2", "ROLLOUT_HOST": "10.1.2.3"}
     r = run("colocated.sh", "--dry-run", "cfg.yaml", "rollout.mem_fraction=0.6",
@@ -140,16 +151,33 @@ def test_colocated_two_nodes():
     assert program[:5] == ["megatron-gspo", "train", "cfg.yaml", "--run-dir", "runs/b"]
     assert overrides_of(program) == [
         "rollout.engine=sglang", "rollout.colocate=true", "rollout.tp_size=2",
-        "rollout.num_servers=4", "rollout.mem_fraction=0.5", "rollout.host=10.1.2.3",
-        "rollout.mem_fraction=0.6"]  # every node serves at its own address
-    assert "node 1 of 2: 4 rollout servers" in r.stderr
+        "rollout.num_servers=4", "rollout.host=10.1.2.3", "rollout.mem_fraction=0.6"]
     assert_valid_overrides(program)
     assert load_config(None, [*overrides_of(program), "model.path=/m"]).rollout.mem_fraction == 0.6
+
+
+def test_colocated_sets_nothing_the_environment_does_not_name():
+    """Without ROLLOUT_* variables the config's rollout section stands: the script adds only
+    what it is (SGLang, colocated); ROLLOUT_NUM_SERVERS and ROLLOUT_MEM_FRACTION alone."""
+    env = {"NNODES": "2", "NODE_RANK": "0", "GPUS_PER_NODE": "8", "MASTER_ADDR": "node-a"}
+    r = run("colocated.sh", "--dry-run", "cfg.yaml", env=env)
+    assert r.returncode == 0, r.stderr
+    _, program = split_torchrun(argv_lines(r.stdout)[0])
+    assert overrides_of(program) == ["rollout.engine=sglang", "rollout.colocate=true"]
+    r = run("colocated.sh", "--dry-run", "cfg.yaml", env={
+        **env, "ROLLOUT_NUM_SERVERS": "2", "ROLLOUT_MEM_FRACTION": "0.6"})
+    _, program = split_torchrun(argv_lines(r.stdout)[0])
+    assert overrides_of(program)[2:] == ["rollout.num_servers=2", "rollout.mem_fraction=0.6"]
+    r = run("colocated.sh", "--dry-run", "cfg.yaml", env={**env, "ROLLOUT_NUM_SERVERS": "9"})
+    assert r.returncode == 2 and "ROLLOUT_NUM_SERVERS" in r.stderr
 
 
 def test_colocated_rejects_tp_not_dividing_gpus():
     r = run("colocated.sh", "--dry-run", "cfg.yaml", env={"GPUS_PER_NODE": "8", "ROLLOUT_TP": "3"})
     assert r.returncode == 2 and "ROLLOUT_TP" in r.stderr
+    r = run("colocated.sh", "--dry-run", "cfg.yaml",
+            env={"GPUS_PER_NODE": "8", "ROLLOUT_TP": "3", "ROLLOUT_NUM_SERVERS": "2"})
+    assert r.returncode == 0, r.stderr  # 2 x 3 GPUs of 8: the plan judges the layout
 
 
 def test_disaggregated_learner():
@@ -283,7 +311,6 @@ def test_disaggregated_rollout_serves_with_api_key_for_real(tmp_path):
     import json as _json
     import signal
     import socket
-    import sys
     import time
     import urllib.error
     import urllib.request
@@ -399,7 +426,6 @@ def test_two_node_rendezvous_runs_for_real(tmp_path):
     """Two torchrun.sh "nodes" on this machine (2 processes each) meet at MASTER_ADDR and start
     the program with the ranks torchrun assigns; the program is a probe that records them."""
     import socket
-    import sys
 
     probe = tmp_path / "probe.sh"
     probe.write_text('#!/usr/bin/env bash\n'
@@ -414,7 +440,8 @@ def test_two_node_rendezvous_runs_for_real(tmp_path):
                 TORCHRUN=str(Path(sys.executable).parent / "torchrun"), MEGATRON_GSPO=str(probe),
                 PROBE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
     (tmp_path / "c.yaml").write_text("train: {}\n")
-    procs = [subprocess.Popen(["bash", str(LAUNCH / "torchrun.sh"), str(tmp_path / "c.yaml"),
+    procs = [subprocess.Popen(["bash", str(LAUNCH / "torchrun.sh"), "--skip-plan",
+                               str(tmp_path / "c.yaml"),
                                "train.seed=3"], env={**base, "NODE_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in (0, 1)]

@@ -1,5 +1,5 @@
 """The memory plan's arithmetic (no learner): Megatron's buffer padding, SGLang 0.5.12's KV
-sizing, the fit verdict with its cheapest fix, the trainer's start-up check and the
+sizing, the fit verdict with the changes that fit, the trainer's start-up check and the
 `megatron-gspo plan` command."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_gspo.megatron.memory import changes as mc
 from megatron_gspo.megatron.memory import plan as mp
 from megatron_gspo.megatron.memory import report as mr
 
@@ -68,7 +69,7 @@ def test_shipped_default_layout_does_not_fit_and_names_the_fix(tmp_path):
     assert not plan.fits
     assert "optimizer moments" in plan.problems[0]
     assert plan.term("gradient buffer") == 2 * plan.term("learner weights")  # fp32 grads
-    assert mr.suggest(x).startswith("optimizer.distributed_optimizer=true")
+    assert mc.fitting_changes(x)[0] == "optimizer.distributed_optimizer=true"
 
 
 @pytest.mark.parametrize("config,shape,nodes", [
@@ -83,12 +84,51 @@ def test_shipped_gpu_configs_fit_80gb(config, shape, nodes):
     assert plan.kv_tokens >= 100_000  # room for many responses per server
 
 
+def test_the_changes_named_are_the_ones_checked_to_fit():
+    """The layout the launch scripts used to force on the 2-node 30B config (TP-1 servers,
+    mem_fraction 0.5): no setting of the learner helps; a larger rollout TP does, and every
+    change named rebuilds into a plan that fits. Another shape needs more nodes or recompute
+    and micro-batch changes, which are named too."""
+    import dataclasses
+
+    cfg = _cfg(GPU / "qwen3_30b_a3b_2nodes.yaml", ["rollout.tp_size=1", "rollout.num_servers=8",
+                                                    "rollout.mem_fraction=0.5"])
+    x = mr.inputs_from_config(cfg, _hf("Qwen3-30B-A3B"), gpu_bytes=80 * 10**9, gpus_per_node=8,
+                              nodes=2)
+    plan = mr.build_plan(x)
+    assert not plan.fits and plan.problems[0].startswith("checkpoint: 89.4 GiB")
+    changes = mc.fitting_changes(x)
+    assert changes == ["rollout.tp_size=2 rollout.num_servers=4",
+                       "rollout.tp_size=4 rollout.num_servers=2",
+                       "rollout.tp_size=8 rollout.num_servers=1"]
+    line = mc.describe_changes(changes)
+    assert line.startswith("changes checked that fit: rollout.tp_size=2")
+    for tp in (2, 4, 8):
+        assert mr.build_plan(dataclasses.replace(x, server_tp=tp)).fits
+    # activations: recompute or a smaller micro-batch
+    cfg = _cfg(GPU / "qwen3_8b_1node.yaml", ["model.recompute_activations=false",
+                                              "algorithm.micro_batch_tokens=32768"])
+    x = mr.inputs_from_config(cfg, _hf("Qwen3-8B"), gpu_bytes=80 * 10**9, gpus_per_node=8)
+    assert not mr.build_plan(x).fits
+    assert mc.fitting_changes(x) == ["model.recompute_activations=true",
+                                     "algorithm.micro_batch_tokens=8192"]
+    # optimizer state on one node: offloading it, learner TP, or more nodes (DP shards it)
+    cfg = _cfg(GPU / "qwen3_30b_a3b_1node.yaml", ["optimizer.offload_outside_step=false"])
+    x = mr.inputs_from_config(cfg, _hf("Qwen3-30B-A3B"), gpu_bytes=80 * 10**9,
+                              gpus_per_node=8)
+    assert mc.fitting_changes(x) == ["optimizer.offload_outside_step=true",
+                                     "parallel.tensor=4 parallel.sequence_parallel=true",
+                                     "NNODES=2 (--nodes 2)", "NNODES=4 (--nodes 4)"]
+    assert mr.build_plan(dataclasses.replace(x, world=16)).fits
+
+
 def test_start_up_check_refuses_with_the_biggest_term():
     from megatron_gspo.config import ConfigError
     from megatron_gspo.loop.early_checks import check_memory
 
     cfg = _cfg(GPU / "qwen3_30b_a3b_1node.yaml", ["rollout.offload_learner=false"])
-    with pytest.raises(ConfigError, match=r"memory plan: .*biggest term: .*GiB") as e:
+    with pytest.raises(ConfigError, match=r"memory plan: .*biggest term: .*GiB.*changes "
+                       r"checked that fit: ") as e:
         check_memory(cfg, _hf("Qwen3-30B-A3B"), world=8, gpu_bytes=80 * 10**9)
     assert "\n" not in str(e.value)
     check_memory(cfg, _hf("Qwen3-30B-A3B"), world=8)  # no GPU here: skipped

@@ -50,3 +50,19 @@ def test_built_engine_uses_the_routable_address(monkeypatch, tmp_path):
     monkeypatch.setattr(multinode, "_route_address", lambda h: None)
     with pytest.raises(ConfigError, match="MASTER_ADDR is 127.0.0.1, which they cannot reach"):
         sglang_engine(cfg, SamplingParams())
+
+
+def test_rollout_host_internal_is_the_nodes_cluster_address(monkeypatch):
+    """`rollout.host: internal` (the shipped 2-node config): what the host name resolves to;
+    when that is loopback, the address on the route to MASTER_ADDR; never loopback."""
+    assert multinode.bind_host("10.1.2.3") == "10.1.2.3"
+    assert multinode.bind_host("127.0.0.1") == "127.0.0.1"  # other values as given
+    monkeypatch.setattr(multinode.socket, "gethostbyname", lambda name: "10.0.0.7")
+    assert multinode.bind_host("internal", {}) == "10.0.0.7"
+    monkeypatch.setattr(multinode.socket, "gethostbyname", lambda name: "127.0.1.1")
+    monkeypatch.setattr(multinode, "_route_address", lambda h: "10.0.0.8" if h == "node-0"
+                        else None)
+    assert multinode.bind_host("internal", {"MASTER_ADDR": "node-0"}) == "10.0.0.8"
+    with pytest.raises(ValueError, match="rollout.host=internal") as e:
+        multinode.bind_host("internal", {"MASTER_ADDR": "127.0.0.1"})
+    assert len(str(e.value).splitlines()) == 1

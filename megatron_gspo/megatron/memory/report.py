@@ -284,37 +284,6 @@ def _total_params(x: PlanInputs) -> int:
                             vocab_multiple=one.vocab_multiple).weights // 4
 
 
-def suggest(x: PlanInputs) -> str | None:
-    """The cheapest single change (or pair) that makes `x` fit, as config overrides."""
-    cands: list[tuple[str, dict]] = []
-    if not x.distributed_optimizer:
-        cands.append(("optimizer.distributed_optimizer=true", dict(distributed_optimizer=True)))
-    if x.colocated_sglang and not x.offload_learner:
-        cands.append(("rollout.offload_learner=true", dict(offload_learner=True)))
-    if not x.recompute:
-        cands.append(("model.recompute_activations=true", dict(recompute=True)))
-    if not x.offload_outside_step:
-        cands.append(("optimizer.offload_outside_step=true", dict(offload_outside_step=True)))
-    if x.micro_batch_tokens // 2 >= x.kv_tokens_needed:
-        cands.append((f"algorithm.micro_batch_tokens={x.micro_batch_tokens // 2}",
-                      dict(micro_batch_tokens=x.micro_batch_tokens // 2)))
-    if x.mem_fraction > 0.5 and x.colocated_sglang:
-        cands.append(("rollout.mem_fraction=0.5", dict(mem_fraction=0.5)))
-    tp2 = x.tp * 2
-    if (tp2 <= x.gpus_per_node and x.world % (tp2 * x.pp * x.cp) == 0
-            and x.dims.heads % tp2 == 0 and x.dims.kv_heads % tp2 in (0, x.dims.kv_heads)):
-        cands.append((f"parallel.tensor={tp2} parallel.sequence_parallel=true",
-                      dict(tp=tp2, sp=True)))
-    for label, change in cands:
-        if build_plan(dataclasses.replace(x, **change)).fits:
-            return label
-    for i, (la, ca) in enumerate(cands):
-        for lb_, cb in cands[i + 1:]:
-            if build_plan(dataclasses.replace(x, **ca, **cb)).fits:
-                return f"{la} {lb_}"
-    return None
-
-
 def parse_bytes(text: str) -> int:
     """'80GiB', '80GB', '141G', '1.5TiB' -> bytes (GB = 10^9, GiB and G = 2^30)."""
     m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
@@ -325,7 +294,9 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * base**exp)
 
 
-def format_plan(plan: Plan, x: PlanInputs, suggestion: str | None = None) -> str:
+def format_plan(plan: Plan, x: PlanInputs, changes: str | None = None) -> str:
+    """The table of `megatron-gspo plan`; `changes`: the line naming what makes it fit
+    (`changes.describe_changes`), printed when it does not."""
     lines = [f"memory plan per GPU: {x.world} GPUs ({x.gpus_per_node} per node) of "
              f"{x.gpu_bytes / GiB:.1f} GiB; TP{x.tp} PP{x.pp} CP{x.cp} EP{x.ep} DP{x.dp}"
              + (", distributed optimizer" if x.distributed_optimizer else "")
@@ -352,25 +323,6 @@ def format_plan(plan: Plan, x: PlanInputs, suggestion: str | None = None) -> str
         lines.append("fits")
     else:
         lines += [f"does not fit: {p}" for p in plan.problems]
-        lines.append(f"cheapest change that fits: {suggestion}" if suggestion else
-                     "no single change (or pair) tried fits: more GPUs or a smaller model")
+        if changes:
+            lines.append(changes)
     return "\n".join(lines)
-
-
-def check_before_launch(cfg, hf_config: dict, *, gpu_bytes: int | None, world: int,
-                        gpus_per_node: int) -> Plan | None:
-    """The trainer's start-up check: None without a GPU size (CPU runs); ConfigError with one
-    line naming the first problem and its biggest term when the layout cannot fit."""
-    from megatron_gspo.config import ConfigError
-
-    if gpu_bytes is None:
-        return None
-    x = inputs_from_config(cfg, hf_config, gpu_bytes=gpu_bytes, gpus_per_node=gpus_per_node,
-                           world=world)
-    plan = build_plan(x)
-    if not plan.fits:
-        hint = suggest(x)
-        raise ConfigError(f"memory plan: {plan.problems[0]}"
-                          + (f"; cheapest change that fits: {hint}" if hint else "")
-                          + " (megatron-gspo plan CONFIG prints the table)")
-    return plan

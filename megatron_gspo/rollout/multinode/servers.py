@@ -334,6 +334,31 @@ def _route_address(host: str) -> str | None:
         return None
 
 
+def bind_host(value: str, environ=None) -> str:
+    """`rollout.host` as this node's servers bind it: "internal" is the node's cluster-internal
+    address (what its host name resolves to; when that is loopback, the address on the route
+    to MASTER_ADDR), anything else is taken as is.
+
+    Raises:
+        ValueError (one line) when "internal" finds no address other nodes could reach.
+    """
+    if value != "internal":
+        return value
+    environ = os.environ if environ is None else environ
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        addr = ""
+    if not addr or _loopback(addr):
+        master = environ.get("MASTER_ADDR") or ""
+        addr = (_route_address(master) if master and not _loopback(master) else None) or ""
+    if not addr or _loopback(addr) or addr == "0.0.0.0":
+        raise ValueError(f"rollout.host=internal: {socket.gethostname()} resolves to no address "
+                         "other nodes reach (and MASTER_ADDR gives no route); set rollout.host "
+                         "to this node's address")
+    return addr
+
+
 def update_master_address(server_urls: Sequence[str], environ=None) -> str:
     """The learner's address for the servers' weight-update rendezvous (distributed sync).
 
@@ -390,8 +415,8 @@ def start_node_servers(spec: LaunchSpec, client_kw: dict[str, Any]) -> RolloutEn
     if _loopback(spec.host) and len(hosts) > 1:  # told on every rank by agree() below
         error = (f"node {layout.node} ({socket.gethostname()}): rollout.host={spec.host}: its "
                  f"servers would not be reachable from the other hosts ({len(hosts)} hosts in "
-                 "the job); set rollout.host to each node's cluster-internal address "
-                 "(colocated.sh: ROLLOUT_HOST=internal, its default on several nodes)")
+                 "the job); set rollout.host: internal (each node's cluster-internal address) "
+                 "or ROLLOUT_HOST")
     elif layout.is_leader:
         try:
             own = NodeServers(layout.node, node_spec(spec, layout.node), **client_kw)
