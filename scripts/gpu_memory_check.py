@@ -11,7 +11,8 @@ optimizer steps; then
    memory call the loop makes into the servers, what this process holds: allocated, reserved
    (allocated + torch's cache, which SGLang cannot use until `empty_cache`) and the driver's
    free memory (`torch.cuda.mem_get_info`, what SGLang sizes itself from). Nothing here calls
-   `empty_cache`: only the code under test does. Moments: start-up (servers launch), weight
+   `empty_cache`: only the code under test does. Moments: start-up (servers launch, then
+   release KV cache and CUDA graphs at once, as loop/train.py has them do), weight
    sync (servers resume weights, then KV cache and CUDA graphs), generation (servers release),
    training (learner back), checkpoint (learner back while the servers' weights stay);
 4. onload: allocated memory back to (1), the same log-probs as before, and a step runs.
@@ -186,11 +187,14 @@ def colocated_order(L, hf: dict, batch, old, before, cuda: bool) -> tuple[list, 
     moment = ["start-up"]
     out: dict = {}
     # loop/train.py, start-up: the learner offloaded (and its cache returned), then the servers
+    # launch and at once release their KV cache and CUDA graphs (colocated.RESUME_AFTER), so
+    # the first sync runs as every later one
     moved = L.offload()
     colocated.free_learner_cache()
     rows.append(snapshot(L, "start-up", "launch", cuda))
     engine = probe_engine(L, cuda, rows, moment)
     try:
+        engine.release_memory(colocated.RESUME_AFTER)
         for version in (0, 1):
             moment[0] = "weight sync"
             sync.sync_weights(L, engine, hf, cfg, version=version)  # the loop's sync phase
