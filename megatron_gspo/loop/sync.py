@@ -58,18 +58,19 @@ def delta_sender(engine, cfg: Config):
 
 
 def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
-                 event=None, retry: bool = True) -> dict:
+                 event=None, retry: bool = True, moment: str = "weight sync") -> dict:
     """Export the learner's weights (collective over all ranks) into the rollout engine,
     streamed one bucket at a time (`rollout.bucket_bytes`). Colocated SGLang follows SGLang's
     memory order (see `rollout.colocated_sync`).
 
     With `rollout.weight_sync_delta` the servers get only what changed (`sglang.delta_sync`);
     a delta sync whose probe fails is followed at once by a full sync of the same version
-    (`retry`), probed again.
+    (`retry`), probed again, in the room a normal sync gets (`_sync_room`).
 
     Args:
         event: optional callable taking one line for the run's events.log (rank 0).
         retry: a failed probe after a delta sync triggers one full sync.
+        moment: the device-memory ledger's name for the stream of colocated servers.
     Returns:
         `weight_sync/*` metrics (rank 0 of an SGLang engine; {} otherwise).
     """
@@ -98,7 +99,8 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
         if colocated_sglang(cfg):
             from megatron_gspo.rollout.multinode.colocated import in_memory_order
 
-            st["order"] = in_memory_order(engine, lambda: _send(engine, buckets, version))
+            st["order"] = in_memory_order(engine, lambda: _send(engine, buckets, version),
+                                          moment)
         else:
             if engine is not None:
                 engine.resume_memory()
@@ -114,7 +116,8 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
         from megatron_gspo.rollout.multinode.colocated import colocated_sync
 
         st = colocated_sync(buckets, engine, version, num_servers=len(r.server_urls) or
-                            r.num_servers, tp_size=r.tp_size, attached=bool(r.server_urls))
+                            r.num_servers, tp_size=r.tp_size, attached=bool(r.server_urls),
+                            moment=moment)
     else:
         def send() -> None:
             if engine is None:
@@ -129,7 +132,7 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
         if colocated_sglang(cfg):  # NCCL broadcast into servers on the learner's GPUs
             from megatron_gspo.rollout.multinode.colocated import in_memory_order
 
-            st["order"] = in_memory_order(engine, send)
+            st["order"] = in_memory_order(engine, send, moment)
         else:
             if engine is not None:
                 engine.resume_memory()  # no-op unless released after the rollout
@@ -146,7 +149,9 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
                 delta.invalidate("sync probe mismatch")
             if event is not None:
                 event(f"weight sync v{version}: {failed}; sending it in full")
-            out = sync_weights(learner, engine, hf_config, cfg, version, event, retry=False)
+            _sync_room(engine, cfg)
+            out = sync_weights(learner, engine, hf_config, cfg, version, event, retry=False,
+                               moment="delta retry")
             out["weight_sync/delta_probe_retries"] = 1.0
             return out
         st["probe_max_diff"] = diff
@@ -201,6 +206,20 @@ def verify_sync(learner, engine, cfg: Config, version: int) -> float:
     if not lead:
         return 0.0
     return check_sync_probe(version, probes, mine, PROBE_TOLERANCE[cfg.model.dtype])
+
+
+def _sync_room(engine, cfg: Config) -> None:
+    """Before the full re-sync that follows a failed delta probe (collective): colocated
+    servers give back what they give back after a rollout (`released_after_rollout`: the KV
+    cache and CUDA graphs that the probe's `learner_room` resumed), and every rank waits for
+    that before its learner brings its weights back, so that the re-sync runs in the room of a
+    normal sync, not next to a full KV cache. The ledger's moment is "delta retry"."""
+    if colocated_sglang(cfg):
+        if engine is not None:
+            engine.release_memory(released_after_rollout(cfg))
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+    device_ledger.note("moment", "delta retry")
 
 
 def _send(engine, buckets, version: int) -> None:

@@ -75,3 +75,34 @@ def test_colocated_deltas_on_launched_servers(tmp_path, dtype, offload):
     events = (tmp_path / "run" / "events.log").read_text()
     assert "weight sync v0: full (first sync)" in events
     assert "weight sync v3: release kv_cache,cuda_graph -> " in events  # the KV cache only
+
+
+@pytest.mark.slow
+def test_delta_retry_gets_the_room_of_a_sync(tmp_path):
+    """The full re-sync after a failed delta probe, colocated, in the device-memory ledger of
+    qwen3_8b_1node (80 GB GPUs, `megatron-gspo plan --ledger-spec` with deltas on): the probe's
+    `learner_room` gave the servers their KV cache and CUDA graphs back, and the re-sync brought
+    the learner's weights in next to them (the issue's 75-78 GiB estimate). It must run in the
+    room a normal sync gets: its moment ("delta retry", the re-sync from its start to its
+    stream's end) peaks no higher than a normal sync's, and no moment leaves the plan."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from device_ledger import switches, table, write_spec  # scripts/device_ledger.py
+
+    spec = write_spec(tmp_path / "qwen3_8b_1node.json", "qwen3_8b_1node",
+                      ["rollout.weight_sync_delta=on"])
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+           "MEGATRON_GSPO_DEVICE_LEDGER": str(spec)}
+    env.pop("SGLANG_SERVER_MODULE", None)  # the worker's own server: its loader is tampered
+    overrides = ["rollout.weight_sync_delta=on", "rollout.colocate=true",
+                 *switches("qwen3_8b_1node")]
+    out = subprocess.run([sys.executable, str(WORKER), str(tmp_path), json.dumps(overrides), "3"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, (out.returncode, out.stderr[-3000:])
+    (rows,) = json.loads(line[len("RESULT "):])["runs"]
+    assert [r.get("weight_sync/delta_probe_retries", 0.0) for r in rows] == [0.0, 0.0, 1.0]
+    rep = json.loads(Path(f"{spec}.report.json").read_text())
+    print(table("qwen3_8b_1node", {"fresh": rep, "resume": {"moments": [], "problems": []}}))
+    peaks = {r["moment"]: r["peak_bytes"] for r in rep["moments"]}
+    assert rep["problems"] == [], rep["problems"]
+    assert peaks["delta retry"] <= peaks["weight sync"], peaks

@@ -294,16 +294,20 @@ def _entries(
     return [[got[r] for r in row] for row in plan]
 
 
-def in_memory_order(engine: Any, send: Callable[[], None]) -> list[str] | None:
+def in_memory_order(engine: Any, send: Callable[[], None],
+                    moment: str = "weight sync") -> list[str] | None:
     """Run `send` (the weight stream, collective) between SGLang's two resume stages: free the
     learner cache + barrier, resume `weights`, send, free + barrier, resume `kv_cache` and
     `cuda_graph` (each a no-op for a region that is not released).
 
+    Args:
+        moment: the device-memory ledger's name for the stream ("delta retry": the full
+            re-sync after a failed delta probe).
     Returns:
         on rank 0, the memory calls since the last sync with "stream" where `send` ran.
     """
     free_learner_cache()
-    device_ledger.note("moment", "weight sync")
+    device_ledger.note("moment", moment)
     if engine is not None:
         engine.resume_memory(RESUME_FIRST)
     with device_ledger.transient("weight-sync bucket"):
@@ -320,7 +324,7 @@ def in_memory_order(engine: Any, send: Callable[[], None]) -> list[str] | None:
 
 def colocated_sync(
     buckets: Iterable[list], engine: Any, version: int, *, num_servers: int, tp_size: int,
-    attached: bool,
+    attached: bool, moment: str = "weight sync",
 ) -> dict[str, Any]:
     """The whole tensor update in SGLang's memory order (collective over learner ranks).
 
@@ -329,6 +333,7 @@ def colocated_sync(
         engine: the SGLang engine on rank 0, None elsewhere.
         version: the new weight version.
         num_servers, tp_size: the servers' layout; attached: servers given by URL.
+        moment: the device-memory ledger's name for the stream (`in_memory_order`).
     Returns:
         on rank 0: `sync_stats` plus `order` (the memory calls and the stream, in order);
         {} elsewhere.
@@ -345,7 +350,7 @@ def colocated_sync(
         if cuda:
             extra.append(torch.cuda.max_memory_allocated() - base)
 
-    order = in_memory_order(engine, send)
+    order = in_memory_order(engine, send, moment)
     if engine is None:
         return {}
     out: dict[str, Any] = dict(engine.sync_stats)
