@@ -44,7 +44,8 @@ def write_model_info(model_dir: str | os.PathLike, hf_config: dict, dtype: str,
     """
     info = {"hf_config": hf_config, "dtype": dtype}
     if source is not None:
-        info.update(source=str(source), source_fingerprint=weights_fingerprint(source))
+        info.update(source=str(source), source_fingerprint=weights_fingerprint(source),
+                    tokenizer_fingerprint=tokenizer_fingerprint(source))
     (Path(model_dir) / MODEL_INFO).write_text(json.dumps(info, indent=1, default=str) + "\n")
 
 
@@ -83,6 +84,56 @@ def weights_fingerprint(model_dir: str | os.PathLike) -> str | None:
     return h.hexdigest()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json")
+# config.json fields beyond the architecture (`guards.model_fields`) that a converted model
+# must keep: its context length and the special token ids its tokenizer pairs with
+IDENTITY_FIELDS = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def tokenizer_fingerprint(model_dir: str | os.PathLike) -> str | None:
+    """sha256 over the name and bytes of each tokenizer file in `model_dir` (`TOKENIZER_FILES`);
+    None when it holds none (or is not a directory)."""
+    import hashlib
+
+    d = Path(model_dir)
+    files = [d / n for n in TOKENIZER_FILES if (d / n).is_file()] if d.is_dir() else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}\0".encode() + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def other_model(given_dir: str | os.PathLike, given_cfg: dict, src: "CheckpointSource",
+                flag: str = "--hf-config") -> str | None:
+    """Why `given_dir` (its config `given_cfg`) is not the model `src` was written from, as one
+    phrase, or None: the context length or special token ids differ from the stored config;
+    its tokenizer files differ from those recorded with the checkpoint (or, not recorded, from
+    the run's model.path / the converted checkpoint's copy); or it holds weights other than the
+    ones the checkpoint was trained or converted from (`weights_fingerprint`)."""
+    stored = src.stored_config or {}
+    diff = [k for k in IDENTITY_FIELDS if k in stored and given_cfg.get(k) != stored[k]]
+    if diff:
+        shown = "; ".join(f"{k}: {given_cfg.get(k)!r} vs {stored[k]!r}" for k in diff)
+        return f"{flag} {given_dir}: config.json differs from the checkpoint's ({shown})"
+    mine = tokenizer_fingerprint(given_dir)
+    theirs = src.recorded.get("tokenizer_fingerprint") or (
+        tokenizer_fingerprint(src.side_dir) if src.side_dir is not None else None)
+    if mine is not None and theirs is not None and mine != theirs:
+        where = src.recorded.get("source") or src.side_dir
+        return (f"{flag} {given_dir}: its tokenizer files differ from the ones of {where}, "
+                "the model the checkpoint was written from")
+    if weights_fingerprint(given_dir) is not None:
+        why = other_weights(given_dir, src.recorded.get("source"),
+                            src.recorded.get("source_fingerprint"))
+        if why is not None:
+            return f"{flag} {why}"
+    return None
+
+
 def other_weights(given: str | os.PathLike, recorded: str | None,
                   fingerprint: str | None = None) -> str | None:
     """Why the weights in `given` are not the `recorded` ones (path, and their fingerprint
@@ -115,6 +166,8 @@ class CheckpointSource:
         side_dir: where config/tokenizer files can be copied from (None: none known).
         dtype: parameter dtype name recorded with the checkpoint (None: read the tensors').
         notes: lines to show the user (which checkpoint was picked, what was verified).
+        recorded: what the checkpoint records of the model it was written from: source (its
+            directory), source_fingerprint, tokenizer_fingerprint (each may be missing).
     """
 
     kind: str
@@ -124,6 +177,7 @@ class CheckpointSource:
     side_dir: Path | None = None
     dtype: str | None = None
     notes: list[str] = field(default_factory=list)
+    recorded: dict = field(default_factory=dict)
 
     def inputs(self, given: str | os.PathLike, flag: str = "--ckpt") -> dict:
         """What an output directory must stay apart from (`guards.check_out_disjoint`): the
@@ -202,7 +256,7 @@ def _run_source(step: Path, notes: list[str]) -> CheckpointSource:
     dist_dir = step / "model"
     if not (dist_dir / "metadata.json").is_file():
         raise ConversionError(f"run checkpoint {step} has no model/ torch_dist checkpoint")
-    stored, dtype = None, None
+    stored, dtype, info = None, None, {}
     info_file = dist_dir / MODEL_INFO
     if info_file.is_file():
         try:
@@ -210,7 +264,14 @@ def _run_source(step: Path, notes: list[str]) -> CheckpointSource:
             stored, dtype = dict(info["hf_config"]), info.get("dtype")
         except (ValueError, KeyError, TypeError) as e:
             raise ConversionError(f"{info_file}: unreadable ({e})") from None
-    return CheckpointSource("run", step, dist_dir, stored, _run_model_path(step), dtype, notes)
+    return CheckpointSource("run", step, dist_dir, stored, _run_model_path(step), dtype, notes,
+                            _recorded(info))
+
+
+def _recorded(info: dict) -> dict:
+    """The model identity fields of a checkpoint's metadata (strings only)."""
+    keys = ("source", "source_fingerprint", "tokenizer_fingerprint")
+    return {k: info[k] for k in keys if isinstance(info.get(k), str)}
 
 
 def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
@@ -234,7 +295,7 @@ def resolve_checkpoint(ckpt: str | os.PathLike) -> CheckpointSource:
         side = path / HF_SIDE_DIR
         stored = read_config(side) if (side / "config.json").is_file() else None
         return CheckpointSource("converted", path, path, stored, side if side.is_dir() else None,
-                                meta.get("dtype"))
+                                meta.get("dtype"), recorded=_recorded(meta))
     notes: list[str] = []
     step = _step_dir(path, notes)
     if step is None:

@@ -38,7 +38,8 @@ from megatron_gspo.convert.hf_io import (
     save_hf_checkpoint,
     validate_hf_checkpoint,
 )
-from megatron_gspo.convert.sources import resolve_checkpoint
+from megatron_gspo.convert.sources import (other_model, resolve_checkpoint, tokenizer_fingerprint,
+                                         weights_fingerprint)
 from megatron_gspo.convert.tempdirs import make_temp_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -158,6 +159,8 @@ def hf_to_mcore(
             "dtype": str(dtype).removeprefix("torch."),
             "written_layout": {"tp": tp, "pp": pp, "ep": ep},
             "source": str(Path(hf_dir).resolve()),
+            "source_fingerprint": weights_fingerprint(hf_dir),
+            "tokenizer_fingerprint": tokenizer_fingerprint(hf_dir),
         }
         # written inside an owned temp dir (removed by a later run if this one is killed),
         # then moved into place (replacing `out` when forced; the launcher checked --force)
@@ -223,6 +226,11 @@ def check_mcore_to_hf(ckpt: str, hf_config_dir: str | None, out: str, force: boo
     check_conversion_layout(*layout, cfg)
     if src.stored_config is not None and cfg is not src.stored_config:
         compare_configs(cfg, src.stored_config, cfg_name, stored_name)
+    if hf_config_dir is not None:  # the same model: context, tokenizer, weights it started from
+        why = other_model(hf_config_dir, cfg, src)
+        if why is not None:
+            raise ConversionError(f"{why}; pass the directory of that model (or one with its "
+                                  "config.json and tokenizer files only)")
     shapes = checkpoint_shapes(src.dist_dir)
     check_config_against_shapes(cfg, shapes, cfg_name, str(src.root))
     write_config = None  # the side dir's config.json is copied when it describes this model
