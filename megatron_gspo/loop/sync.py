@@ -11,7 +11,7 @@ import torch
 
 from megatron_gspo.config import Config
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.loop import build
+from megatron_gspo.loop import servers
 from megatron_gspo.loop.build import DTYPES
 from megatron_gspo.rollout.base import RolloutError
 from megatron_gspo.run import device_ledger, faults
@@ -107,7 +107,7 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
             _send(engine, buckets, version)
         if engine is not None:  # the stream's counts, as the full colocated sync reports them
             st.update(engine.sync_stats)
-    elif _tensor_sync(cfg) and build.colocated_on_every_node(cfg):  # per node, all at once
+    elif _tensor_sync(cfg) and servers.colocated_on_every_node(cfg):  # per node, all at once
         from megatron_gspo.rollout.multinode.sync import multinode_sync
 
         st = multinode_sync(buckets, engine, version, num_servers=r.num_servers,

@@ -7,7 +7,8 @@
 Every rank runs this loop. Rank 0 owns the prompts, the rollout engine and the rewards; the
 samples are broadcast so every rank trains on the same global batch (the learner picks its
 data-parallel share). Helpers live where they belong: `loop/build.py` (objects from the config),
-`loop/phases.py` (each phase of a step), `run/checkpoint.py`, `run/metrics.py`, `algo/` (the math).
+`loop/servers.py` (SGLang servers), `loop/phases.py` (each phase of a step), `run/checkpoint.py`,
+`run/metrics.py`, `algo/` (the math).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
-from megatron_gspo.loop import build, early_checks, phases, sync
+from megatron_gspo.loop import build, early_checks, phases, servers, sync
 from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.run.checkpoint import Checkpointer
 from megatron_gspo.config import Config, save_config, to_dict
@@ -100,7 +101,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
     # Rank 0's engine; with colocated servers on several nodes every node leader also holds its
     # node's servers (built collectively). Started once the learner holds its weights, so that
     # an offloaded learner (rollout.offload_learner) leaves SGLang the whole GPU.
-    every_node = build.colocated_on_every_node(cfg)
+    every_node = servers.colocated_on_every_node(cfg)
     offload = sync.offloading(cfg)  # rollout.offload_learner: SGLang gets the whole GPU
     if offload:  # and its cache returned: SGLang sizes its KV cache from the free memory
         learner.offload()

@@ -144,10 +144,11 @@ def test_mismatch_found_from_tensor_shapes_alone(mcore_ckpt, tiny_hf, tmp_path, 
 
 
 def test_matching_hf_config_with_other_metadata_is_accepted(mcore_ckpt, tiny_hf, tmp_path):
-    """Fields that do not change the computed function (dtype, versions, ids) may differ, and
-    defaults may be spelled out or left out."""
+    """Fields that do not change the computed function (dtype, versions) may differ, and
+    defaults may be spelled out or left out. (The context length is the model's identity:
+    tests/convert/test_convert_identity.py.)"""
     cfg = _edited_config(tiny_hf, tmp_path, torch_dtype="bfloat16", transformers_version="9.9",
-                         bos_token_id=None, max_position_embeddings=128, architectures=None,
+                         bos_token_id=None, architectures=None,
                          rope_parameters=None, rope_theta=10000, attention_bias=None)
     plan = conv.check_mcore_to_hf(str(mcore_ckpt), str(cfg), str(tmp_path / "o"), False)
     assert plan["side_dir"] == str(cfg) and plan["write_config"] is None

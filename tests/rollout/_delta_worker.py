@@ -37,7 +37,7 @@ def main(work: str, overrides: list[str], tamper: int | None, resume: int | None
     from megatron_gspo.rollout.sglang.delta_sync import LOADER, loader_dir
     from megatron_gspo.rollout.standin.server import StandinServer
 
-    if os.environ.get("SGLANG_SERVER_MODULE"):  # launched by the run (build.sglang_engine)
+    if os.environ.get("SGLANG_SERVER_MODULE"):  # launched by the run (servers.sglang_engine)
         cfg = load_config(ROOT / "examples" / "tiny" / "config.yaml", [*BASE, *overrides])
         rows = _rows(train.run(cfg, str(Path(work) / "run")))
         print("RESULT " + json.dumps({"runs": [rows], "weight_version": None, "died": None}))

@@ -52,7 +52,7 @@ def test_server_dtype_always_explicit():
 
 
 def test_cpu_engine_launch(tmp_path):
-    from megatron_gspo.loop.build import sglang_engine
+    from megatron_gspo.loop.servers import sglang_engine
     from megatron_gspo.rollout.sglang.launch import cpu_server_env
     from megatron_gspo.config import ConfigError, load_config
 

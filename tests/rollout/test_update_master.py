@@ -35,7 +35,7 @@ def test_route_address_of_this_host():
 
 
 def test_built_engine_uses_the_routable_address(monkeypatch, tmp_path):
-    from megatron_gspo.loop.build import sglang_engine
+    from megatron_gspo.loop.servers import sglang_engine
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setattr(multinode, "_route_address", lambda h: "10.0.0.5")

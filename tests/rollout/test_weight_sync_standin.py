@@ -107,7 +107,7 @@ def test_tensor_sync_decided_by_where_the_tensors_are(engine, tiny_model_dir, mo
     CUDA tensors without sglang fail the sync with one error before any payload is sent."""
     from aiohttp import web
 
-    from megatron_gspo.loop.build import sglang_engine
+    from megatron_gspo.loop.servers import sglang_engine
     from megatron_gspo.config import load_config
     from megatron_gspo.rollout.standin.server import StandinServer
 

@@ -7,7 +7,7 @@ from typing import Any
 from megatron_gspo.agent.tools.base import Tool, ToolError, ToolResult, ToolSet, tool_schema
 from megatron_gspo.agent.tools.calculator import Calculator
 from megatron_gspo.agent.tools.python_sandbox import PythonSandbox
-from megatron_gspo.config.sections import check_python_limits
+from megatron_gspo.config.tool_limits import check_python_limits
 
 __all__ = [
     "Calculator", "PythonSandbox", "Tool", "ToolError", "ToolResult", "ToolSet", "build_toolset",

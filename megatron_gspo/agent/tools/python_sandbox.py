@@ -67,7 +67,7 @@ from megatron_gspo.agent.tools.base import ToolError, truncate_output
 from megatron_gspo.agent.tools.sandbox_boot import BOOTSTRAP, INIT, LAUNCH
 from megatron_gspo.agent.tools.sandbox_os import PIDS_ROOT as _PIDS_ROOT, isolation_prefix
 from megatron_gspo.agent.tools.sandbox_stage import INIT_NEW_ROOT, STAGE
-from megatron_gspo.config.sections import check_python_limits
+from megatron_gspo.config.tool_limits import check_python_limits
 
 __all__ = ["PythonSandbox", "SandboxUnavailable", "_PIDS_ROOT", "isolation_prefix"]
 

@@ -29,11 +29,10 @@ from megatron_gspo.rollout.weight_sync import (
     dtype_name,
     init_learner_update_group,
     WeightSyncError,
-    checkpoint_shapes,
     payload_error,
     serialize,
-    shape_error,
 )
+from megatron_gspo.rollout.served_shapes import checkpoint_shapes, shape_error
 
 STANDIN_VERSION = "standin"  # `version` in the stand-in server's /get_server_info
 

@@ -20,8 +20,8 @@ from megatron_gspo.rollout.base import MEMORY_TAGS
 from megatron_gspo.rollout.weight_sync import (
     decode_tensor_update,
     init_learner_update_group,
-    stacked_part,
 )
+from megatron_gspo.rollout.served_shapes import stacked_part
 
 #: Architectures whose SGLang 0.5.12 load_weights indexes params_dict with the fused name of a
 #: stacked part without checking it (models/qwen3.py); llama.py, qwen2.py and qwen3_moe.py
