@@ -16,6 +16,7 @@ import math
 from urllib.parse import urlsplit
 
 from megatron_gspo.config.schema import ConfigError
+from megatron_gspo.config.yaml_strict import brief
 
 __all__ = ["check_ranges", "url_problem"]
 
@@ -68,12 +69,12 @@ def url_problem(url: str) -> str | None:
         parts = urlsplit(url)
         port = parts.port  # raises ValueError for a port out of range or not a number
     except ValueError as e:  # e.g. an unclosed '[' of an IPv6 address
-        return f"{url!r} is not a usable URL ({e})"
+        return f"{brief(url)} is not a usable URL ({str(e)[:100]})"
     if parts.scheme not in ("http", "https"):
-        return f"expected an http:// or https:// URL, got {url!r}"
+        return f"expected an http:// or https:// URL, got {brief(url)}"
     host = parts.hostname
     if not host or any(c.isspace() for c in host):
-        return f"{url!r} has no usable host name"
+        return f"{brief(url)} has no usable host name"
     if port == 0:
-        return f"{url!r}: port 0 cannot be connected to; expected 1-65535"
+        return f"{brief(url)}: port 0 cannot be connected to; expected 1-65535"
     return None

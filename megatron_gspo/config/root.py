@@ -34,7 +34,7 @@ from megatron_gspo.config.sections import (
     RolloutConfig,
     TrainConfig,
 )
-from megatron_gspo.config.yaml_strict import StrictYAMLError, strict_load
+from megatron_gspo.config.yaml_strict import StrictYAMLError, brief, strict_load
 
 
 @dataclass
@@ -110,7 +110,7 @@ class Config:
                               f"train.eval_samples={t.eval_samples}]")
         for name in self.data.eval_sets:
             if not name or "/" in name or name != name.strip():
-                raise ConfigError(f"data.eval_sets: set name {name!r} must be non-empty, "
+                raise ConfigError(f"data.eval_sets: set name {brief(name)} must be non-empty, "
                                   "without '/' or surrounding spaces")
         r = self.rollout
         if r.mode == "sync":
@@ -137,7 +137,7 @@ class Config:
         lo, m = self.model.lora, self.model
         bad = [t for t in lo.targets if t not in LORA_TARGETS]
         if bad:
-            raise ConfigError(f"model.lora.targets: unknown target {bad[0]!r}; known: "
+            raise ConfigError(f"model.lora.targets: unknown target {brief(bad[0])}; known: "
                               f"{', '.join(LORA_TARGETS)}")
         if lo.rank == 0:
             changed = [n for n, on in (("alpha", lo.alpha != 16.0), ("dropout", lo.dropout != 0),

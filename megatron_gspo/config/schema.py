@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from megatron_gspo.config.yaml_strict import StrictYAMLError, strict_load
+from megatron_gspo.config.yaml_strict import StrictYAMLError, brief, strict_load
 
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
@@ -61,10 +61,15 @@ def _bounds_text(meta) -> str:
     return " and ".join(parts)
 
 
+def _key(key) -> str:
+    """A mapping key as a message shows it: plain when short and printable, else brief()."""
+    return key if isinstance(key, str) and key.isprintable() and len(key) <= 80 else brief(key)
+
+
 def _coerce(value, tp, path: str, meta: dict):
     """Check/convert one value against a type annotation; raise ConfigError naming `path`."""
     def fail(expect: str):
-        raise ConfigError(f"{path}: expected {expect}, got {value!r}")
+        raise ConfigError(f"{path}: expected {expect}, got {brief(value)}")
 
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -97,7 +102,7 @@ def _coerce(value, tp, path: str, meta: dict):
         kt, vt = typing.get_args(tp) or (Any, Any)
         if not isinstance(value, dict):
             fail(_type_name(tp))
-        return {_coerce(k, kt, path, {}): _coerce(v, vt, f"{path}.{k}", {})
+        return {_coerce(k, kt, path, {}): _coerce(v, vt, f"{path}.{_key(k)}", {})
                 for k, v in value.items()}
     bounds = _bounds_text(meta)
     expect = _type_name(tp) + (f" {bounds}" if bounds else "")
@@ -142,12 +147,12 @@ def from_dict(cls, data: dict | None, path: str = ""):
     """
     data = {} if data is None else data
     if not isinstance(data, dict):
-        raise ConfigError(f"{path or '<root>'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{path or '<root>'}: expected a mapping, got {brief(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
-            where = f"{path}.{key}" if path else str(key)
+            where = f"{path}.{_key(key)}" if path else _key(key)
             close = [f for f in fields if f.startswith(str(key)[:3])]
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(f"{where}: unknown key{hint}; known keys: {', '.join(fields)}")
@@ -168,17 +173,19 @@ def to_dict(obj) -> dict:
 
 def _parse_override(text: str):
     if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected key.sub=value")
+        raise ConfigError(f"override {brief(text)}: expected key.sub=value")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key:
-        raise ConfigError(f"override {text!r}: empty key")
+        raise ConfigError(f"override {brief(text)}: empty key")
     try:
         value = strict_load(raw) if raw.strip() != "" else ""
     except StrictYAMLError as e:
-        raise ConfigError(f"override {key}: {str(e).split(': ', 1)[-1]}") from None
+        raise ConfigError(f"override {_key(key)}: {str(e).split(': ', 1)[-1]}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from None
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"override {_key(key)}: cannot parse value {brief(raw)}: "
+                          f"{first}") from None
     return key.split("."), value
 
 
@@ -192,9 +199,9 @@ def apply_overrides(cls, data: dict, overrides: list[str]) -> dict:
         parts, value = _parse_override(text)
         tp, node = cls, data
         for i, part in enumerate(parts):
-            where = ".".join(parts[: i + 1])
+            where = _key(".".join(parts[: i + 1]))
             if not dataclasses.is_dataclass(tp):
-                raise ConfigError(f"{where}: {'.'.join(parts[:i])} is not a section")
+                raise ConfigError(f"{where}: {_key('.'.join(parts[:i]))} is not a section")
             names = {f.name for f in dataclasses.fields(tp)}
             if part not in names:
                 raise ConfigError(f"{where}: unknown key; known keys: {', '.join(sorted(names))}")
