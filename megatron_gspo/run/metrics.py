@@ -14,7 +14,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "read_metrics"]
+__all__ = ["MetricsLogger", "read_metrics", "printable"]
+
+
+def printable(text: str) -> str:
+    """`text` safe for an operator's terminal: every control or format character (C0 and C1
+    controls such as ESC, BEL and CSI; Unicode format characters such as bidi overrides) but
+    newline and tab is written as its escape (\\x1b, \\u202e), so model text cannot set the
+    window title, clear the screen or write the clipboard (OSC 52)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t " else _escape(c) for c in text)
+
+
+def _escape(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 def _clean(v: Any):
@@ -113,7 +128,7 @@ class MetricsLogger:
         """A line for humans: printed and appended to RUN_DIR/events.log."""
         if not self.enabled:
             return
-        line = f"[{time.strftime('%H:%M:%S')}] {text}"
+        line = f"[{time.strftime('%H:%M:%S')}] {printable(text)}"
         if self._bar is not None:
             self._bar.write(line, file=sys.stderr)
         else:
