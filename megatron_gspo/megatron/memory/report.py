@@ -180,6 +180,8 @@ def build_plan(x: PlanInputs) -> Plan:
         sync = ["CUDA contexts, NCCL", "learner weights",
                 *([] if x.offload_learner else state), "SGLang weights", "weight-sync bucket"]
         plan.moments.append(("weight sync", sum(plan.term(n) for n in sync), sync))
+        if x.delta_base:  # the full re-sync after a failed delta probe, in a sync's room
+            plan.moments.append(("delta retry", sum(plan.term(n) for n in sync), sync))
         _room_moments(plan, x, gen, at_launch)
         if free * (1 - x.mem_fraction) < CUDA_GRAPH_BYTES:
             plan.problems.append(
