@@ -2,9 +2,10 @@
 megatron-core 0.19.2, scripts/megatron_py312.sh), chosen here by node id so the test files stay
 as they are. `.ci/run` runs them with scripts/mcore_new_tier.sh after the other tiers
 (README, "Supported versions"): the learner's layout invariance (TP/PP/EP/CP/SP), conversion
-round trips, the model families' parity and learner tests, LoRA, the compat checks and a short
-run of the tiny demo. With MEGATRON_GSPO_MCORE_NEW_REQUIRED=1 (CI) the tier refuses to run on
-a Megatron-Core older than 0.19 (it would test the first environment again).
+round trips, the model families' parity and learner tests, LoRA, the compat checks,
+asynchronous checkpoints beside each nvidia-resiliency-ext release, and a short run of the tiny
+demo. With MEGATRON_GSPO_MCORE_NEW_REQUIRED=1 (CI) the tier refuses to run on a Megatron-Core
+older than 0.19 (it would test the first environment again).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 # leaves out, and why, is in the README's "Supported versions"
 MCORE_NEW = (
     "tests/megatron/test_compat.py",
+    "tests/megatron/test_async_save_nvrx.py",
     "tests/megatron/test_mg_learner_parallel.py",
     "tests/megatron/test_family_train.py",
     "tests/convert/test_family_parity.py::test_single_process_logits_match_transformers",

@@ -16,11 +16,15 @@ Submodules are imported explicitly; importing this package imports nothing heavy
 The modules that moved into the sub-packages keep their old dotted paths as an error: importing
 `megatron_gspo.megatron.model` raises an ImportError that names
 `megatron_gspo.megatron.models.builder`.
+A megatron-core that cannot be imported beside the installed nvidia-resiliency-ext (0.17+ with
+NVRx 0.4.x: its import-time NVRx check raises) is one ImportError line saying what to do
+(`compat.nvrx_refusal`), raised at the first import of megatron.core.
 """
 
 import importlib.abc
 import sys
 
+from megatron_gspo.megatron.compat import nvrx_refusal
 from megatron_gspo.megatron.fallbacks import quiet_fallback_warnings
 
 # Old module -> new module (the split of this folder into sub-packages).
@@ -49,6 +53,23 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+class _NvrxFinder(importlib.abc.MetaPathFinder):
+    """At the first import of megatron.core: `compat.nvrx_refusal()` as an ImportError, instead
+    of the traceback megatron-core's own NVRx check ends in."""
+
+    refusal: str | None = None  # "" once checked and fine
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "megatron.core":
+            if self.refusal is None:
+                type(self).refusal = nvrx_refusal() or ""
+            if self.refusal:
+                raise ImportError(self.refusal, name=fullname)
+        return None
+
+
 if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
     sys.meta_path.insert(0, _MovedFinder())
+if not any(isinstance(f, _NvrxFinder) for f in sys.meta_path):
+    sys.meta_path.insert(0, _NvrxFinder())
 quiet_fallback_warnings()  # Megatron-Core's TE / apex import warnings -> one run-log line

@@ -12,8 +12,16 @@ that changed (paths under megatron/core/):
   process, "MCore's async save is deprecated ... set `async_strategy` to `nvrx`" although
   nothing is saved asynchronously. `quiet_logs()` drops that notice when a synchronous save
   logs it (an asynchronous save on the "mcore" strategy still shows it);
-  `async_save_kwargs()` is what an asynchronous `dist_checkpointing.save` should pass: NVRx
-  (nvidia-resiliency-ext) where it is installed, else the built-in writer, said explicitly.
+  `async_save_kwargs()` is what an asynchronous `dist_checkpointing.save` should pass, decided
+  the way megatron-core decides (strategies/torch.py `HAVE_NVRX`, its `has_nvrx_async_support()`
+  of strategies/nvrx.py: the NVRx names it needs and nvidia-resiliency-ext >= 0.6.0), else the
+  built-in writer, said explicitly; `async_calls_queue` is the queue upstream pairs with it
+  (`get_async_strategy`) and `close_async_queue` closes it with only the keywords its `close`
+  takes (NVRx 0.4.1's has no `abort`).
+- NVRx at import (dist_checkpointing/strategies/torch.py runs `has_nvrx_async_support()` while
+  megatron.core is imported, from 0.17): with nvidia-resiliency-ext 0.4.0/0.4.1 installed it
+  raises (AttributeError: the package has no `__version__`), so megatron.core cannot be imported
+  at all. `nvrx_refusal()` runs that check from its file first and says so in one line.
 - MoE top-k order (transformer/moe/moe_utils.py, `topk_routing_with_score_function`): from
   0.18 the router's top-k is sorted only while grad is enabled (`sorted=torch.is_grad_enabled()`),
   so indices taken under no_grad come in another order than a training forward's, and a replay
@@ -37,10 +45,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import inspect
 import logging
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 SUPPORTED = ">=0.16.1,<0.20"  # pyproject.toml's range; README "Supported versions"
 
@@ -88,13 +98,83 @@ def submodules(spec):
 def async_save_kwargs() -> dict:
     """Keyword arguments of an asynchronous `dist_checkpointing.save(...,
     async_sharded_save=True)`: none before 0.17 (one built-in writer); from 0.17
-    (dist_checkpointing/serialization.py `save(async_strategy="nvrx")`) NVRx where
-    nvidia-resiliency-ext is installed, else the built-in "mcore" writer, which upstream marks
-    deprecated."""
+    (dist_checkpointing/serialization.py `save(async_strategy=...)`) "nvrx" where megatron-core
+    itself found NVRx usable (strategies/torch.py `HAVE_NVRX`), else the built-in "mcore"
+    writer, which upstream marks deprecated."""
     if version() < (0, 17, 0):
         return {}
-    have_nvrx = importlib.util.find_spec("nvidia_resiliency_ext") is not None
-    return {"async_strategy": "nvrx" if have_nvrx else "mcore"}
+    from megatron.core.dist_checkpointing.strategies import torch as strategies
+
+    return {"async_strategy": "nvrx" if strategies.HAVE_NVRX else "mcore"}
+
+
+def async_calls_queue(kwargs: dict):
+    """The `AsyncCallsQueue` class that runs saves made with `kwargs` (`async_save_kwargs()`):
+    upstream's pairing (strategies/torch.py `get_async_strategy`, 0.17+), else the built-in
+    one (strategies/async_utils.py)."""
+    if "async_strategy" not in kwargs:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        return AsyncCallsQueue
+    from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+
+    return get_async_strategy(kwargs["async_strategy"], "AsyncCallsQueue")[1]
+
+
+def close_async_queue(queue) -> bool:
+    """Close `queue` without finalizing its pending saves: `close(abort=True)` where its `close`
+    takes `abort` (megatron-core's); a `close()` without it (NVRx 0.4.1) finalizes, a
+    collective that publishes a save of an ended run, so it is called only on an empty queue.
+
+    Returns:
+        whether `close` was called.
+    """
+    if "abort" in inspect.signature(queue.close).parameters:
+        queue.close(abort=True)
+        return True
+    if queue.get_num_unfinalized_calls():
+        return False  # a forked writer left running ends with this process (child_procs)
+    queue.close()
+    return True
+
+
+def _mcore_file(relative: str) -> Path | None:
+    """megatron/core/`relative` of the installed megatron-core, found without importing it."""
+    spec = importlib.util.find_spec("megatron")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "core" / relative
+        if path.is_file():
+            return path
+    return None
+
+
+def nvrx_refusal() -> str | None:
+    """One line saying why megatron.core cannot be imported beside the installed
+    nvidia-resiliency-ext, or None (it can, or NVRx is absent). Runs megatron-core's own
+    import-time check (dist_checkpointing/strategies/nvrx.py `has_nvrx_async_support`, 0.17+)
+    loaded from its file, so megatron.core itself is not imported."""
+    if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+        return None
+    path = _mcore_file("dist_checkpointing/strategies/nvrx.py")
+    if path is None:  # before 0.17: no import-time check
+        return None
+    spec = importlib.util.spec_from_file_location("_megatron_gspo_nvrx_check", path)
+    check = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(check)
+        check.has_nvrx_async_support()
+    except Exception as e:  # noqa: BLE001 - what megatron.core's import would raise
+        try:
+            have = importlib.metadata.version("nvidia-resiliency-ext")
+        except importlib.metadata.PackageNotFoundError:
+            have = "(version unknown)"
+        need = getattr(check, "NVRX_MIN_VERSION", "a newer release")
+        cause = (str(e).splitlines() or [""])[0]
+        return (f"{version_text()} cannot be imported beside nvidia-resiliency-ext {have}: its "
+                f"NVRx check (megatron/core/dist_checkpointing/strategies/nvrx.py) raises "
+                f"{type(e).__name__}: {cause}; uninstall it (pip uninstall "
+                f"nvidia-resiliency-ext) or install nvidia-resiliency-ext>={need}")
+    return None
 
 
 def _in_sync_save() -> bool:

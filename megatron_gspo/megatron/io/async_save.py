@@ -34,8 +34,10 @@ The writer is forked per save (Megatron's `TemporalAsyncCaller`), not a persiste
 worker: on CPU Megatron stages only views (`preload_tensors` is a no-op for CPU tensors), so a
 persistent worker would write optimizer states that training already changed; the fork's
 copy-on-write memory is the snapshot. From 0.17 Megatron-Core marks its own writer deprecated
-in favour of nvidia-resiliency-ext: `compat.async_save_kwargs()` picks NVRx where it is
-installed (checked here only with Megatron-Core's writer, 0.16.1 and 0.19.2).
+in favour of nvidia-resiliency-ext: `compat.async_save_kwargs()` picks NVRx where megatron-core
+finds it usable (nvidia-resiliency-ext >= 0.6.0, which the registry does not serve: every release
+it serves, 0.1.3 to 0.4.1, leaves Megatron-Core's writer in use, tests/megatron/
+test_async_save_nvrx.py), and the queue is the one upstream pairs with that writer.
 """
 
 from __future__ import annotations
@@ -62,11 +64,7 @@ class AsyncSaves:
         from megatron_gspo.megatron import compat
 
         self.kwargs = compat.async_save_kwargs()
-        if self.kwargs.get("async_strategy") == "nvrx":  # 0.17+ with NVRx
-            from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
-        else:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-        self.queue = AsyncCallsQueue(persistent=False)
+        self.queue = compat.async_calls_queue(self.kwargs)(persistent=False)
         self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1,
                                                      cached_metadata=True)
         self.saves = 0
@@ -156,6 +154,8 @@ class AsyncSaves:
     def close(self) -> None:
         """Stop the writers without finalizing (an ended run: its save stays partial); a
         finalized save's publish ends first."""
+        from megatron_gspo.megatron import compat
+
         if self._publisher is not None:
             self._publisher.join()
-        self.queue.close(abort=True)
+        compat.close_async_queue(self.queue)
