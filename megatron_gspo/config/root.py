@@ -34,6 +34,7 @@ from megatron_gspo.config.sections import (
     RolloutConfig,
     TrainConfig,
 )
+from megatron_gspo.config.unused import check_unused
 from megatron_gspo.config.yaml_strict import StrictYAMLError, brief, strict_load
 
 
@@ -96,6 +97,7 @@ class Config:
             raise ConfigError(f"{unused[0]}: set while algorithm.kl_coef is 0 (KL off, no "
                               "reference model is built); set kl_coef > 0 or drop it")
         self._validate_lora()
+        check_unused(self)  # a rollout, agent or precision setting the choices ignore
         check_ranges(self)  # clip inside the ratio bound, a correction that runs, reward.url
         if self.reward.url is not None and self.agent.enabled:
             raise ConfigError("reward.url: not used with agent.enabled (the environment scores "

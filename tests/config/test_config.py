@@ -70,7 +70,8 @@ def test_bad_values_name_the_path(tmp_path, text, message):
 def test_overrides_apply_and_bad_overrides_fail(tmp_path):
     p = _write(tmp_path, VALID)
     cfg = load_config(p, ["train.max_steps=3", "algorithm.eps_high=5e-4",
-                          "rollout.server_urls=[http://a:1, http://b:2]", "model.path=null"])
+                          "rollout.engine=sglang", "rollout.server_urls=[http://a:1, http://b:2]",
+                          "model.path=null"])
     assert cfg.train.max_steps == 3 and cfg.algorithm.eps_high == 5e-4
     assert cfg.rollout.server_urls == ["http://a:1", "http://b:2"]
     assert cfg.model.path is None

@@ -29,8 +29,7 @@ def test_a_correction_without_audited_steps_is_refused(old, corr):
 
 
 def test_a_correction_that_runs_is_accepted():
-    config_from_dict({}, ["precision.correction=icepop", "precision.audit_fraction=0",
-                          "precision.old_logprobs=recompute"])
+    config_from_dict({}, ["precision.correction=icepop", "precision.old_logprobs=recompute"])
     config_from_dict({}, ["precision.correction=icepop", "precision.audit_fraction=0.25"])
     config_from_dict({}, ["precision.audit_fraction=0"])  # no correction: reuse, no audit
 

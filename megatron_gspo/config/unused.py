@@ -1,0 +1,74 @@
+"""Settings the rest of the config makes the run ignore: each one set to other than its default
+is an error naming the field and the choice that ignores it (docs/configuration.md: "a setting
+that would be ignored is an error, never a silent no-op").
+
+- `rollout.*` fields of SGLang servers with the embedded engine (it generates in the learner's
+  process: no server is launched, attached, routed, sized or synced over HTTP);
+- `rollout.weight_sync_delta_threshold` unless deltas are `auto` (the only mode that reads it),
+  `rollout.weight_sync_delta_base` with deltas `off`;
+- every `agent.*` field while `agent.enabled` is false;
+- `precision.tolerance` and `precision.recheck_interval` unless `precision.old_logprobs` is
+  `auto` (they drive its switch between engine and learner log-probs), and
+  `precision.audit_fraction` with `recompute` (every step computes the learner's log-probs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_gspo.config.schema import ConfigError
+
+__all__ = ["SERVER_FIELDS", "check_unused"]
+
+#: RolloutConfig fields read only where SGLang servers generate (loop/servers.py, cli/plan.py,
+#: rollout/sglang/*, rollout/multinode/*).
+SERVER_FIELDS = ("server_urls", "num_servers", "tp_size", "mem_fraction", "host", "base_port",
+                 "extra_server_args", "sglang_python", "sglang_device", "weight_sync",
+                 "weight_sync_master", "router_url", "launch_router", "router_policy",
+                 "server_log_dir", "api_key_env", "max_concurrency", "request_timeout",
+                 "max_retries", "startup_timeout", "backoff")
+
+
+def _changed(section, names) -> list[str]:
+    """The fields of `section` among `names` whose value is not the field's default."""
+    out = []
+    for f in dataclasses.fields(section):
+        if f.name not in names:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if getattr(section, f.name) != default:
+            out.append(f.name)
+    return out
+
+
+def check_unused(cfg) -> None:
+    """Raise ConfigError for the first setting `cfg` would ignore (see the module docstring).
+
+    Args:
+        cfg: the Config being validated.
+    """
+    r, p, ag = cfg.rollout, cfg.precision, cfg.agent
+    rules: list[tuple[str, list[str], str]] = []  # (section, fields set, the choice ignoring)
+    if r.engine == "embedded":
+        rules.append(("rollout", _changed(r, SERVER_FIELDS), "rollout.engine 'embedded' (it "
+                      "generates in the learner's process; no SGLang server)"))
+    if r.weight_sync_delta != "auto":
+        rules.append(("rollout", _changed(r, ("weight_sync_delta_threshold",)),
+                      f"rollout.weight_sync_delta {r.weight_sync_delta!r} (only 'auto' reads "
+                      "the threshold)"))
+    if r.weight_sync_delta == "off":
+        rules.append(("rollout", _changed(r, ("weight_sync_delta_base",)),
+                      "rollout.weight_sync_delta 'off' (no deltas, no base)"))
+    if not ag.enabled:
+        names = [f.name for f in dataclasses.fields(ag) if f.name != "enabled"]
+        rules.append(("agent", _changed(ag, names), "agent.enabled false"))
+    if p.old_logprobs != "auto":
+        rules.append(("precision", _changed(p, ("tolerance", "recheck_interval")),
+                      f"precision.old_logprobs {p.old_logprobs!r} (they drive 'auto' only)"))
+    if p.old_logprobs == "recompute":
+        rules.append(("precision", _changed(p, ("audit_fraction",)),
+                      "precision.old_logprobs 'recompute' (every step computes the learner's "
+                      "log-probs)"))
+    for section, names, why in rules:
+        if names:
+            raise ConfigError(f"{section}.{names[0]}: not used with {why}; drop it")
