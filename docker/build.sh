@@ -39,8 +39,8 @@ shift
 base="" tag="" wheelhouse_only=0 extra=()
 while (( $# )); do
     case "$1" in
-        --base) (( $# >= 2 )) || die "--base needs an image"; base=$2; shift 2 ;;
-        --tag) (( $# >= 2 )) || die "--tag needs a name"; tag=$2; shift 2 ;;
+        --base) [[ $# -ge 2 && -n "$2" ]] || die "--base needs an image name"; base=$2; shift 2 ;;
+        --tag) [[ $# -ge 2 && -n "$2" ]] || die "--tag needs a name"; tag=$2; shift 2 ;;
         --wheelhouse-only) wheelhouse_only=1; shift ;;
         --) shift; extra=("$@"); break ;;
         *) die "unknown argument '$1'" ;;
@@ -54,6 +54,19 @@ DOCKER=${DOCKER:-docker}
 PYTHON=${PYTHON:-python3}
 BUILD_LOG=${BUILD_LOG:-.docker-wheelhouse/build-$flavor.log}
 [[ -f "$lock" ]] || die "no lock file $lock (python docker/lock.py $flavor)"
+
+# The docker client and its daemon, checked before anything is downloaded or made as root.
+check_docker() {
+    command -v "$DOCKER" >/dev/null 2>&1 \
+        || die "docker client '$DOCKER' not found (install docker, or set DOCKER to its path)"
+    local out
+    if ! out=$("$DOCKER" version -f '{{.Server.Version}}' 2>&1); then
+        out=$(printf '%s' "$out" | grep -v '^[[:space:]]*$' | tail -n 1 || true)
+        die "docker daemon not reachable through '$DOCKER' (${out:-no answer}); start it, or" \
+            "run as a user allowed on its socket"
+    fi
+}
+(( wheelhouse_only )) || check_docker
 
 # ---- 1. wheelhouse
 start_step "1 wheelhouse ($lock -> $wheels)"
@@ -79,6 +92,8 @@ if [[ "$flavor" == cpu && -z "$base" ]]; then
     start_step "2 base image ($base)"
     if ! "$DOCKER" image inspect "$base" >/dev/null 2>&1; then
         command -v debootstrap >/dev/null || die "debootstrap not installed (apt-get install -y debootstrap)"
+        (( EUID == 0 )) || die "making the base image $base runs debootstrap, which needs root;" \
+            "run as root or pass --base IMAGE"
         t0=$(date +%s)
         root=$(mktemp -d)
         debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
