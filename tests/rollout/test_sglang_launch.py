@@ -27,6 +27,7 @@ def test_server_argv_matches_sglang_flags():
         "/usr/bin/python3", "-m", "sglang.launch_server",
         "--model-path", "/models/qwen3", "--host", "127.0.0.1", "--port", "30001",
         "--tp-size", "2", "--base-gpu-id", "6", "--random-seed", "12", "--dtype", "bfloat16",
+        "--served-model-name", spec.run_token,  # the run's identity (issue 54)
         "--mem-fraction-static", "0.7", "--enable-memory-saver",
         "--context-length", "8192",
     ]

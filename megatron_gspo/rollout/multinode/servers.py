@@ -171,7 +171,7 @@ class NodeServers(SGLangEngine):
         return self.sync(self._arestart_dead())
 
     async def _arestart_dead(self) -> list[str]:
-        spec, notes = self.spec, []
+        spec, notes, hold = self.spec, [], self.port_hold()
         assert spec is not None
         for i, old in enumerate(self.procs):
             if old.alive():
@@ -180,9 +180,9 @@ class NodeServers(SGLangEngine):
             await asyncio.to_thread(old.stop)
             port = int(self.urls[i].rsplit(":", 1)[1])
             if not _can_listen(spec.host, port):
-                port = pick_ports(spec.host, spec.base_port, 1, taken=self._ports())[0]
+                port = pick_ports(spec.host, spec.base_port, 1, self._ports(), hold=hold)[0]
             logp = os.path.join(spec.log_dir, f"sglang_server_{i}.log") if spec.log_dir else None
-            argv = server_argv(spec, i, port, pick_dist_port([*self._ports(), port]))
+            argv = server_argv(spec, i, port, pick_dist_port([*self._ports(), port], hold=hold))
             proc = ServerProcess(argv, f"sglang server {i} (port {port})", server_env(spec), logp)
             url = f"http://{spec.host}:{port}"
             self.procs[i], self.urls[i] = proc, url

@@ -11,6 +11,9 @@ Launched servers get `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`: in SGLang 0.5
 otherwise runs a one-token generation, also on a server whose memory is released, and the
 router polls `/health` (see `sglang_protocol`). Ports stay at most 55535 (SGLang refuses a
 port whose port + 10000 is above 65535). The API key never appears in logged command lines.
+Every server gets the launch's token as `--served-model-name` (`LaunchSpec.run_token`), and
+its ports are held from the pick to its end (`ports.PortHold`): two jobs on one machine never
+drive each other's servers.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_gspo.run import exec_with_parent, server_record
+from megatron_gspo.rollout.sglang.ports import TOKEN_FLAG, PortHold, new_run_token
 from megatron_gspo.rollout.sglang.protocol import HEALTH_GENERATION_ENV, MAX_SERVER_PORT
 
 log = logging.getLogger(__name__)
@@ -65,6 +69,8 @@ class LaunchSpec:
             seeds its sampling; batch-invariant kernels). Not on the CPU engine: upstream's
             deterministic mode needs fa3, flashinfer or triton attention
             (server_args.py `_handle_deterministic_inference`), which the CPU engine lacks.
+        run_token: this launch's identity, passed as `--served-model-name` and checked in each
+            server's /server_info before anything else is sent (`ports`); new per spec.
     """
 
     model_path: str
@@ -85,8 +91,13 @@ class LaunchSpec:
     api_key: str | None = field(default=None, repr=False)
     device: str = "cuda"
     deterministic: bool = False
+    run_token: str = field(default_factory=new_run_token)
 
     def __post_init__(self) -> None:
+        if any(a.split("=", 1)[0] == TOKEN_FLAG for a in self.extra_args):
+            raise ValueError(f"rollout.extra_server_args: {TOKEN_FLAG} is taken: the launcher "
+                             "passes the run's token in it, checked in each server's "
+                             "/server_info so that no job drives another job's server")
         if self.dtype not in SERVER_DTYPES:
             raise ValueError(
                 f"rollout server dtype must be the learner's export dtype, one of "
@@ -144,6 +155,7 @@ def server_argv(spec: LaunchSpec, index: int, port: int, dist_port: int | None =
         "--base-gpu-id", str(spec.base_gpu_id + index * spec.tp_size),
         "--random-seed", str(spec.seed + index),
         "--dtype", spec.dtype,
+        TOKEN_FLAG, spec.run_token,
     ]
     if spec.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(spec.mem_fraction_static)]
@@ -263,7 +275,7 @@ DIST_PORT_RANGE = (22000, 29999)
 
 
 def pick_dist_port(taken: Sequence[int] = (), rng: random.Random | None = None,
-                   attempts: int = 256) -> int:
+                   attempts: int = 256, hold: PortHold | None = None) -> int:
     """A free port for a launched server's torch.distributed store (`--nccl-port`), under the
     kernel's ephemeral range. Left to itself, SGLang 0.5.12 takes a bind(0) port
     (`get_free_port()` in server_args.py `PortArgs.init_new`): an ephemeral one, which an
@@ -276,6 +288,7 @@ def pick_dist_port(taken: Sequence[int] = (), rng: random.Random | None = None,
     Args:
         taken: ports not to hand out (the servers' own, earlier picks).
         rng: randomness of the pick (default: the `random` module's).
+        hold: takes the port (`ports.PortHold`; one held elsewhere is not picked).
     Returns:
         a port free on every IPv4 address at the time of the pick.
     """
@@ -288,22 +301,28 @@ def pick_dist_port(taken: Sequence[int] = (), rng: random.Random | None = None,
     skip = set(taken)
     pool = [p for p in range(low, high + 1) if p not in skip]
     for p in (rng or random).sample(pool, min(attempts, len(pool))):
-        if port_is_free("0.0.0.0", p):
+        if port_is_free("0.0.0.0", p) and (hold is None or hold.take(p)):
             return p
-    return pick_ports("127.0.0.1", 0, 1, taken=taken)[0]
+    return pick_ports("127.0.0.1", 0, 1, taken=taken, hold=hold)[0]
 
 
 def pick_ports(host: str, base: int, count: int, taken: Sequence[int] = (),
-               limit: int = MAX_SERVER_PORT) -> list[int]:
+               limit: int = MAX_SERVER_PORT, hold: PortHold | None = None) -> list[int]:
     """`count` free ports from `base` upward (base 0: ports chosen by the OS), none above
-    `limit` (SGLang refuses server ports above 55535)."""
+    `limit` (SGLang refuses server ports above 55535). With `hold` (`ports.PortHold`) each
+    port is held from the pick on, and a port another job holds is skipped: a port is free
+    when it is picked, but the server binds it seconds later."""
     ports: list[int] = []
+
+    def ok(p: int) -> bool:
+        return p not in ports and p not in taken and (hold is None or hold.take(p))
+
     if base == 0:
         for _ in range(1000 * count):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind((host, 0))
                 p = s.getsockname()[1]
-            if p <= limit and p not in ports and p not in taken:
+            if p <= limit and ok(p):
                 ports.append(p)
             if len(ports) == count:
                 return ports
@@ -313,7 +332,7 @@ def pick_ports(host: str, base: int, count: int, taken: Sequence[int] = (),
         if p > limit:
             raise RuntimeError(f"only {len(ports)} of {count} free ports from {base} to {limit} "
                                f"on {host} (SGLang refuses ports above {MAX_SERVER_PORT})")
-        if p not in taken and port_is_free(host, p):
+        if p not in taken and port_is_free(host, p) and ok(p):
             ports.append(p)
         p += 1
     return ports

@@ -1,6 +1,10 @@
 """Server lifecycle of the SGLang engine (mixed into `sglang.SGLangEngine`): launch servers and
 router, wait for health, read and check every server's `GET /server_info` (tp_size equal to
 the configuration, dp_size 1, the context length), answer `ahealth`, stop what was launched.
+A launched server must answer with this launch's token (`LaunchSpec.run_token`, its
+`--served-model-name`) before anything but /health_generate is sent to it: a port another job
+took between the pick and the bind answers with that job's server, refused in one line naming
+whose it is (`ports.identity_error`). Launched servers' ports stay held until they stop.
 
 The context length is the server's `context_length` (its --context-length), else the model
 config at its `model_path` when that is a local directory (SGLang's derivation, see
@@ -31,6 +35,7 @@ from megatron_gspo.rollout.sglang.launch import (
     server_argv,
     server_env,
 )
+from megatron_gspo.rollout.sglang.ports import PortHold, identity_error
 from megatron_gspo.rollout.sglang.protocol import context_length_of, decode_json, http_error
 
 log = logging.getLogger("megatron_gspo.rollout.sglang.client")
@@ -72,6 +77,7 @@ class SGLangServers:
     _closed: bool
     _started: bool
     _inflight: dict[str, int]
+    _port_hold: PortHold | None = None
     _sess: Any  # the engine's session factory
 
     async def astart(self) -> None:
@@ -98,13 +104,14 @@ class SGLangServers:
     async def _launch(self) -> None:
         spec = self.spec
         assert spec is not None
-        ports = pick_ports(spec.host, spec.base_port, spec.num_servers)
+        hold = self.port_hold()
+        ports = pick_ports(spec.host, spec.base_port, spec.num_servers, hold=hold)
         taken = list(ports)
         for i, port in enumerate(ports):
             logp = os.path.join(spec.log_dir, f"sglang_server_{i}.log") if spec.log_dir else None
             if spec.log_dir:
                 os.makedirs(spec.log_dir, exist_ok=True)
-            taken.append(pick_dist_port(taken))
+            taken.append(pick_dist_port(taken, hold=hold))
             argv = server_argv(spec, i, port, taken[-1])
             log.info("launching rollout server %d: %s", i, " ".join(redact_argv(argv)))
             name = f"sglang server {i} (port {port})"
@@ -144,10 +151,20 @@ class SGLangServers:
             return info
         raise AssertionError("unreachable")
 
+    def port_hold(self) -> PortHold:
+        """The holds on this engine's launched servers' ports (released when they stop)."""
+        if self._port_hold is None:
+            self._port_hold = PortHold()
+        return self._port_hold
+
     def _check_server_info(self, infos: Sequence[dict]) -> None:
-        """Refuse tp/dp sizes that differ from the configuration; take the context length."""
+        """Refuse a launched server that is not this launch's (its token), tp/dp sizes that
+        differ from the configuration; take the context length."""
         contexts = []
         for url, info in zip(self.urls, infos, strict=True):
+            wrong = identity_error(url, info, self.spec.run_token) if self.spec else None
+            if wrong:
+                raise RolloutError(wrong)
             self.server_info[url] = info
             note = compat.version_warning(info)
             if note:
@@ -234,4 +251,6 @@ class SGLangServers:
     async def _stop_processes(self) -> None:
         procs = [p for p in [self.router_proc, *self.procs] if p is not None]
         await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs))
+        if self._port_hold is not None and not any(p.alive() for p in procs):
+            self._port_hold.release()
 

@@ -62,6 +62,7 @@ class ControlEndpoints:
             {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
              "context_length": self.context_length_arg, "version": "standin",
              "weight_version": self.weight_version, "device": self.device,
+             "served_model_name": self.served_model_name,  # --served-model-name, verbatim
              # SGLang's /server_info lists every ServerArgs field
              "enable_return_routed_experts": getattr(self, "enable_return_routed_experts", False)}
         )

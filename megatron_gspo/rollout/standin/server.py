@@ -78,6 +78,8 @@ class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
             that load_format call FUNC(model, named_tensors).
         deterministic_inference: `--enable-deterministic-inference`: a request's
             `sampling_seed` seeds its own sampling stream (else it is ignored, as upstream).
+        served_model_name: `--served-model-name`, echoed by /server_info (None: the model
+            path, as server_args.py `__post_init__` sets it).
     """
 
     def __init__(
@@ -87,8 +89,10 @@ class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
         health_generation: bool | None = None, enable_return_routed_experts: bool = False,
         device: str = "cuda", weight_update_sessions: bool = False,
         custom_weight_loaders: Any = (), deterministic_inference: bool = False,
+        served_model_name: str | None = None,
     ) -> None:
         self.deterministic_inference = deterministic_inference
+        self.served_model_name = model_path if served_model_name is None else served_model_name
         self.device, self.weight_update_sessions = device, weight_update_sessions
         self.session_open = False
         self.custom_weight_loaders = list(custom_weight_loaders or ())  # --custom-weight-loader
@@ -243,10 +247,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weight-update-sessions", action="store_true")  # as SGLang 0.5.23
     ap.add_argument("--custom-weight-loader", nargs="*", default=None)
     ap.add_argument("--enable-deterministic-inference", action="store_true")
+    ap.add_argument("--served-model-name", default=None)
     args, _unknown = ap.parse_known_args(argv)
     port_error = grpc_port_error(args.port, os.environ)
     if port_error:  # SGLang refuses the port before loading anything
         raise ValueError(port_error)
+    if args.served_model_name and ":" in args.served_model_name:  # server_args.py check_server_args
+        raise ValueError("served_model_name cannot contain a colon (':') character. The colon "
+                         "is reserved for the 'model:adapter' syntax used in LoRA adapter "
+                         f"specification. Invalid value: '{args.served_model_name}'")
     tp_group_rendezvous()
     with open(os.path.join(args.model_path, "config.json"), encoding="utf-8") as f:
         dtype = served_dtype(args.dtype, json.load(f))  # "auto": fp32 checkpoints as fp16
@@ -259,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
                            device=args.device,
                            weight_update_sessions=args.weight_update_sessions,
                            custom_weight_loaders=args.custom_weight_loader,
-                           deterministic_inference=args.enable_deterministic_inference)
+                           deterministic_inference=args.enable_deterministic_inference,
+                           served_model_name=args.served_model_name)
 
     async def run() -> None:
         await server.start()
