@@ -7,6 +7,9 @@ Cases:
                    `memory_plan.learner_bytes` for this rank.
   act   (1 rank)   tensors saved for backward in one CPU micro-batch (saved-tensor hooks,
                    parameters excluded) against `activation_bytes + logits_bytes`.
+  stage (4 ranks)  the tensors each rank hands Megatron-Core's writer in a checkpoint (what
+                   `preload_tensors` copies into pinned host memory on GPU) equal
+                   `memory.staging.staged_tensor_bytes` for this rank, tensor for tensor.
   off   (2 ranks)  TP2 and PP2 (bf16, fp32 main weights; distributed optimizer under TP2):
                    5 steps with the learner offloaded and onloaded between steps equal 5 steps
                    without (loss, grad norm, weights: bit-identical), every storage is empty
@@ -100,6 +103,53 @@ def case_bytes(outdir: Path, failures: list, info: dict):
         if got != want:
             failures.append(f"{tag}: measured {got} != plan {want}")
         info[tag] = got
+
+
+def case_stage(outdir: Path, failures: list, info: dict):
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    from megatron_gspo.megatron.learner import BatchSettings, Learner
+    from megatron_gspo.megatron.memory import plan as mp
+    from megatron_gspo.megatron.memory import staging
+    from megatron_gspo.megatron.memory.report import PlanInputs
+    from megatron_gspo.megatron.optimizer import OptimSettings
+    from megatron_gspo.megatron.parallel import ParallelLayout as PL
+
+    seen: list[int] = []
+    orig = fa.FileSystemWriterAsync.prepare_write_data
+
+    def record(self, plan, planner):  # the tensors the writer will stage (this rank's)
+        orig(self, plan, planner)
+        seen.extend(t.numel() * t.element_size() for _, _, (_, ts) in self.write_buckets
+                    for _, t in ts)
+
+    fa.FileSystemWriterAsync.prepare_write_data = record
+    samples = make_samples()
+    for model, name, lay, distopt, dtype in [
+        ("dense", "tp2-dp2-distopt", PL(tensor=2, sequence_parallel=True), True, torch.bfloat16),
+        ("dense", "dp4", PL(), False, torch.bfloat16),
+        ("dense", "tp2-pp2", PL(tensor=2, pipeline=2), False, torch.bfloat16),  # tied
+        ("dense", "pp2-vpp2-fp32-distopt", PL(pipeline=2, virtual_pipeline=2), True,
+         torch.float32),
+        ("moe", "tp2-ep2-etp1-distopt", PL(tensor=2, expert=2, expert_tensor=1,
+                                           sequence_parallel=True), True, torch.bfloat16),
+    ]:
+        L = Learner(MODELS[model], layout=lay, params_dtype=dtype, seed=3,
+                    optim=OptimSettings(lr=1e-3, use_distributed_optimizer=distopt),
+                    batching=BatchSettings(num_microbatches=2))
+        L.train_step(samples, old_logprobs(L.forward_logprobs(samples)))  # Adam state exists
+        seen.clear()
+        L.save_checkpoint(str(outdir / f"ckpt-{model}-{name}"))
+        x = PlanInputs(dims=mp.dims_from_hf(MODELS[model]), gpu_bytes=0, world=4,
+                       gpus_per_node=4, tp=lay.tensor, pp=lay.pipeline,
+                       vpp=lay.virtual_pipeline or 1, ep=lay.expert, etp=lay.expert_tensor,
+                       distributed_optimizer=distopt, param_bytes=torch.finfo(dtype).bits // 8)
+        want = sorted(staging.staged_tensor_bytes(x, dist.get_rank()))
+        if sorted(seen) != want:
+            failures.append(f"{model}.{name}: staged {sorted(seen)} != plan {want}")
+        info[f"{model}.{name}"] = sum(seen)
+        dist.barrier()
 
 
 def case_act(outdir: Path, failures: list, info: dict):
@@ -235,7 +285,8 @@ def main():
     torch.manual_seed(0)
     failures, info = [], {}
     try:
-        {"bytes": case_bytes, "act": case_act, "off": case_off}[case](outdir, failures, info)
+        cases = {"bytes": case_bytes, "act": case_act, "off": case_off, "stage": case_stage}
+        cases[case](outdir, failures, info)
     except Exception:
         failures.append("exception:\n" + traceback.format_exc())
     (outdir / f"{case}.rank{rank}.json").write_text(json.dumps(

@@ -27,6 +27,18 @@ def test_plan_bytes_equal_learner_tensors(launch):
     assert len({r["info"]["dense.dp4-distopt"]["main"] for r in reps}) > 1
 
 
+def test_checkpoint_staging_equals_the_tensors_megatron_stages(launch):
+    """The plan's checkpoint staging row (`memory.staging`) lists, rank by rank, the tensors a
+    real save hands Megatron-Core's writer (TP-replicated norms, tied copies, DP replicas,
+    distributed-optimizer slices with their padding, experts)."""
+    reps = launch("stage", 4)
+    for rank, rep in enumerate(reps):
+        assert rep["failures"] == [], f"rank {rank}"
+    assert len(reps[0]["info"]) == 5  # every layout ran
+    # only DP rank 0 writes the weights: ranks differ
+    assert len({r["info"]["dense.dp4"] for r in reps}) > 1
+
+
 def test_activation_estimate_against_saved_tensors(launch):
     info = launch("act", 1)[0]["info"]
     for key in ("recompute=False", "recompute=True"):

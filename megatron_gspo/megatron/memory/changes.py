@@ -59,7 +59,7 @@ def candidates(x: PlanInputs) -> Iterator[tuple[str, dict]]:
 
 def _fits(x: PlanInputs, change: dict) -> bool:
     try:
-        return build_plan(dataclasses.replace(x, **change)).fits
+        return build_plan(dataclasses.replace(x, **change), host=False).fits  # GPU only
     except ValueError:  # e.g. a layout that does not split the new world
         return False
 

@@ -34,6 +34,7 @@ per-process context terms are fixed allowances, not measurements.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -85,6 +86,8 @@ class Param:
     expert: bool = False  # in the expert-parallel buffer (EP > 1)
     shared: bool = False  # `shared_embedding`: a bucket of its own (distributed optimizer)
     trainable: bool = True  # False: a LoRA-frozen weight (no DDP buffer, no optimizer state)
+    replicated: bool = False  # the same on every TP rank (norms, router): TP rank 0 saves it
+    halves: bool = False  # a SwiGLU fc1 (gate; up): saved as two tensors (swiglu factory)
 
 
 def chunk_params(d: Dims, *, tp: int, pp: int, ep: int, etp: int, vpp: int, pp_rank: int,
@@ -105,31 +108,34 @@ def chunk_params(d: Dims, *, tp: int, pp: int, ep: int, etp: int, vpp: int, pp_r
     if first:
         out.append(Param(v * h // tp, shared=d.tied and pp > 1))
     for _ in range(d.layers // n_chunks):
-        out += [Param(h), Param(h * d.heads * hd // tp),
-                Param((d.heads + 2 * d.kv_heads) * hd * h // tp), Param(hd), Param(hd),
-                Param(h)]
+        out += [Param(h, replicated=True), Param(h * d.heads * hd // tp),
+                Param((d.heads + 2 * d.kv_heads) * hd * h // tp), Param(hd, replicated=True),
+                Param(hd, replicated=True), Param(h, replicated=True)]
         if d.experts:
-            out.append(Param(d.experts * h))  # router
+            out.append(Param(d.experts * h, replicated=True))  # router
             for _ in range(d.experts // ep):
-                out += [Param(2 * d.expert_ffn * h // etp, expert=ep > 1),
+                out += [Param(2 * d.expert_ffn * h // etp, expert=ep > 1, halves=True),
                         Param(d.expert_ffn * h // etp, expert=ep > 1)]
         else:
-            out += [Param(2 * d.ffn * h // tp), Param(d.ffn * h // tp)]
+            out += [Param(2 * d.ffn * h // tp, halves=True), Param(d.ffn * h // tp)]
     if last:
-        out.append(Param(h))
+        out.append(Param(h, replicated=True))
         if not d.tied or pp > 1:
             out.append(Param(v * h // tp, shared=d.tied and pp > 1))
     if lora is None:
         return out
     r, targets = lora
-    frozen = [Param(p.numel, p.expert, p.shared, trainable=False) for p in out]
-    per_layer: list[Param] = []  # (A, B) per adapted linear: column B / row A split by TP
+    frozen = [dataclasses.replace(p, trainable=False) for p in out]
+    per_layer: list[Param] = []  # (A, B) per adapted linear: column B / row A split by TP,
+    # the other factor the same on every TP rank
     shapes = {"qkv": (h, (d.heads + 2 * d.kv_heads) * hd // tp),
               "proj": (d.heads * hd // tp, h), "fc1": (h, 2 * d.ffn // tp),
               "fc2": (d.ffn // tp, h)}
     for t in ("qkv", "proj") + (() if d.experts else ("fc1", "fc2")):
         if t in targets:
-            per_layer += [Param(r * shapes[t][0]), Param(shapes[t][1] * r)]
+            column = t in ("qkv", "fc1")
+            per_layer += [Param(r * shapes[t][0], replicated=column),
+                          Param(shapes[t][1] * r, replicated=not column, halves=t == "fc1")]
     if d.experts and "experts" in targets:
         for _ in range(d.experts // ep):
             per_layer += [Param(r * h, expert=ep > 1),
@@ -304,7 +310,9 @@ class Plan:
     moments: list[tuple[str, int, list[str]]] = field(default_factory=list)
     kv_tokens: int | None = None
     kv_tokens_needed: int = 0
-    host_bytes: int = 0  # pinned host memory of one rank's offloaded learner (not GPU memory)
+    host_bytes: int = 0  # pinned host memory of one rank: offloaded learner + staging copy
+    staging_bytes: int = 0  # of which Megatron-Core's checkpoint staging copy (`staging`)
+    node_host_bytes: int = 0  # the same summed over the ranks of one node (the largest node)
     delta_host_bytes: int = 0  # rank 0's delta-sync base (rollout.weight_sync_delta_base)
     delta_server_bytes: int = 0  # the delta loader's copy in each SGLang TP rank's host memory
     problems: list[str] = field(default_factory=list)

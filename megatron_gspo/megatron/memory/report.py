@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from megatron_gspo.megatron.memory import plan as mp
+from megatron_gspo.megatron.memory import staging
 from megatron_gspo.megatron.memory.plan import GiB, Plan
 
 # Fixed allowances (not measured here): CUDA contexts of the learner and the server process,
@@ -106,8 +107,9 @@ def _worst_learner(x: PlanInputs) -> mp.LearnerBytes:
     return best
 
 
-def build_plan(x: PlanInputs) -> Plan:
-    """Rows and moments of one GPU for `x` (see `megatron.memory.plan`)."""
+def build_plan(x: PlanInputs, host: bool = True) -> Plan:
+    """Rows and moments of one GPU for `x` (see `megatron.memory.plan`); `host`: also the
+    pinned host memory of a rank and of a node (offloaded learner, checkpoint staging)."""
     if x.world % (x.tp * x.pp * x.cp):
         raise ValueError(f"{x.world} GPUs do not split into TP {x.tp} x PP {x.pp} x CP {x.cp}")
     d = x.dims
@@ -188,7 +190,11 @@ def build_plan(x: PlanInputs) -> Plan:
                 f"rollout.mem_fraction {x.mem_fraction}: leaves "
                 f"{free * (1 - x.mem_fraction) / GiB:.1f} GiB of the {free / GiB:.1f} GiB free "
                 f"at launch for CUDA graphs and activations (< {CUDA_GRAPH_BYTES / GiB:.0f} GiB)")
-    plan.host_bytes = pinned_host_bytes(x)
+    if host:  # the offloaded learner + every checkpoint's pinned staging copy (kept cached)
+        offloaded = pinned_host_bytes(x)
+        plan.staging_bytes, node_staging = staging.worst_and_node_staging(x)
+        plan.host_bytes = offloaded + plan.staging_bytes
+        plan.node_host_bytes = offloaded * min(x.gpus_per_node, x.world) + node_staging
     if x.delta_base:  # rank 0's copy of what the servers hold; each server rank's loader copy
         n = _total_params(x)
         plan.delta_host_bytes = (n * x.param_bytes if x.delta_base == "copy"
@@ -311,8 +317,13 @@ def format_plan(plan: Plan, x: PlanInputs, changes: str | None = None) -> str:
         lines.append(f"  {name:<22} {total / GiB:8.2f} GiB  "
                      f"({100 * total / plan.gpu_bytes:.0f}% of the GPU)")
     if plan.host_bytes:
-        lines.append(f"  {'pinned host memory':<22} {plan.host_bytes / GiB:8.2f} GiB  per rank, "
-                     "offloaded learner in CPU memory (power-of-two blocks)")
+        off = plan.host_bytes - plan.staging_bytes
+        lines.append(f"  {'pinned host memory':<22} {plan.host_bytes / GiB:8.2f} GiB  per rank: "
+                     + (f"offloaded learner {off / GiB:.2f} + " if off else "")
+                     + f"checkpoint staging {plan.staging_bytes / GiB:.2f} (power-of-two "
+                     "blocks)")
+        lines.append(f"  {'pinned host, one node':<22} {plan.node_host_bytes / GiB:8.2f} GiB  "
+                     f"the {min(x.gpus_per_node, x.world)} ranks of a node together")
     if x.delta_base:
         lines.append(f"  {'delta-sync base':<22} {plan.delta_host_bytes / GiB:8.2f} GiB  host "
                      f"memory of rank 0 ({x.delta_base}: " + ("the weights as last sent)"
