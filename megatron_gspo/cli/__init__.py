@@ -14,6 +14,9 @@ Errors in the config or the data end the program with a one-line message and exi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import os
 import sys
 
 import yaml
@@ -70,10 +73,37 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from megatron_gspo.rewards import RewardError
     from megatron_gspo.megatron.models.builder import ModelConfigError  # e.g. a checkpoint's model
     from megatron_gspo.rollout.base import RolloutError  # every sampled group failed, ...
+    from megatron_gspo.run.device_ledger import LedgerSpecError  # a spec to read or write
     from megatron_gspo.run.rundir import RunError  # run-dir lock, checkpoints, diverged training
 
     return (DatasetError, RewardError, ConversionError, SampleError, FileNotFoundError, RunError,
-            ChatTemplateError, ModelConfigError, RolloutError)
+            ChatTemplateError, ModelConfigError, RolloutError, LedgerSpecError)
+
+
+class OutputError(OSError):
+    """Standard output cannot be written (a full disk or quota, a closed pipe)."""
+
+
+def _emit(*parts, end: str = "\n") -> None:
+    """print() to standard output, flushed; an OSError there becomes OutputError."""
+    try:
+        sys.stdout.write(" ".join(str(p) for p in parts) + end)
+        sys.stdout.flush()
+    except OSError as e:
+        raise OutputError(e.errno, e.strerror) from None
+
+
+def _output_failed(e: OutputError) -> int:
+    """One line on stderr for a failed write to stdout (nothing for a closed pipe); stdout is
+    pointed at /dev/null so that the interpreter's own flush at exit stays silent."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if e.errno == errno.EPIPE:
+        return 1
+    hint = " (full disk or quota?)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    print(f"megatron-gspo: cannot write to standard output: {e.strerror}{hint}",
+          file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,20 +126,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "fields" and args.markdown:
             from megatron_gspo.cli.reference import config_reference
 
-            print(config_reference())
+            _emit(config_reference())
             return 0
         if args.command == "fields":
             for name, tp, default, doc in describe(Config):
-                print(f"{name:40s} {tp:18s} {default!r:>14}  {doc}")
+                _emit(f"{name:40s} {tp:18s} {default!r:>14}  {doc}")
             return 0
         if args.command == "study":
             from megatron_gspo.study import run_study
 
-            print(run_study(args.study, args.out, overrides=args.overrides))
+            _emit(run_study(args.study, args.out, overrides=args.overrides))
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":
-            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+            _emit(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0
         if args.command == "plan":
             return _plan(cfg, args)
@@ -123,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     except _input_errors() as e:
         print(f"megatron-gspo: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except OutputError as e:
+        return _output_failed(e)
     except KeyboardInterrupt:
         print("megatron-gspo: interrupted", file=sys.stderr)
         return 130
@@ -137,11 +169,16 @@ def _plan(cfg, args) -> int:
     from megatron_gspo.megatron.memory import changes as mc
     from megatron_gspo.megatron.memory import report as mr
 
+    if args.ledger_spec is not None and (not args.ledger_spec.strip()
+                                         or os.path.isdir(args.ledger_spec)):
+        raise ConfigError(f"plan --ledger-spec: {args.ledger_spec!r} is "
+                          f"{'a directory' if args.ledger_spec.strip() else 'empty'}; "
+                          "name the file to write")
     hf = checked_model_config(cfg, args)  # the flags, and model and layout as training checks
     refused = launch_problems(cfg, args.nodes, args.gpus_per_node)
     if args.gpu_memory == UNKNOWN:  # a launch on a machine without a GPU it could count
-        print(rollout_line(cfg))
-        print(f"plan: refused: {'; '.join(refused)}" if refused else
+        _emit(rollout_line(cfg))
+        _emit(f"plan: refused: {'; '.join(refused)}" if refused else
               "plan: memory not checked: no GPU size (set GPU_MEMORY, or run where nvidia-smi "
               "lists the GPUs); layout checked")
         return 1 if refused else 0
@@ -153,23 +190,23 @@ def _plan(cfg, args) -> int:
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"plan: {type(e).__name__}: {e}") from None
     if args.brief:
-        print(rollout_line(cfg))
-        print(f"learner: TP{x.tp} PP{x.pp} CP{x.cp} EP{x.ep} DP{x.dp} on {x.world} GPUs "
+        _emit(rollout_line(cfg))
+        _emit(f"learner: TP{x.tp} PP{x.pp} CP{x.cp} EP{x.ep} DP{x.dp} on {x.world} GPUs "
               f"({args.nodes} x {args.gpus_per_node}) of {x.gpu_bytes / mr.GiB:.1f} GiB")
         if refused:
-            print(f"plan: refused: {'; '.join(refused)}")
+            _emit(f"plan: refused: {'; '.join(refused)}")
         elif plan.fits:
             name, total, _ = max(plan.moments, key=lambda m: m[1])
             kv = f"; SGLang KV cache {plan.kv_tokens} tokens" if plan.kv_tokens else ""
-            print(f"plan: fits: largest moment {name} {total / mr.GiB:.1f} GiB "
+            _emit(f"plan: fits: largest moment {name} {total / mr.GiB:.1f} GiB "
                   f"({100 * total / plan.gpu_bytes:.0f}% of the GPU){kv}")
         else:
-            print(f"plan: does not fit: {'; '.join(plan.problems)}; {fix}")
+            _emit(f"plan: does not fit: {'; '.join(plan.problems)}; {fix}")
     else:
-        print(mr.format_plan(plan, x, fix))
+        _emit(mr.format_plan(plan, x, fix))
         for p in refused:
-            print(f"refused at launch: {p}")
-    if args.ledger_spec:  # the device-memory ledger of one GPU of this plan
+            _emit(f"refused at launch: {p}")
+    if args.ledger_spec is not None:  # the device-memory ledger of one GPU of this plan
         mr.ledger_spec(plan, x, args.config.rsplit("/", 1)[-1].removesuffix(".yaml")).dump(
             args.ledger_spec)
     return 0 if plan.fits and not refused else 1

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from megatron_gspo.config import Config, ConfigError
+from megatron_gspo.run import device_ledger
 
 LABEL_REWARDS = ("math", "math_boxed_strict", "exact_match")  # built-ins that need a label
 
@@ -39,6 +40,7 @@ def check_inputs(cfg: Config, hf_config: dict, tok) -> None:
         ConfigError naming the field.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    device_ledger.active()  # a ledger spec that cannot be read: its one line before any work
     check_model_layout(cfg, hf_config, world)
     check_memory(cfg, hf_config, world)
     check_update_backend(cfg)

@@ -33,6 +33,7 @@ raises (the server dies on a GPU). Pure Python: no torch, no megatron.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -48,6 +49,39 @@ PLAN_ROWS = {"weights": "learner weights", "grads": "gradient buffer", "main": "
 
 class DeviceOutOfMemory(RuntimeError):
     """A modelled allocation that would not fit on the GPU (strict ledgers)."""
+
+
+class LedgerSpecError(ValueError):
+    """A ledger spec file that cannot be read or is not a spec (message: one line)."""
+
+
+def _spec_problem(data, fields: dict) -> str | None:
+    """Why `data` (a parsed spec) is not a LedgerSpec's fields, or None."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, expected an object"
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        return f"unknown key {unknown[0]!r}; known keys: {', '.join(fields)}"
+    missing = [k for k, f in fields.items() if f.default is dataclasses.MISSING and k not in data]
+    if missing:
+        return f"missing key {missing[0]!r}"
+    kinds = {"name": str, "gpu_bytes": int, "sizes": dict, "plan_moments": dict,
+             "plan_kv_tokens": (int, type(None)), "mem_fraction": (int, float),
+             "kv_cell_bytes": int, "weights_cpu_backup": bool, "tolerance": (int, float),
+             "strict": bool}
+    for key, value in data.items():
+        ok = isinstance(value, kinds[key]) and not (isinstance(value, bool)
+                                                     and kinds[key] in (int, (int, float)))
+        if key in ("sizes", "plan_moments") and ok:
+            ok = all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                     and v >= 0 for k, v in value.items())
+        if not ok:
+            want = ("a mapping of names to byte counts" if key in ("sizes", "plan_moments")
+                    else getattr(kinds[key], "__name__", "a number"))
+            return f"{key}: {str(value)[:60]!r} is not {want}"
+    if data["gpu_bytes"] <= 0 or data.get("kv_cell_bytes", 1) <= 0:
+        return "gpu_bytes and kv_cell_bytes must be positive"
+    return None
 
 
 def sglang_kv_tokens(free_bytes: int, weight_bytes: int, mem_fraction: float,
@@ -75,12 +109,42 @@ class LedgerSpec:
 
     @classmethod
     def load(cls, path: str) -> LedgerSpec:
-        with open(path) as f:
-            return cls(**json.load(f))
+        """The spec in `path` (written by `megatron-gspo plan --ledger-spec`).
+
+        Raises:
+            LedgerSpecError: one line naming the file and what is wrong with it.
+        """
+        where = f"{ENV}: ledger spec {path}"
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise LedgerSpecError(f"{where}: {e.strerror or e}") from None
+        except (ValueError, UnicodeDecodeError) as e:  # truncated or not JSON
+            raise LedgerSpecError(f"{where}: not a spec ({str(e).splitlines()[0][:120]}); "
+                                  "write one with megatron-gspo plan --ledger-spec") from None
+        problem = _spec_problem(data, {f.name: f for f in dataclasses.fields(cls)})
+        if problem:
+            raise LedgerSpecError(f"{where}: {problem}")
+        return cls(**data)
 
     def dump(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(self.__dict__, f, indent=1)
+        """Write the spec to `path` in one go (a partial file never stays behind).
+
+        Raises:
+            LedgerSpecError: one line naming the path (a directory, a full disk, ...).
+        """
+        text = json.dumps(self.__dict__, indent=1)
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                if os.path.isfile(path):
+                    os.unlink(path)
+            raise LedgerSpecError(f"ledger spec {path}: cannot write it: "
+                                  f"{e.strerror or e}") from None
 
 
 @dataclass
