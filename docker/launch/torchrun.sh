@@ -10,7 +10,8 @@
 #   MASTER_ADDR    address of node 0, reachable from every node   (required when NNODES > 1)
 #   MASTER_PORT    rendezvous port on node 0                      (default 29500)
 #   MAX_RESTARTS   torchrun --max-restarts: a dead rank restarts this node's worker group,
-#                  which resumes from the newest complete checkpoint by itself  (default 3; 0: off)
+#                  which resumes from the newest complete checkpoint by itself  (default 3; 0: off);
+#                  above 0 the run needs checkpoint.interval > 0 (refused at start otherwise)
 #   MONITOR_INTERVAL  seconds between torchrun's checks of its workers         (default 5)
 #   LOG_DIR        if set, torchrun also writes every rank's output under LOG_DIR/node<RANK>
 #   TORCHRUN       torchrun executable                            (default torchrun)

@@ -366,6 +366,10 @@ class TrainConfig:
     resume: str = option("auto", "auto: continue from the newest intact checkpoint (a damaged "
                          "one is moved aside); never: start fresh, an error if the run dir "
                          "already holds checkpoints or metrics", choices=("auto", "never"))
+    resume_changes: list[str] = option([], "resume: keys (section.key, or a section) allowed to "
+                                       "differ from the checkpoint's config where that changes "
+                                       "what it means, e.g. [optimizer.lr]; other such changes "
+                                       "are refused (docs/reliability.md)")
     prompts_per_step: int = option(32, "prompts per rollout batch", ge=1)
     eval_interval: int = option(0, "evaluate every N steps (0 disables)", ge=0)
     eval_prompts: int = option(64, "prompts per evaluation (per eval set)", ge=1)

@@ -10,15 +10,125 @@
   Megatron's loader with a traceback.
 - `check_load_checkpoint`: `model.load_checkpoint` holds the model of `model.path` (its stored
   config, and the tensor shapes of its metadata).
+- `config_changes` (resume): the config the checkpoint records (`config_record`, in its
+  trainer.json) against this one. A change of a key in `FREE` (how the run is executed or
+  observed: length, logging, checkpointing, layout, servers, timeouts) is an event line; any
+  other change (loss, learning rate, data, seed, batch shape, ...) changes what the checkpoint's
+  optimizer state and data cursor mean and is refused unless `train.resume_changes` names the
+  key or its section. The naming is a config field, not a CLI flag: it works as an override
+  (`train.resume_changes=[optimizer.lr]`), is the same in every torchrun restart round, and is
+  kept in the segment's config.yaml with what it accepted.
+- `save_segment_config`: RUN_DIR/config.yaml is this segment's config; a different one of an
+  earlier segment is kept as `config.N.yaml` (N = 1, 2, ...), never overwritten.
 
 Each difference is a ConfigError naming the field and the checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from pathlib import Path
 
-from megatron_gspo.config import Config, ConfigError
+from megatron_gspo.config import Config, ConfigError, save_config, to_dict
+
+# keys (exact, or a prefix ending in "." or "_") whose change leaves the checkpoint's meaning
+# alone; model.path, load_checkpoint, dtype, lora: `check_resume` compares what they hold
+FREE = ("train.max_steps", "train.resume", "train.resume_changes", "train.eval_",
+        "train.max_skipped_steps", "train.deterministic", "logging.", "checkpoint.", "parallel.",
+        "model.path", "model.load_checkpoint", "model.dtype", "model.lora.",
+        "model.recompute_activations",
+        "model.transformer_impl", "model.reference_offload", "optimizer.offload_outside_step",
+        "data.eval_", "reward.url_", "agent.turn_timeout", "agent.episode_timeout",
+        "agent.max_concurrent", "rollout.server_urls", "rollout.num_servers", "rollout.tp_size",
+        "rollout.mem_fraction", "rollout.offload_learner", "rollout.host", "rollout.base_port",
+        "rollout.extra_server_args", "rollout.sglang_", "rollout.verify_sync_interval",
+        "rollout.max_concurrency", "rollout.request_timeout", "rollout.max_retries",
+        "rollout.startup_timeout", "rollout.weight_sync", "rollout.weight_sync_",
+        "rollout.router_",
+        "rollout.launch_router", "rollout.server_log_dir", "rollout.backoff",
+        "rollout.api_key_env", "rollout.bucket_bytes", "rollout.colocate")
+
+
+def config_record(cfg: Config) -> dict:
+    """The config as a checkpoint records it (plain JSON, in trainer.json)."""
+    return json.loads(json.dumps(to_dict(cfg), default=str))
+
+
+def _fields(obj, prefix: str = ""):
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _fields(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", json.loads(json.dumps(value, default=str))
+
+
+def _under(key: str, names) -> bool:
+    return any(key == n or key.startswith(n if n[-1] in "._" else n + ".") for n in names)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def config_changes(cfg: Config, ckpt: str | Path) -> str:
+    """Resume from `ckpt` with `cfg`: refuse (ConfigError) a change of what the checkpoint
+    means that `train.resume_changes` does not name; the event line listing every change
+    ("" when none, or when the checkpoint records no config: older versions)."""
+    try:
+        record = json.loads((Path(ckpt) / "trainer.json").read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        record = None
+    now = dict(_fields(cfg))
+    named = list(cfg.train.resume_changes)
+    unknown = [n for n in named if not n or not any(_under(k, [n]) for k in now)]
+    if unknown:
+        raise ConfigError(f"train.resume_changes: {_short(unknown)} name no config key or "
+                          "section (e.g. optimizer.lr, or optimizer)")
+    if not isinstance(record, dict):
+        return ""
+    changed, refused = [], []
+    for key, value in now.items():
+        old = record
+        for part in key.split("."):
+            old = old.get(part, KeyError) if isinstance(old, dict) else KeyError
+        if old is KeyError or old == value:
+            continue  # not recorded (an older version's checkpoint), or the same
+        what = f"{key} {_short(old)} -> {_short(value)}"
+        if _under(key, FREE):
+            changed.append(what)
+        elif _under(key, named):
+            changed.append(what + " (named in train.resume_changes)")
+        else:
+            refused.append((key, what))
+    if refused:
+        keys = ",".join(k for k, _ in refused)
+        raise ConfigError(f"resume from {ckpt}: {'; '.join(w for _, w in refused[:6])}"
+                          + (f" and {len(refused) - 6} more" if len(refused) > 6 else "")
+                          + " would change what the checkpoint means (its optimizer state and "
+                          f"data cursor were made under the old values); to accept, name them: "
+                          f"train.resume_changes=[{keys}], or start a new --run-dir")
+    return f"config changed since {Path(ckpt).name}: " + "; ".join(changed) if changed else ""
+
+
+def save_segment_config(cfg: Config, run_dir: str | Path) -> str:
+    """Write RUN_DIR/config.yaml; an earlier segment's different config.yaml is kept as
+    config.N.yaml. Returns the event line ("" when nothing was kept aside)."""
+    run_dir = Path(run_dir)
+    path, tmp = run_dir / "config.yaml", run_dir / ".config.yaml.tmp"
+    save_config(cfg, tmp)
+    note = ""
+    if path.is_file() and path.read_bytes() != tmp.read_bytes():
+        n = 1
+        while (run_dir / f"config.{n}.yaml").exists():
+            n += 1
+        os.replace(path, run_dir / f"config.{n}.yaml")
+        note = f"config.yaml of the previous segment kept as config.{n}.yaml (this one differs)"
+    os.replace(tmp, path)
+    return note
 
 
 def _source(cfg: Config) -> tuple[str, str]:

@@ -17,10 +17,10 @@ import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
-from megatron_gspo.loop import build, early_checks, phases, servers, sync
+from megatron_gspo.loop import build, early_checks, phases, resume_checks, servers, sync
 from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.run.checkpoint import Checkpointer
-from megatron_gspo.config import Config, save_config, to_dict
+from megatron_gspo.config import Config, to_dict
 from megatron_gspo.megatron.fallbacks import fallback_summary
 from megatron_gspo.megatron.learner_state import CHECKPOINT_PARTS
 from megatron_gspo.run.metrics import MetricsLogger
@@ -39,6 +39,7 @@ def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None)
     stopped when it ends, also when it ends with an error.
     """
     restarts.die_with_agent()  # under torchrun: no worker outlives its agent
+    restarts.check_checkpoint_interval(cfg.checkpoint.interval, cfg.train.max_steps)
     run_dir = build.resolve_run_dir(run_dir, config_path)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     if restarts.restart_round() > 0:  # torchrun restarted the group: continue the run
@@ -82,6 +83,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
 
     start = 0
     latest = ckpt.resume_point() if cfg.train.resume == "auto" else None  # verified
+    changes = resume_checks.config_changes(cfg, latest.path) if latest else ""  # or refused
     if cfg.model.lora.rank:  # LoRA checkpoints hold the adapters: the base comes first
         build.load_initial_weights(cfg, learner, hf_config)
     if latest is not None:
@@ -121,9 +123,9 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
                         progress_bar=cfg.logging.progress_bar, config=to_dict(cfg))
     cleanup.callback(log.close)
     if rank0:
-        save_config(cfg, run_dir / "config.yaml")
-        notes = [restart_note, lock.takeover_note] + ckpt.events  # restart, stale lock,
-        for note in notes:  # damaged checkpoints
+        segment = resume_checks.save_segment_config(cfg, run_dir)  # an earlier one kept
+        notes = [restart_note, lock.takeover_note] + ckpt.take_events() + [segment, changes]
+        for note in notes:  # restart, stale lock, damaged checkpoints, config changes
             if note:
                 log.event(note)
         log.event(f"run dir {run_dir}; " + (f"resumed from {latest.path} at step {start}"
@@ -157,6 +159,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         from megatron_gspo.megatron.io.async_save import AsyncSaves
 
         saves = AsyncSaves()
+        if rank0:  # after `close` below: a publish it waited for is logged too
+            cleanup.callback(lambda: [log.event(n) for n in ckpt.take_events()])
         cleanup.callback(saves.close)  # an unfinished save of a failed run stays partial
 
     for step in range(start, cfg.train.max_steps):
@@ -225,6 +229,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
         m["time/checkpoint"] = ckpt_s  # the loop's time in the last checkpoint and polls since
         ckpt_s = 0.0
         log.log(step, m)
+        for note in ckpt.take_events() if rank0 else ():  # a checkpoint's COMPLETE is durable
+            log.event(note)
         skipped = int(m.get("update_skipped", 0))
         skipped_in_a_row = skipped_in_a_row + 1 if skipped == m["optimizer_steps"] else 0
         if skipped:
@@ -241,14 +247,17 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | None,
             phases.wait_for_rank0()  # rank 0's evaluation and weight push
             state = {"step": step + 1, "precision": controller.state_dict(),
                      "data": prompts.state_dict() if rank0 else None,
-                     "async": producer.state_dict() if producer else None}
+                     "async": producer.state_dict() if producer else None,
+                     "config": resume_checks.config_record(cfg)}  # what resume compares
             t_ckpt = time.perf_counter()
             with colocated_sync.learner_room(learner, engine, CHECKPOINT_PARTS, "checkpoint"):
                 path = ckpt.save(step + 1, learner, state, queue=saves)
             if saves is not None and done:
                 saves.wait()
             ckpt_s = time.perf_counter() - t_ckpt
-            log.event(f"checkpoint {path} (" + ("asynchronous; " if saves is not None else "")
-                      + f"{ckpt_s:.3f} s in the training loop)")
+            if saves is None:  # published; an asynchronous one says so once it is
+                log.event(f"checkpoint {path} ({ckpt_s:.3f} s in the training loop)")
+            for note in ckpt.take_events() if rank0 else ():
+                log.event(note)
 
     return run_dir  # `cleanup` closes the log, the producer, the engine and the learner

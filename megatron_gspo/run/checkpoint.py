@@ -10,12 +10,15 @@ Layout under the checkpoint root:
         COMPLETE              written last: step, world size, size + sha256 of every file
     .tmp_step_00000014/       a save in progress (or killed): never taken for a checkpoint
     damaged_step_00000010/    a checkpoint that failed verification, kept for inspection
+    incomplete_step_00000016/ renamed, but killed before its COMPLETE: moved aside at start-up
 
 A save writes into the `.tmp_` folder, renames it, and only then writes COMPLETE, so a crash
 at any point leaves nothing that looks complete. Loading verifies every file against COMPLETE:
 `resume_point()` (resume: auto) moves a damaged newest checkpoint aside and falls back to the
 previous one, with an event line; an explicitly named damaged checkpoint is a CheckpointError.
-A checkpoint is never written while any parameter is NaN or infinite.
+A checkpoint is never written while any parameter is NaN or infinite. An asynchronous save
+(`queue`) starts only once the previous one is published, and its `checkpoint ...` event line
+(`take_events`) is made only once its COMPLETE is durable.
 
 Trust: our own files load with `torch.load(weights_only=True)` (no pickle). The `model/` folder
 is PyTorch distributed checkpointing (Megatron's torch_dist format), whose `.metadata` file
@@ -253,6 +256,9 @@ class Checkpointer:
             the final checkpoint path; CheckpointError (nothing written) when a parameter is
             NaN or infinite on any rank.
         """
+        began = time.time()
+        if queue is not None:  # one save in flight: the previous one published before this
+            queue.wait()  # one writes anything (a kill then leaves one complete checkpoint)
         bad = nonfinite_parameters(learner)
         if _count_all_ranks(len(bad), learner):
             raise CheckpointError(
@@ -271,7 +277,8 @@ class Checkpointer:
                 learner.save_checkpoint(str(tmp / "model"))
             else:  # the model's state is staged now; trainer.json below goes with it. Once
                 # every rank's writer ended: publish (hashes, rename, COMPLETE) in a thread
-                publish = lambda: queue.in_background(lambda: self._publish(step, tmp, final))  # noqa: E731
+                publish = lambda: queue.in_background(  # noqa: E731
+                    lambda: self._publish(step, tmp, final, began))
                 learner.save_checkpoint(str(tmp / "model"), save_kwargs=queue.save_kwargs(),
                                         stage=queue.stage,
                                         schedule=lambda req: queue.schedule(req, publish))
@@ -301,9 +308,11 @@ class Checkpointer:
             _barrier()
         return final
 
-    def _publish(self, step: int, tmp: Path, final: Path) -> None:
-        """Rank 0: the files of every rank are written: rename, COMPLETE, rotate."""
+    def _publish(self, step: int, tmp: Path, final: Path, began: float | None = None) -> None:
+        """Rank 0: the files of every rank are written: rename, COMPLETE, rotate. `began`
+        (an asynchronous save): the event line `checkpoint ...` once COMPLETE is durable."""
         if _rank() == 0:
+            faults.maybe_delay("delay_publish", step)
             marker = {"format": FORMAT, "step": step, "time": time.time(),
                       "world_size": _world(), "files": manifest(tmp, self.checksums)}
             faults.maybe_kill("kill_before_rename", step)
@@ -317,7 +326,14 @@ class Checkpointer:
             fsync_path(part)
             os.replace(part, final / "COMPLETE")
             fsync_path(final)
+            if began is not None:
+                self.events.append(f"checkpoint {final} (asynchronous; COMPLETE durable "
+                                   f"{time.time() - began:.3f} s after the save began)")
             self.rotate()
+
+    def take_events(self) -> list[str]:
+        """The event lines noted since the last call (also by the publish thread), in order."""
+        return [self.events.pop(0) for _ in range(len(self.events))]  # pop: thread-safe
 
     def rotate(self) -> None:
         """Delete complete checkpoints beyond `keep_last`, oldest first, except one being read
@@ -413,10 +429,18 @@ class Checkpointer:
         return json.loads(trainer.read_text())
 
     def clean_partial(self) -> None:
-        """Remove leftovers of interrupted saves and deletions, and renamed folders whose
-        COMPLETE marker was never written (rank 0; the run-dir lock makes this safe)."""
+        """Remove leftovers of interrupted saves and deletions; a renamed folder whose
+        COMPLETE marker was never written (its files are all there, killed before COMPLETE)
+        is moved aside to `incomplete_<name>`, with an event line (rank 0; the run-dir lock
+        makes this safe)."""
         if _rank() == 0 and self.root.is_dir():
-            for p in self.root.iterdir():
-                if p.name.startswith((".tmp_step_", ".del_step_")) or (
-                        _STEP_RE.match(p.name) and not (p / "COMPLETE").is_file()):
+            for p in sorted(self.root.iterdir()):
+                if p.name.startswith((".tmp_step_", ".del_step_")):
                     shutil.rmtree(p, ignore_errors=True)
+                elif _STEP_RE.match(p.name) and not (p / "COMPLETE").is_file():
+                    aside = self.root / f"incomplete_{p.name}"
+                    shutil.rmtree(aside, ignore_errors=True)
+                    os.replace(p, aside)
+                    self.events.append(f"{p.name} under {self.root} has no COMPLETE marker (the "
+                                       f"save was killed before it); moved aside to "
+                                       f"{aside.name}, not resumed from")

@@ -3,6 +3,8 @@
 The variable holds comma-separated `point@step` items, e.g. `kill_before_complete@3,nan_loss@2`:
 - `kill_before_rename@S`: SIGKILL after every rank wrote checkpoint S, before it is renamed;
 - `kill_before_complete@S`: SIGKILL after the rename, before the COMPLETE marker is written;
+- `delay_publish@S`: the publish of checkpoint S (manifest, rename, COMPLETE) starts
+  `DELAY_S` seconds late: an asynchronous save on a busy machine, deterministically;
 - `nan_loss@S`: the advantages of RL step S are NaN (a non-finite loss and gradients);
 - `kill_at_step@S`, `kill_rank<R>_at_step@S`: SIGKILL (every rank, or rank R only) when RL
   step S begins; under torchrun's restarts it fires again in every round that reaches S.
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV = "MEGATRON_GSPO_FAULT"
+DELAY_S = 3.0  # `delay_publish`
 
 
 def active(point: str, step: int) -> bool:
@@ -32,6 +36,12 @@ def maybe_kill(point: str, step: int) -> None:
     """SIGKILL this process when `point@step` is listed."""
     if active(point, step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_delay(point: str, step: int) -> None:
+    """Sleep DELAY_S seconds when `point@step` is listed."""
+    if active(point, step):
+        time.sleep(DELAY_S)
 
 
 def maybe_kill_rank(point: str, step: int) -> None:

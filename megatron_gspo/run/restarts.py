@@ -15,6 +15,9 @@ same step again and again.
   and raises RunError, one line naming the step and the cause, once the same step has failed
   `SAME_STEP_FAILURES` times in a row; every later round of the job refuses with that line
   too, so torchrun's remaining restarts end in seconds instead of repeating the step.
+- `check_checkpoint_interval`: refuses at start a job torchrun may restart
+  (TORCHELASTIC_MAX_RESTARTS > 0) whose only checkpoint is the last (`checkpoint.interval: 0`,
+  the default): every restart would start over at step 0.
 - `note_error(run_dir, exc)`: any rank; the first error of a round is kept (`last_error.json`),
   one that only says a peer went away (`PEER_LOST`) gives way to a real one.
 """
@@ -30,7 +33,7 @@ from megatron_gspo.run.exec_with_parent import die_with_parent
 from megatron_gspo.run.rundir import RunError
 
 __all__ = ["SAME_STEP_FAILURES", "RepeatedFailure", "RestartRecord", "restart_round",
-           "max_restarts", "note_error", "die_with_agent"]
+           "max_restarts", "check_checkpoint_interval", "note_error", "die_with_agent"]
 
 SAME_STEP_FAILURES = 3  # the third failure at one step stops the job
 RECORD = "restarts.json"
@@ -73,6 +76,22 @@ def max_restarts() -> int:
         return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     except ValueError:
         return 0
+
+
+def check_checkpoint_interval(interval: int, max_steps: int) -> None:
+    """RunError (one line) when torchrun may restart this job (`--max-restarts` > 0: the
+    worker environment's TORCHELASTIC_MAX_RESTARTS, set by torch's local elastic agent) but
+    `checkpoint.interval` is 0 (a checkpoint only at the end): every automatic restart would
+    start over at step 0. Refused, not warned: a warning is read after the steps are lost,
+    and the interval is a choice of what a checkpoint costs against what a failure may."""
+    n = max_restarts()
+    if n > 0 and interval == 0 and max_steps > 1:
+        raise RunError(f"checkpoint.interval: 0 (a checkpoint only at the end of "
+                       f"{max_steps} steps), but torchrun restarts this job up to {n} times "
+                       f"(--max-restarts {n}): every restart would start over at step 0; set "
+                       "checkpoint.interval=N (a restart then redoes at most N steps), or "
+                       "run torchrun with --max-restarts 0 (MAX_RESTARTS=0 for "
+                       "docker/launch/*.sh)")
 
 
 def _write_json(path: Path, obj: dict) -> None:

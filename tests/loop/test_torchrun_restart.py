@@ -94,7 +94,7 @@ def test_a_crash_before_the_first_checkpoint_starts_over(tmp_path):
     import chaos_torchrun as ct
 
     c = ct.TorchrunChaos(tmp_path, seed=0, steps=3)
-    job = ct.Job(tmp_path / "early", steps=3, extra=("checkpoint.interval=0",))
+    job = ct.Job(tmp_path / "early", steps=3, extra=("checkpoint.interval=100",))  # at the end
     metrics = job.run / "metrics.jsonl"
     deadline = time.time() + ct.RUN_TIMEOUT
     while time.time() < deadline and job.p.poll() is None and not (
