@@ -12,6 +12,10 @@
 #   memory          scripts/gpu_memory_check.py: resident bytes vs the memory plan, and the
 #                   colocated loop's moments in the order the code runs them (allocated,
 #                   reserved, driver free at each server memory call)
+#   colocated       scripts/gpu_colocated_check.py: a real SGLang server on the learner's GPU,
+#                   the learner's CUDA weights synced through update_weights_from_tensor (CUDA
+#                   IPC), the sync probe: match / mismatch and times (skipped without sglang;
+#                   the dry run uses the CPU stand-in server)
 #   bench_logprobs  bench/token_logprobs.py on CUDA (algo.logprobs and the learner's chunked
 #                   backward, megatron/logprobs.py)
 # and end with a markdown summary (docs/gpu-results.md format). Exits 0 even when stages fail:
@@ -35,17 +39,17 @@
 #   which the wheels stage imports. Run the dry run in the venv of scripts/gpu_machine_venv.py
 #   (the GPU machine's packages plus the kit's) to see what the machine would lack.
 # The kit folder (.whl, ignored by git) must travel with the working tree to the GPU machine;
-# allow the command about 540 s (the limits plus start-up and the summary).
+# allow the command about 570 s (the limits plus start-up and the summary).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 die() { echo "gpu_checks.sh: $*" >&2; exit 2; }
 
-STAGES=(wheels selfcheck learner demo bench_learner memory bench_logprobs)
-# Seconds per stage. Together 480 s: the GPU machine is lent for about ten minutes, start-up
+STAGES=(wheels selfcheck learner demo bench_learner memory colocated bench_logprobs)
+# Seconds per stage. Together 540 s: the GPU machine is lent for about ten minutes, start-up
 # included, and a command may run 600 s.
 declare -A LIMIT=([wheels]=40 [selfcheck]=70 [learner]=100 [demo]=80 [bench_learner]=70
-                  [memory]=60 [bench_logprobs]=60)
+                  [memory]=60 [colocated]=60 [bench_logprobs]=60)
 
 mode=gpu
 kit=$root/.whl
@@ -191,6 +195,9 @@ for s in "${selected[@]}"; do
                 --json "$work/bench_learner.json" ;;
         memory)
             run_stage memory "$py" scripts/gpu_memory_check.py --json "$work/memory.json" ;;
+        colocated)
+            run_stage colocated "$py" scripts/gpu_colocated_check.py \
+                --json "$work/colocated.json" --workdir "$work/colocated" ;;
         bench_logprobs)
             run_stage bench_logprobs "$py" bench/token_logprobs.py "${bench_logprobs_args[@]}" \
                 --json "$work/bench_logprobs.json" ;;

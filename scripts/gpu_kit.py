@@ -41,11 +41,13 @@ CROSS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", 
                        "manylinux_2_17_x86_64", "manylinux2014_x86_64")
            for a in ("--platform", p)]]
 MARKER = "<!-- runs: newest first -->"
+# Stages whose script writes its own summary cell (`summary_line` of its --json report).
+SCRIPT_STAGES = {"memory": "gpu_memory_check", "colocated": "gpu_colocated_check"}
 STAGE_TITLES = {"wheels": "wheels (offline install)", "selfcheck": "tools/gpu_selfcheck.py",
                 "learner": "scripts/gpu_learner_check.py", "demo": "tiny demo",
                 "bench_learner": "bench/learner_step.py",
-                "memory": "scripts/gpu_memory_check.py",
-                "bench_logprobs": "bench/token_logprobs.py"}
+                "bench_logprobs": "bench/token_logprobs.py",
+                **{k: f"scripts/{v}.py" for k, v in SCRIPT_STAGES.items()}}
 
 
 def _norm(name: str) -> str:
@@ -305,13 +307,13 @@ def stage_numbers(name: str, work: Path) -> str:
         if s.get("matmul_tflops"):
             text += f"; measured 8192^3 bf16 matmul {s['matmul_tflops']:.0f} TFLOP/s"
         return text
-    if name == "memory":
-        s = _load_json(work / "memory.json")
+    if name in SCRIPT_STAGES:
+        s = _load_json(work / f"{name}.json")
         spec = importlib.util.spec_from_file_location(
-            "gpu_memory_check", ROOT / "scripts" / "gpu_memory_check.py")
-        gmc = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(gmc)  # stdlib imports only at module level
-        return gmc.summary_line(s) if s else "no report"
+            SCRIPT_STAGES[name], ROOT / "scripts" / f"{SCRIPT_STAGES[name]}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)  # stdlib imports only at module level
+        return mod.summary_line(s) if s else "no report"
     if name == "bench_logprobs":
         s = _load_json(work / "bench_logprobs.json")
         if not s or not s["rows"]:
@@ -348,8 +350,7 @@ def environment() -> dict[str, str]:
             env["driver"] = drv[0]
     except (OSError, subprocess.TimeoutExpired):
         pass
-    for dist in ("triton", "transformers", "megatron-core", "transformer-engine", "apex",
-                 "sglang"):
+    for dist in ("triton", "transformers", "megatron-core", "transformer-engine", "apex", "sglang"):
         try:
             env[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -390,8 +391,7 @@ def render_summary(work: Path, mode: str, when: datetime.datetime | None = None,
 
 def cmd_summary(args) -> int:
     work = Path(args.work)
-    commit = args.commit or ""
-    text = render_summary(work, args.mode, commit=commit)
+    text = render_summary(work, args.mode, commit=args.commit or "")
     if args.out:
         Path(args.out).write_text(text)
     if args.json:
