@@ -43,17 +43,21 @@ def offloading(cfg: Config) -> bool:
     return offload_learner_enabled(cfg)
 
 
-def delta_sender(engine, cfg: Config):
+def delta_sender(engine, cfg: Config, hf_config: dict):
     """The engine's `rollout.delta` sender (made on first use; None when deltas are off, with
-    another engine than SGLang, or off rank 0)."""
+    another engine than SGLang, or off rank 0). Tensors SGLang fuses on load (the exporter's
+    bucket groups of the model of `hf_config`, e.g. DeepSeek's two attention
+    down-projections) are sent together when one of them changed."""
     r = cfg.rollout
     if engine is None or r.engine != "sglang" or r.weight_sync_delta == "off":
         return None
     if getattr(engine, "delta", None) is None:
+        from megatron_gspo.megatron.io.export import bucket_together
         from megatron_gspo.rollout.delta.sender import DeltaSender
 
         engine.delta = DeltaSender(r.weight_sync_delta, r.weight_sync_delta_threshold,
-                                   r.weight_sync_delta_base)
+                                   r.weight_sync_delta_base,
+                                   together=bucket_together(hf_config))
     return engine.delta
 
 
@@ -92,9 +96,17 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
                                         dtype=dtype, only_adapted=only), version)
     if offload:
         buckets = offload_after_stream(learner, buckets)
-    delta = delta_sender(engine, cfg)
+    delta = delta_sender(engine, cfg, hf_config)
     deltas = r.engine == "sglang" and r.weight_sync_delta != "off"  # every rank: one path
-    if deltas:  # the engine's own path (rank 0 encodes and serializes every bucket)
+    if _tensor_sync(cfg) and not servers.colocated_on_every_node(cfg):
+        # full or delta (rank 0's engine.delta): each server GPU's entries from the learner
+        # rank on that GPU, servers attached by URL on GPUs refused (colocated.entry_ranks)
+        from megatron_gspo.rollout.multinode.colocated import colocated_sync
+
+        st = colocated_sync(buckets, engine, version, num_servers=len(r.server_urls) or
+                            r.num_servers, tp_size=r.tp_size, attached=bool(r.server_urls),
+                            moment=moment)
+    elif deltas:  # broadcast or disk: the engine's own path (rank 0 encodes every bucket)
         st = {}
         if colocated_sglang(cfg):
             from megatron_gspo.rollout.multinode.colocated import in_memory_order
@@ -107,17 +119,11 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
             _send(engine, buckets, version)
         if engine is not None:  # the stream's counts, as the full colocated sync reports them
             st.update(engine.sync_stats)
-    elif _tensor_sync(cfg) and servers.colocated_on_every_node(cfg):  # per node, all at once
+    elif _tensor_sync(cfg):  # on every node (no deltas there: loop.servers), all at once
         from megatron_gspo.rollout.multinode.sync import multinode_sync
 
         st = multinode_sync(buckets, engine, version, num_servers=r.num_servers,
                             tp_size=r.tp_size)
-    elif _tensor_sync(cfg):
-        from megatron_gspo.rollout.multinode.colocated import colocated_sync
-
-        st = colocated_sync(buckets, engine, version, num_servers=len(r.server_urls) or
-                            r.num_servers, tp_size=r.tp_size, attached=bool(r.server_urls),
-                            moment=moment)
     else:
         def send() -> None:
             if engine is None:

@@ -13,7 +13,7 @@ All ranks of the model-parallel group must iterate the generator together (it is
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -165,8 +165,18 @@ def export_hf_weights(
                     dist.broadcast(t, src=ranks[stage], group=group)
                     yield name, t
 
-    yield from bucketize(stream(), bucket_bytes,
-                         together=lambda name: adapter.bucket_group(name, dims))
+    yield from bucketize(stream(), bucket_bytes, together=bucket_together(hf_config))
+
+
+def bucket_together(hf_config: Mapping) -> Callable[[str], tuple[str, int] | None]:
+    """HF name -> (group key, size) or None: the tensors of the model of `hf_config` that
+    SGLang's loader fuses on load (`StateDictAdapter.bucket_group`); `bucketize` keeps a group
+    in one bucket, and a delta sync (`rollout.delta.DeltaSender.together`) sends all of a
+    group when one of it changed."""
+    cfg = normalize_hf_config(hf_config)
+    adapter = get_adapter(cfg)
+    dims = adapter.dims(cfg)
+    return lambda name: adapter.bucket_group(name, dims)
 
 
 def _units(named, together):

@@ -70,8 +70,7 @@ def entry_ranks(
     Raises:
         RolloutError (same one line on every rank) for a layout that is not handled.
     """
-    me = (socket.gethostname(), torch.cuda.current_device() if torch.cuda.is_available()
-          else None)
+    me = (socket.gethostname(), local_gpu())
     infos = [me]
     if _dist():
         infos = [None] * dist.get_world_size()
@@ -84,6 +83,12 @@ def entry_ranks(
             "TP rank uses is unknown, so CUDA IPC handles cannot be placed; launch the servers "
             "(rollout.colocate=true, no server_urls) or use rollout.weight_sync=distributed")
     return plan_entry_ranks(infos, num_servers, tp_size, base_gpu_id)
+
+
+def local_gpu() -> int | None:
+    """This rank's CUDA device (the GPU its serialized entries point to), None without CUDA
+    (rank 0 then serializes every entry: host shared memory)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
 def plan_entry_ranks(

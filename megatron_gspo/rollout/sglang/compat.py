@@ -36,7 +36,12 @@ exists in both releases and is read only when the same request sets `flush_cache
 (scheduler_update_weights_mixin.py `flush_cache_after_weight_update` in 0.5.12,
 scheduler_components/weight_updater.py in 0.5.23); the weight sync posts its buckets with
 `flush_cache` false and ends with `/flush_cache`, whose `Scheduler.flush_cache(empty_cache=True)`
-empties the server's allocator cache in both.
+empties the server's allocator cache in both (0.5.23 through
+scheduler_components/flush_wrapper.py), then `/continue_generation`, whose
+`ContinueGenerationReqInput.torch_empty_cache` defaults to true in both (scheduler.py
+`continue_generation` empties it again). So after the loads of every sync, full or delta, the
+allocator cache is returned before colocated servers resume their KV cache, on every supported
+release, and no request carries the field.
 """
 
 from __future__ import annotations
