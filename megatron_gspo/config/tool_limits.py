@@ -17,8 +17,11 @@ __all__ = ["PythonToolLimits", "check_python_limits"]
 class PythonToolLimits:
     """The python tool's limits (agent.env_kwargs.python_kwargs; PythonSandbox's arguments)."""
 
-    cpu_seconds: int = option(5, "CPU seconds of one call (RLIMIT_CPU)", ge=1, le=86400)
-    memory_mb: int = option(512, "address space of one call in MiB (RLIMIT_AS)", ge=64,
+    cpu_seconds: int = option(5, "CPU seconds of one call, all its processes together (a "
+                             "cgroup; else one process, RLIMIT_CPU)", ge=1, le=86400)
+    memory_mb: int = option(512, "memory of one call in MiB, all its processes together "
+                            "(a cgroup, with max_disk_mb; else one process) and each "
+                            "process's RLIMIT_AS", ge=64,
                             le=1 << 22)
     wall_timeout_s: float = option(10.0, "wall-clock seconds of one call (default: the tool "
                                    "timeout minus 1 s)", gt=0, le=86400)
@@ -29,7 +32,8 @@ class PythonToolLimits:
                               le=1 << 20)
     isolate_network: bool = option(True, "own user, PID, mount and network namespaces")
     max_code_chars: int = option(20000, "longest program accepted", ge=1, le=10**8)
-    max_processes: int = option(16, "processes of one call (RLIMIT_NPROC, pids cgroup)", ge=1,
+    max_processes: int = option(16, "processes of one call (RLIMIT_NPROC, pids cgroup; 1 "
+                                "where no cgroup can be made)", ge=1,
                                 le=4096)
     require_landlock: bool = option(True, "refuse to run on a kernel without Landlock")
 

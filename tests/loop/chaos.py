@@ -242,7 +242,7 @@ class Chaos:
     def kill_python_tool(self, run: Path) -> None:
         import psutil
 
-        from megatron_gspo.agent.tools import sandbox_os
+        from megatron_gspo.agent.tools import sandbox_cgroup, sandbox_os
 
         extra = [f"model.path={self.model}"] if self.model else []
         p = subprocess.Popen([sys.executable, "-m", "megatron_gspo.cli", "train",
@@ -269,7 +269,8 @@ class Chaos:
             self.counts["violations"] += 1
             self.problems.append(f"{run.name}: {len(left)} processes of the tool call left")
         self.counts["python_tool_processes_killed"] += len(procs)
-        traces = [f"{root}/{n}" for root in (tempfile.gettempdir(), sandbox_os.PIDS_ROOT)
+        roots = (tempfile.gettempdir(), sandbox_os.PIDS_ROOT, *sandbox_cgroup.parents().values())
+        traces = [f"{root}/{n}" for root in roots
                   if os.path.isdir(root)
                   for n in os.listdir(root) if n.startswith(sandbox_os.owner_tag(p.pid))]
         sandbox_os.sweep_stale()

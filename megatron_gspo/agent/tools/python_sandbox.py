@@ -33,8 +33,13 @@ Layers, strongest first; each applies where the host allows it (probed once per 
   namespace's init dies with it (`unshare --kill-child`), so kill -9, SIGTERM or Ctrl-C of the
   trainer leaves no process of the run. Temp dirs and cgroups of runs whose trainer was killed
   are removed when the next sandbox is made (`sandbox_os.sweep_stale`).
-- a pids cgroup (v1, `/sys/fs/cgroup/pids`) per run when writable: caps the number of processes
-  (fork bombs) and lets the parent SIGKILL every member at the end, whatever its session.
+- a cgroup per call (`sandbox_cgroup`, v1 or v2, where one can be made): `memory_mb` (plus
+  the work dir's `max_disk_mb`, a tmpfs: memory too) and `cpu_seconds` bound all the call's
+  processes together (the CPU seconds are polled and the call killed past them), pids.max caps
+  their number (fork bombs), and the parent SIGKILLs every member at the end, whatever its
+  session. Where no cgroup can be made the call is one process (seccomp refuses fork), so its
+  rlimits bound the call as a whole (issue 54, defect 3: per-process limits let one call hold
+  16 x `memory_mb`).
 - resource limits set in the child before the code runs: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE,
   RLIMIT_CORE = 0, RLIMIT_NPROC (not enforced by the kernel for a real-root user, hence the
   cgroup), RLIMIT_NOFILE.
@@ -47,9 +52,15 @@ Layers, strongest first; each applies where the host allows it (probed once per 
   it denies paths outside the temp dir (reads of the interpreter's standard library allowed, but
   no directory fds there), paths that are not plain str/bytes, process creation, ctypes,
   sockets, limits, gc introspection and frame access (`tb_frame`, `gi_frame`, ...), so user code
-  can neither reach the hook's closure nor run its own code inside the hook.
-On this project's CPU host (root, unprivileged user namespaces allowed, cgroup v1 writable,
-Landlock ABI 7) all layers apply.
+  can neither reach the hook's closure nor run its own code inside the hook. Only code the
+  compiler made in the sandbox runs: marshal (`loads`, `load`: also importlib's, zipimport's and
+  `_imp`'s frozen loader with data), the code type's constructor and `replace`, functions from
+  code objects and `__code__` assignment are refused, and imports compile their source (the
+  cached bytecode is never read; the most used modules are loaded from the interpreter's own
+  read-only bytecode before the hook, so they cost nothing), so no crafted bytecode (issue 54,
+  defect 1) can be built.
+On this project's CPU host (root, unprivileged user namespaces allowed, cgroup v1 memory,
+cpuacct and pids writable, Landlock ABI 7) all layers apply.
 """
 
 from __future__ import annotations
@@ -62,7 +73,8 @@ import signal
 import sys
 from typing import Any, ClassVar
 
-from megatron_gspo.agent.tools import sandbox_mounts, sandbox_os, sandbox_seccomp
+from megatron_gspo.agent.tools import (
+    sandbox_cgroup, sandbox_mounts, sandbox_os, sandbox_seccomp)
 from megatron_gspo.agent.tools.base import ToolError, truncate_output
 from megatron_gspo.agent.tools.sandbox_boot import BOOTSTRAP, INIT, LAUNCH
 from megatron_gspo.agent.tools.sandbox_os import PIDS_ROOT as _PIDS_ROOT, isolation_prefix
@@ -82,8 +94,11 @@ class PythonSandbox:
     """The `python` tool: `{"code": "..."}` -> stdout (and stderr) of the run.
 
     Args:
-        cpu_seconds: RLIMIT_CPU of the child.
-        memory_mb: RLIMIT_AS of the child.
+        cpu_seconds: CPU seconds of the call, all its processes together (a cgroup; without
+            one the call is one process and this is its RLIMIT_CPU).
+        memory_mb: memory of the call, all its processes together (a cgroup whose limit is
+            memory_mb + max_disk_mb, the work dir being a tmpfs; without one the call is one
+            process), and the RLIMIT_AS of each process.
         wall_timeout_s: wall-clock limit; the process group is killed after it.
         max_output_chars: cap on the returned text.
         max_file_mb: largest file the code may write inside its temp dir.
@@ -91,7 +106,8 @@ class PythonSandbox:
             writes past it fails with a message naming the quota, other calls are unaffected.
         isolate_network: run in new user/PID/mount/network namespaces when available (sockets
             are refused by Landlock and the audit hook either way).
-        max_processes: RLIMIT_NPROC and pids-cgroup cap on the child's processes.
+        max_processes: RLIMIT_NPROC and pids-cgroup cap on the child's processes (1 where no
+            cgroup can be made).
         require_landlock: refuse to run (SandboxUnavailable) on a kernel without Landlock;
             False runs there with the audit hook as the only guard of reads (not recommended).
     """
@@ -144,13 +160,15 @@ class PythonSandbox:
         self.isolate_network = isolate_network
         self.max_code_chars = max_code_chars
         self.max_processes = int(max_processes)
-        try:
-            self._seccomp = sandbox_seccomp.filter_program().hex()
+        try:  # a call in a cgroup may fork; one without is one process (its rlimits bound it)
+            self._seccomp = {bounded: sandbox_seccomp.filter_program(processes=bounded).hex()
+                             for bounded in (True, False)}
         except ValueError as e:
             raise SandboxUnavailable(f"python tool: {e}") from None
         sandbox_os.sweep_once()
 
-    def _command(self, tmp: str, cgroup: str | None) -> tuple[list[str], bool]:
+    def _command(self, tmp: str, cgroup: sandbox_cgroup.CallCgroup | None
+                 ) -> tuple[list[str], bool]:
         """(argv of the run, whether the PID/mount namespace with its init shell is used)."""
         prefix = isolation_prefix() if self.isolate_network else ()
         # in a PID namespace a shell is init (so the program's death by signal reads as 128+N);
@@ -170,15 +188,18 @@ class PythonSandbox:
         final = [sandbox_mounts.python_exe(), "-I", "-S", "-c", BOOTSTRAP, tmp,
                  str(self.cpu_seconds), str(self.memory_bytes), str(self.max_file_bytes),
                  str(self.max_processes), "1" if self._audit_hook else "0"]
-        stage = [sys.executable, "-I", "-S", "-c", STAGE, conf, self._seccomp, "--", *final]
-        procs = os.path.join(cgroup, "cgroup.procs") if cgroup is not None else ""
+        stage = [sys.executable, "-I", "-S", "-c", STAGE, conf,
+                 self._seccomp[cgroup is not None], "--", *final]
+        procs = ":".join(cgroup.procs) if cgroup is not None else ""
         launch = ["/bin/sh", "-c", LAUNCH, "sh", str(os.getpid()), procs]
         return [*sandbox_os.death_prefix(), *launch, *prefix, *init, *stage], ns
 
     async def run(self, code: str) -> tuple[int | None, str, str, bool]:
         """Run `code`; returns (exit code or None if killed, stdout, stderr, timed_out)."""
         tmp = sandbox_os.make_temp_dir()
-        cgroup = sandbox_os.make_pids_cgroup(self.max_processes + 4)
+        # the call as a whole: memory (the work dir's tmpfs files included) and CPU seconds
+        cgroup = sandbox_cgroup.make(self.max_processes + 4,
+                                     self.memory_bytes + self.max_disk_bytes)
         try:
             cmd, ns = self._command(tmp, cgroup)
             env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
@@ -197,6 +218,9 @@ class PythonSandbox:
                      _read_capped(proc.stdout, cap), _read_capped(proc.stderr, cap)]
             watch = None if ns else asyncio.ensure_future(
                 _watch_disk(tmp, self.max_disk_bytes, proc.pid, over))
+            cpu_over: list[float] = []
+            cpu_watch = None if cgroup is None else asyncio.ensure_future(
+                _watch_cpu(cgroup, self.cpu_seconds, cpu_over))
             timed_out = False
             try:
                 _, out, err = await asyncio.wait_for(_gather(tasks),
@@ -205,8 +229,9 @@ class PythonSandbox:
             except asyncio.TimeoutError:
                 timed_out, out, err, rc = True, b"", b"", None
             finally:
-                if watch is not None:
-                    watch.cancel()
+                for w in (watch, cpu_watch):
+                    if w is not None:
+                        w.cancel()
                 # Everything started from the child dies: its process group/session, the PID
                 # namespace (killing its init kills all), and every member of the cgroup.
                 # The child leads its own group, so killpg reaches it; no proc.kill() after it:
@@ -222,7 +247,7 @@ class PythonSandbox:
                 if proc.returncode is None:
                     await proc.wait()
                 if cgroup is not None:
-                    sandbox_os.kill_cgroup(cgroup)
+                    cgroup.remove()
                     cgroup = None
             if ns and rc is not None and rc > 128:
                 rc = 128 - rc
@@ -234,10 +259,14 @@ class PythonSandbox:
             if over:
                 rc, timed_out = None, False
                 err_text += f"\n{_QUOTA_MARK} ({over[0]} bytes)\n"
+            elif cpu_over:
+                rc, timed_out = None, False
+                err_text += (f"\nsandbox: killed: the call's processes used {cpu_over[0]:.1f} "
+                             f"CPU seconds together (limit {self.cpu_seconds})\n")
             return rc, out.decode(errors="replace"), err_text, timed_out
         finally:
             if cgroup is not None:
-                sandbox_os.kill_cgroup(cgroup)
+                cgroup.remove()
             shutil.rmtree(tmp, ignore_errors=True)
 
     async def __call__(self, arguments: dict[str, Any]) -> str:
@@ -308,6 +337,17 @@ async def _watch_disk(root: str, limit: int, pgid: int, over: list[int]) -> None
                 os.killpg(pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            return
+
+
+async def _watch_cpu(cgroup: sandbox_cgroup.CallCgroup, limit: float, over: list[float]) -> None:
+    """Poll the call's CPU seconds (all its processes); past `limit`, kill them all."""
+    while True:
+        await asyncio.sleep(0.05)
+        used = cgroup.cpu_s()
+        if used > limit:
+            over.append(used)
+            await asyncio.to_thread(cgroup.kill)
             return
 
 

@@ -5,7 +5,14 @@ namespace's init.
 kernel confines the process (new root, uid nobody, Landlock, seccomp): `python -I -S -c
 BOOTSTRAP <tmpdir> <cpu_s> <mem_bytes> <fsize_bytes> <nproc> <hook 0|1>`, the user's program on
 stdin. It never imports ctypes (`_ctypes` is neither loaded nor readable). Before the program
-runs it sets the resource limits and installs the audit hook, the convenience layer.
+runs it sets the resource limits, loads the most used standard modules (`_PRELOAD`, from the
+interpreter's read-only bytecode, while nothing of the user's has run) and installs the audit
+hook, the convenience layer. From then on imports compile their source
+(`sys.implementation.cache_tag = None`: no cached bytecode is read) and the hook refuses
+marshal, so every code object that runs was compiled from source in the sandbox or came from
+the interpreter's own files (issue 54, defect 1). Verifying each unmarshalled buffer against
+the file instead would not hold: the audit event gets a copy, and a bytearray can change
+between the check and the read.
 """
 
 BOOTSTRAP = r"""
@@ -34,7 +41,7 @@ def _boot():
         "os.chdir", "os.chroot", "os.kill", "os.killpg", "sys.addaudithook", "os.putenv",
         "os.unsetenv", "mmap.__new__", "syslog.openlog", "fcntl.ioctl", "sys.settrace",
         "sys.setprofile", "os.startfile", "sys.setrecursionlimit",
-        "function.__new__", "code.__new__",
+        "function.__new__", "code.__new__", "marshal.loads", "marshal.load",
         "cpython.run_command", "cpython.run_module", "cpython.run_file",
         "os.setuid", "os.setgid", "os.setsid", "os.setpgid", "signal.pthread_kill"})
     noimport = frozenset({
@@ -112,6 +119,9 @@ def _boot():
         # frames (tracebacks, generators) would lead to the hook's own frame and closure
         if event == "object.__getattr__" and args[1] != "__code__":
             raise PermissionError(f"sandbox: {event} is not allowed")
+        # only code the compiler made runs: no code object of another function swapped in
+        if event == "object.__setattr__" and args[1] == "__code__":
+            raise PermissionError("sandbox: setting __code__ is not allowed")
         if event == "import" and args[0].split(".")[0] in noimport:
             raise ImportError(f"sandbox: import of {args[0]} is not allowed")
         if event == "open":
@@ -141,9 +151,24 @@ def _boot():
     main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
     g = main.__dict__
+    # modules programs use most, loaded from the interpreter's own (read-only) bytecode while
+    # marshal is still trusted: later imports of them cost nothing
+    for name in _PRELOAD:
+        try:
+            __import__(name)
+        except Exception:
+            pass
     if use_hook:
+        # imports compile their source (no cached bytecode read, none written): marshal, the
+        # one way to a code object the compiler did not make, is denied from here on
+        sys.implementation.cache_tag = None
         sys.addaudithook(hook)
     return code, g
+
+
+_PRELOAD = ("re", "json", "math", "collections", "itertools", "functools", "random", "string",
+            "heapq", "bisect", "datetime", "fractions", "decimal", "statistics", "typing",
+            "dataclasses", "textwrap", "copy", "enum")
 
 
 def _readable(path):
@@ -168,7 +193,7 @@ def _readable(path):
 
 
 _c, _g = _boot()
-del _boot, _readable
+del _boot, _readable, _PRELOAD
 exec(_c, _g)
 """
 
@@ -198,11 +223,18 @@ cd "$T" || exit 1
 """
 
 # First process of every run: dies with the trainer (PR_SET_PDEATHSIG, armed by the launcher in
-# front of it; when the trainer was already gone before it was armed, stop here), joins the pids
-# cgroup when there is one, then becomes the rest of the command.
+# front of it; when the trainer was already gone before it was armed, stop here), joins the call's
+# cgroups when there are (':'-separated cgroup.procs files; a join that fails stops the call:
+# its limits would not hold), then becomes the rest of the command.
 LAUNCH = r"""
 [ "$PPID" = "$1" ] || exit 125
-if [ -n "$2" ]; then { echo $$ > "$2"; } 2>/dev/null; fi
+IFS=:
+for p in $2; do
+    if ! { echo $$ > "$p"; } 2>/dev/null; then
+        echo "sandbox: cannot join the call's cgroup ($p)" >&2; exit 125
+    fi
+done
+unset IFS
 shift 2; exec "$@"
 """
 

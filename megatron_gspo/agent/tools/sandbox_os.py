@@ -7,8 +7,8 @@
   so the first process of every run, and with it the PID namespace, dies with the trainer.
 - `readable_files()`: shared libraries the interpreter's extension modules load (and the
   loader's cache), the only files outside the standard library a sandboxed program may read.
-- pids cgroups (v1) per run, and `sweep_stale()`: removes the temp dirs and cgroups of runs
-  whose trainer is gone (after a SIGKILL nothing of the trainer's runs cleanup), killing any
+- `sweep_stale()`: removes the temp dirs and cgroups (`sandbox_cgroup`) of runs whose trainer
+  is gone (after a SIGKILL nothing of the trainer's runs cleanup), killing any
   process still in such a cgroup; called once per process when a sandbox is made.
 """
 
@@ -17,35 +17,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
-import itertools
 import os
 import re
 import shutil
-import signal
 import struct
 import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
+
+from megatron_gspo.agent.tools import sandbox_cgroup
+from megatron_gspo.agent.tools.sandbox_cgroup import PREFIX, _pid_ns, owner_tag
 
 PIDS_ROOT = "/sys/fs/cgroup/pids"
-PREFIX = "gspo-sandbox-"
-_CG_IDS = itertools.count()
 _NAME = re.compile(re.escape(PREFIX) + r"(\d+)\.(\d+)-")
-
-
-def _pid_ns() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def owner_tag(pid: int | None = None) -> str:
-    """Start of the names of the temp dirs and cgroups made by process `pid` (default: this
-    one): its pid and PID namespace, so a sweep never takes another namespace's pids for dead."""
-    return f"{PREFIX}{os.getpid() if pid is None else pid}.{_pid_ns()}-"
 
 
 @functools.lru_cache(maxsize=1)
@@ -203,53 +188,6 @@ def hidden_dirs() -> tuple[str, ...]:
     return tuple(out)
 
 
-def make_pids_cgroup(max_processes: int) -> str | None:
-    """A fresh cgroup (v1 pids controller) capped at `max_processes`, or None if not writable."""
-    if not os.access(PIDS_ROOT, os.W_OK):
-        return None
-    path = None
-    try:
-        path = os.path.join(PIDS_ROOT, f"{owner_tag()}{next(_CG_IDS)}")
-        os.mkdir(path)
-        with open(os.path.join(path, "pids.max"), "w") as f:
-            f.write(str(max_processes))
-        return path
-    except OSError:
-        if path is not None:
-            remove_cgroup(path)
-        return None
-
-
-def kill_cgroup(path: str) -> None:
-    """SIGKILL every process in the cgroup until it is empty, then remove it."""
-    for _ in range(200):
-        try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                pids = [int(x) for x in f.read().split()]
-        except OSError:
-            return
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.01)
-    remove_cgroup(path)
-
-
-def remove_cgroup(path: str) -> None:
-    for _ in range(100):
-        try:
-            os.rmdir(path)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.01)
-
-
 def make_temp_dir() -> str:
     """A fresh temp dir named after this process (so a later sweep knows its owner)."""
     return tempfile.mkdtemp(prefix=owner_tag())
@@ -272,7 +210,8 @@ def sweep_stale() -> int:
     """Remove sandbox cgroups (killing what is left in them) and temp dirs whose owning
     process no longer exists. Returns how many were removed."""
     n = 0
-    for root, is_cg in ((PIDS_ROOT, True), (tempfile.gettempdir(), False)):
+    roots = dict.fromkeys([PIDS_ROOT, *sandbox_cgroup.parents().values()], True)
+    for root, is_cg in (*roots.items(), (tempfile.gettempdir(), False)):
         try:
             names = [e for e in os.listdir(root) if e.startswith(PREFIX)]
         except OSError:
@@ -282,7 +221,7 @@ def sweep_stale() -> int:
                 continue
             path = os.path.join(root, name)
             if is_cg:
-                kill_cgroup(path)
+                sandbox_cgroup.kill_cgroup(path)
             else:
                 shutil.rmtree(path, ignore_errors=True)
             n += not os.path.exists(path)
