@@ -47,6 +47,7 @@ def main(rank: int, port: int, mode: str) -> None:
     if rank == 0:
         state = srv.engine.model.state_dict()
         out["version"] = srv.weight_version
+        out["died"] = getattr(srv, "died", None)  # why the stand-in ended, as SGLang's would
         out["equal"] = all(torch.equal(state[k], v) for k, v in named)
         out["stats"] = eng.sync_stats
         eng.shutdown()

@@ -94,9 +94,11 @@ def test_each_tp_rank_entry_comes_from_its_learner_rank():
     assert r0["ok"] and r1["ok"] and r0["version"] == "7" and r0["equal"]
     assert r0["stats"]["requests"] == r0["stats"]["buckets"] > 1
     # Rank 1 serializes other tensors: the server's TP rank 1 sees them (its entry is rank 1's
-    # copy), and every learner rank fails with the same one-line error.
+    # copy) and the server ends as SGLang's scheduler does on a failed load; every learner rank
+    # fails with the same one-line error and no new version is served.
     r0, r1 = _two_ranks("mismatch")
-    assert "TP rank 1's entry holds other tensors" in r0["error"]
+    assert "TP rank 1's entry holds other tensors" in r0["died"]
+    assert "update_weights_from_tensor failed" in r0["error"] and "\n" not in r0["error"]
     assert r0["error"] == r1["error"] and r0["version"] != "7"
 
 
