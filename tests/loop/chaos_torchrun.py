@@ -139,6 +139,11 @@ class Job:
         return self.err.read_text(errors="replace") if self.err.exists() else ""
 
 
+def _in_sync(kind: str) -> bool:
+    """A kind that kills inside a weight sync (`sync_`, `servers_sync_`; not `async_`)."""
+    return kind.startswith(("sync_", "servers_sync_"))
+
+
 def kill_rank(job: Job, rank: int, step: int | None, delay: float,
               inside_save: bool = False) -> bool:
     """kill -9 of `rank` `delay` seconds after checkpoint `step` is complete (None: now;
@@ -282,7 +287,7 @@ class TorchrunChaos:
     def run_rounds(self, rounds: int, kinds: tuple[str, ...]) -> int:
         order = [kinds[i % len(kinds)] for i in range(rounds)]
         self.rng.shuffle(order)
-        for variant in sorted({(k.startswith("servers_"), "sync_" in k) for k in order
+        for variant in sorted({(k.startswith("servers_"), _in_sync(k)) for k in order
                                if k != "repeat"}):
             self.reference(*variant)
         for i, kind in enumerate(order):
@@ -290,7 +295,7 @@ class TorchrunChaos:
             run = self.work / f"r{i:02d}_{kind}"
             if kind == "repeat":
                 self.repeat(run)
-            elif "sync_" in kind:
+            elif _in_sync(kind):
                 self.sync_kill(run, int(kind[-1]), kind.startswith("servers_"))
             else:
                 self.kill(run, int(kind[-1]), kind.startswith("servers_"),
