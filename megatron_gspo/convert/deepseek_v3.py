@@ -5,11 +5,11 @@ bias (``e_score_correction_bias``) picks the top-k inside the best groups.
 HF -> Megatron-Core names per layer i (canonical = local spec):
 
   input_layernorm                          -> input_layernorm
-  self_attn.q_a_proj     [q_lora, H]       -> self_attention.linear_q_down_proj   (TP dim 0)
+  self_attn.q_a_proj     [q_lora, H]       -> self_attention.linear_q_down_proj   (replicated)
   self_attn.q_a_layernorm [q_lora]         -> self_attention.q_layernorm
   self_attn.q_b_proj     [n*(dn+dr), q_lora] -> self_attention.linear_q_up_proj  (TP dim 0)
   self_attn.q_proj (q_lora_rank null)      -> self_attention.linear_q_proj       (TP dim 0)
-  self_attn.kv_a_proj_with_mqa [kv_lora+dr, H] -> self_attention.linear_kv_down_proj (TP dim 0)
+  self_attn.kv_a_proj_with_mqa [kv_lora+dr, H] -> self_attention.linear_kv_down_proj (replicated)
   self_attn.kv_a_layernorm [kv_lora]       -> self_attention.kv_layernorm
   self_attn.kv_b_proj    [n*(dn+dv), kv_lora] -> self_attention.linear_kv_up_proj (TP dim 0)
   self_attn.o_proj                         -> self_attention.linear_proj         (TP dim 1)
@@ -19,9 +19,11 @@ HF -> Megatron-Core names per layer i (canonical = local spec):
   mlp.router.expert_bias (a buffer), mlp.experts.{e}.* -> mlp.experts.local_experts.{e}.*,
   mlp.shared_experts.* -> mlp.shared_experts.linear_fc1 ([gate; up]) / linear_fc2.
 
-The local spec's down projections are column-parallel (split on dim 0, gathered in the
-forward); the Transformer Engine spec keeps them replicated (``TELinear``, duplicated), which
-`checkpoint_io` reads from the module type. Under TE the q/kv norms are fused into the up
+The down projections are replicated on every TP rank in both specs (the Transformer Engine
+spec's ``TELinear``, parallel_mode duplicated; the learner's local spec builds the same with
+`models/deepseek_v3.replicated_down_projections`). A model built from Megatron-Core's local
+spec as it is (column-parallel, split on dim 0) is read from the module type by
+`megatron/io/checkpoint.py`. Under TE the q/kv norms are fused into the up
 projections (``linear_q_up_proj.layer_norm_weight``); ``input_layernorm`` stays a module.
 The multi-token-prediction layers of the released checkpoint (layer index num_hidden_layers)
 are not part of the model transformers builds and are not converted.
@@ -123,7 +125,7 @@ class DeepseekV3Adapter(StateDictAdapter):
         maps = [
             ParamMap(m + "input_layernorm.weight", (h + "input_layernorm.weight",), shapes=((H,),)),
             ParamMap(s + "linear_kv_down_proj.weight", (a + "kv_a_proj_with_mqa.weight",),
-                     tp_dim=0, shapes=((d.kv_lora_rank + d.qk_rope_head_dim, H),)),
+                     shapes=((d.kv_lora_rank + d.qk_rope_head_dim, H),)),
             ParamMap(s + "kv_layernorm.weight", (a + "kv_a_layernorm.weight",),
                      shapes=((d.kv_lora_rank,),)),
             ParamMap(s + "linear_kv_up_proj.weight", (a + "kv_b_proj.weight",), tp_dim=0,
@@ -135,7 +137,7 @@ class DeepseekV3Adapter(StateDictAdapter):
         ]
         if d.q_lora_rank:
             maps[1:1] = [
-                ParamMap(s + "linear_q_down_proj.weight", (a + "q_a_proj.weight",), tp_dim=0,
+                ParamMap(s + "linear_q_down_proj.weight", (a + "q_a_proj.weight",),
                          shapes=((d.q_lora_rank, H),)),
                 ParamMap(s + "q_layernorm.weight", (a + "q_a_layernorm.weight",),
                          shapes=((d.q_lora_rank,),)),

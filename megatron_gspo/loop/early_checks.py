@@ -96,7 +96,7 @@ def check_model_layout(cfg: Config, hf_config: dict, world: int,
                                                            check_training_layout)
 
     try:  # refused here, before torch.distributed and any model: one line, not one per rank
-        check_training_layout(hf_config, p.tensor)
+        check_training_layout(hf_config, p.tensor, p.sequence_parallel)
     except DeepseekConfigError as e:
         raise ConfigError(f"parallel.tensor: {e}") from None
 

@@ -235,16 +235,18 @@ class Refusal:
 
 
 REFUSALS = {
-    # The local spec's column-parallel `linear_kv_down_proj`: its output is gathered over TP
-    # (backward: split, no sum) and the shared rope key `k_pos_emb` is used with this rank's
-    # heads only, so each rank keeps its own heads' part of that gradient. Measured with the
-    # local spec: TP2 gradients ~1% off one process's on 0.16.1 and on 0.19.2.
+    # MLA's shared rope key `k_pos_emb` meets only this rank's heads; its gradient is summed
+    # over TP only by `gather_from_sequence_parallel_region`'s backward (reduce-scatter), i.e.
+    # only with sequence parallelism (replicated down projections, TE's and the learner's local
+    # spec). Without SP each rank keeps its own heads' part (TE spec too). Megatron-Core itself
+    # refuses MoE + TP without SP; the local spec's column-parallel down projections (their
+    # gathered output) lost that part also with SP: TP2+SP gradients ~1.5% off, now within 3e-8.
     "mla_tensor_parallel": Refusal(
         "transformer/multi_latent_attention.py",
-        "kv_combined = gather_from_tensor_model_parallel_region(kv_combined)",
-        "{version}'s MLA does not sum the shared rope key's gradient over TP ranks "
-        "(transformer/multi_latent_attention.py gathers linear_kv_down_proj's output with "
-        "gather_from_tensor_model_parallel_region, whose backward splits)",
+        "if get_pg_size(self.tp_group) > 1 and self.config.sequence_parallel:",
+        "{version}'s MLA sums the shared rope key's gradient over TP ranks only with sequence "
+        "parallelism (transformer/multi_latent_attention.py gathers k_pos_emb with "
+        "gather_from_sequence_parallel_region only when config.sequence_parallel)",
         None),
     # TransformerConfig.__post_init__ asserts it for every MoE model with linear biases.
     "moe_bias_expert_tensor": Refusal(

@@ -65,6 +65,10 @@ def bind_missing_te_names() -> None:
     `megatron.core.extensions.transformer_engine` imports, which it does without TE (binding
     `TELinear` to a MagicMock attribute): every MLA layer then raised TypeError in
     `isinstance(self.linear_proj, TELinear)`. Without TE installed, `HAVE_TE` is set False there.
+    0.19.2's MLA binds its replicated down-projection class `Linear`
+    (`post_training/modelopt/layers.py`, the one its `linear_kv_down_proj` check accepts besides
+    the column-parallel ones) only when TE imports; it is bound here when missing (0.16.1 binds it
+    without TE), so the local spec can build the down projections replicated, as the TE spec does.
     Idempotent; run by `megatron_gspo.megatron.models.builder` at import, before any model is built.
     """
     import importlib.util
@@ -76,6 +80,10 @@ def bind_missing_te_names() -> None:
         moe_utils.te_general_gemm = None
     if importlib.util.find_spec("transformer_engine") is None:
         multi_latent_attention.HAVE_TE = False
+    if getattr(multi_latent_attention, "Linear", None) is None:
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        multi_latent_attention.Linear = Linear
 
 
 def _attr(module: str, name: str, default=None):

@@ -88,7 +88,8 @@ class Learner(LearnerState):
         self.batching = batching or BatchSettings()
         self.params_dtype = params_dtype
         self.tied = bool(hf_config.get("tie_word_embeddings", False))
-        deepseek_v3.check_training_layout(hf_config, self.layout.tensor)
+        deepseek_v3.check_training_layout(hf_config, self.layout.tensor,
+                                          self.layout.sequence_parallel)
         self.dp_size = parallel.initialize(self.layout, seed=seed, hf_config=hf_config)
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")

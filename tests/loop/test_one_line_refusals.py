@@ -1,6 +1,7 @@
 """Refusals that used to print tracebacks are one line (issue 53, defect 9): DeepSeek-V3 under
-tensor parallelism is refused by the early checks under a real torchrun of 2 CPU ranks, before
-torch.distributed or any model exists, and a broadcast weight sync to `sglang_device=cuda`
+tensor parallelism without sequence parallelism (MoE, and MLA's shared rope key) is refused by
+the early checks under a real torchrun of 2 CPU ranks, before torch.distributed or any model
+exists, and a broadcast weight sync to `sglang_device=cuda`
 servers on a torch without NCCL (this CPU wheel) is a config error naming the field."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _env(**extra) -> dict:
     return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **extra)
 
 
-def test_deepseek_tensor_parallel_is_refused_in_one_line_under_torchrun(tmp_path):
+def test_deepseek_tensor_parallel_without_sp_is_refused_in_one_line_under_torchrun(tmp_path):
     model = tmp_path / "dsv3"
     make_family_model("DeepseekV3ForCausalLM", model)
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -35,15 +36,15 @@ def test_deepseek_tensor_parallel_is_refused_in_one_line_under_torchrun(tmp_path
            "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0",
            "-m", "megatron_gspo.cli", "train", str(ROOT / "examples/tiny/config.yaml"),
            "--run-dir", str(tmp_path / "run"), f"model.path={model}", "parallel.tensor=2",
-           "parallel.sequence_parallel=true", *FAST]
+           "parallel.sequence_parallel=false", *FAST]
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
                          timeout=600)
     text = out.stdout + out.stderr
     assert out.returncode != 0, text[-3000:]
     lines = [ln for ln in text.splitlines() if ln.startswith("megatron-gspo: config error:")]
     assert len(lines) == 2, text[-3000:]  # one line from each rank, the same one
-    assert len(set(lines)) == 1 and "parallel.tensor: DeepSeek-V3 training" in lines[0]
-    assert "shared rope key" in lines[0]
+    assert len(set(lines)) == 1 and "parallel: invalid parallel layout" in lines[0]
+    assert "needs parallel.sequence_parallel=true" in lines[0]
     # the workers print no traceback; what is left is torchrun's own (its ChildFailedError)
     assert text.count("Traceback") <= 1, text[-3000:]
     assert "DeepseekConfigError" not in text

@@ -117,6 +117,8 @@ def test_layout_refusals_are_one_line_and_name_the_release():
     with pytest.raises(ValueError) as e:
         deepseek_v3.check_training_layout(dict(DEEPSEEK_V3), 2)
     assert "shared rope key" in str(e.value) and "\n" not in str(e.value)
+    assert "sequence_parallel=true" in str(e.value)
+    deepseek_v3.check_training_layout(dict(DEEPSEEK_V3), 2, sequence_parallel=True)  # trains
     with pytest.raises(ParallelLayoutError) as e:
         check_layout(ParallelLayout(tensor=2, sequence_parallel=True, expert=2), 4,
                      dict(GPT_OSS))

@@ -92,3 +92,25 @@ def test_engine_routing_of_moe_layers_spreads_over_decoder_layers():
     full = all_layer_rows(rows, moe, 4)
     assert full.shape == (2, 4, 2) and (full[:, 0] == -1).all() and torch.equal(full[:, 1:], rows)
     assert all_layer_rows(full, moe, 4) is full  # already per decoder layer
+
+
+def test_down_projections_are_replicated_and_mapped_unsplit():
+    """The local spec builds MLA's down projections as the replicated `Linear` MLA accepts (as
+    the TE spec's duplicated `TELinear`), and the adapter maps them without a TP split."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import multi_latent_attention
+
+    from megatron_gspo.megatron.compat import submodules
+    from megatron_gspo.megatron.models.deepseek_v3 import replicated_down_projections
+
+    spec = replicated_down_projections(get_gpt_layer_local_spec(
+        multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm"))
+    attn = submodules(spec.submodules.self_attention)
+    assert multi_latent_attention.Linear is not None  # bound without TE on 0.19 too
+    assert attn.linear_q_down_proj is attn.linear_kv_down_proj is multi_latent_attention.Linear
+    adapter = get_adapter(DEEPSEEK_V3)
+    maps = adapter.maps_by_mcore(adapter.dims(DEEPSEEK_V3))
+    a = "decoder.layers.0.self_attention."
+    assert maps[a + "linear_q_down_proj.weight"].tp_dim is None
+    assert maps[a + "linear_kv_down_proj.weight"].tp_dim is None
+    assert maps[a + "linear_q_up_proj.weight"].tp_dim == 0

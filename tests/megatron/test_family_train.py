@@ -33,8 +33,8 @@ def test_three_gspo_steps_sync_and_replay(arch, tmp_path, monkeypatch):
 def test_learner_tp2_pp2_ep2_match_one_process(arch, tmp_path, monkeypatch):
     """The learner's sharding of full weights (expert bias, sinks, sandwich norms included):
     TP2 (+SP for MoE), PP2 and EP2 give one process's GSPO loss and gradients to 1e-5
-    (DeepSeek-V3 under TP2: refused where `compat.refusal` says so, and measured off with the
-    refusal bypassed: the MLA backward under TP of Megatron-Core up to 0.19.2 is wrong)."""
+    (DeepSeek-V3's MLA under TP2+SP with replicated down projections; before and after:
+    test_mla_tensor_parallel.py)."""
     monkeypatch.setattr(_dist, "WORKERS", WORKER)
     _dist.launch(f"ref-{arch}", 1, tmp_path, timeout=600)
     reps = _dist.launch(f"par-{arch}", 2, tmp_path, timeout=900)
@@ -42,9 +42,4 @@ def test_learner_tp2_pp2_ep2_match_one_process(arch, tmp_path, monkeypatch):
         assert rep["failures"] == [], f"rank {rank}: {rep['failures']}"
     info = reps[0]["info"]
     print(f"\n{arch}: {info}")
-    if "tp2_refused" in info:  # compat.refusal("mla_tensor_parallel") on this Megatron-Core
-        assert "shared rope key" in info["tp2_refused"] and {"pp2", "ep2"} <= set(info)
-        # the refusal's reason holds: without it TP2 gradients are off (~1%), not within 1e-5
-        assert info["tp2_bypassed_grad_rel"] > 1e-3, info["tp2_bypassed_grad_rel"]
-    else:
-        assert {"tp2", "pp2"} <= set(info)
+    assert {"tp2", "pp2"} <= set(info)

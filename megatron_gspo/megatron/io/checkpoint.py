@@ -122,18 +122,16 @@ _BUFFER_WEIGHTS = (".router.expert_bias",)
 
 
 def _spec_map(model: torch.nn.Module, local: str, pm: ParamMap) -> ParamMap:
-    """`pm`, replicated (tp_dim None) when its module is not tensor-parallel in this spec:
-    MLA's down projections are column-parallel in the local spec, `TELinear` (duplicated)
-    in the Transformer Engine spec."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    """`pm` with the TP split its module has in this spec: MLA's down projections are
+    replicated in the learner's specs (`TELinear` duplicated, the replicated local `Linear`;
+    the adapter's maps say so), split on dim 0 where a model was built from Megatron-Core's
+    local spec as it is (`ColumnParallelLinear`)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    if pm.tp_dim is None or "." not in local:
+    if not local.endswith(("linear_q_down_proj.weight", "linear_kv_down_proj.weight")):
         return pm
     owner = model.get_submodule(local.rsplit(".", 1)[0])
-    if local.endswith(("linear_q_down_proj.weight", "linear_kv_down_proj.weight")) and \
-            not isinstance(owner, (ColumnParallelLinear, RowParallelLinear)):
-        return replace(pm, tp_dim=None)
-    return pm
+    return replace(pm, tp_dim=0 if isinstance(owner, ColumnParallelLinear) else None)
 
 
 def _tp_rank_size(pm: ParamMap) -> tuple[int, int]:

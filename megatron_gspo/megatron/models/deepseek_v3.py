@@ -23,7 +23,9 @@ Refused with a one-line error (what Megatron-Core 0.16.1 cannot express, and why
 - `rope_interleave=false`: its MLA rope always de-interleaves;
 - rope types other than default and yarn (MLA builds only `RotaryEmbedding` and
   `YarnRotaryEmbedding`);
-- `scoring_func` other than sigmoid, `topk_method` other than noaux_tc.
+- `scoring_func` other than sigmoid, `topk_method` other than noaux_tc;
+- training under tensor parallelism without sequence parallelism (`check_training_layout`).
+Under TP the down projections are replicated, as in the TE spec (`replicated_down_projections`).
 The expert bias is kept frozen during training (`moe_router_bias_update_rate=0`): the
 aux-loss-free balancing update is a pre-training device, and the bias the rollout engine
 routes with is the one exported from the learner.
@@ -44,7 +46,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_gspo.megatron.compat import refusal
+from megatron_gspo.megatron.compat import refusal, submodules
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
@@ -166,22 +168,44 @@ def config_fields(cfg: dict, use_te: bool) -> dict:
 CONFIG_CLASS = MLATransformerConfig
 
 
-def check_training_layout(cfg: dict, tensor_parallel: int) -> None:
-    """Refuse training multi-latent attention under tensor parallelism (one line) on the
-    Megatron-Core releases that have `compat.REFUSALS["mla_tensor_parallel"]` (0.16.1-0.19.2).
+def check_training_layout(cfg: dict, tensor_parallel: int,
+                          sequence_parallel: bool = False) -> None:
+    """Refuse training multi-latent attention under tensor parallelism without sequence
+    parallelism (one line) on the Megatron-Core releases that have
+    `compat.REFUSALS["mla_tensor_parallel"]` (0.16.1-0.19.2).
 
-    Their MLA gathers the column-parallel `linear_kv_down_proj` output over TP and uses its
-    shared rope key (`k_pos_emb`) with this rank's heads only; the gather's backward
-    (`gather_from_tensor_model_parallel_region`: split) keeps this rank's slice without summing
-    the other ranks' heads' gradients. Measured with the local spec: TP2 gradients ~1% off one
-    process's (PP2 / EP2 match). The forward is right: conversion and export under TP are fine.
+    TP with SP trains exactly (`replicated_down_projections`; TP2+SP gradients within 3e-8 of one
+    process's). Without SP their MLA leaves the shared rope key's (`k_pos_emb`) gradient with
+    this rank's heads' part only; Megatron-Core also refuses MoE + TP without SP.
     """
-    if tensor_parallel > 1 and (cfg.get("architectures") or [None])[0] == ARCHITECTURE:
+    if tensor_parallel > 1 and not sequence_parallel and \
+            (cfg.get("architectures") or [None])[0] == ARCHITECTURE:
         reason = refusal("mla_tensor_parallel")
         if reason is not None:
             raise DeepseekConfigError(
-                f"DeepSeek-V3 training with parallel.tensor > 1 is refused: {reason} (use "
-                "pipeline / expert / data parallelism)")
+                f"DeepSeek-V3 training with parallel.tensor > 1 needs "
+                f"parallel.sequence_parallel=true: {reason}")
+
+
+def replicated_down_projections(spec):
+    """Build MLA's `linear_q_down_proj` / `linear_kv_down_proj` of a local layer spec replicated
+    on every TP rank, as Megatron-Core's TE spec does (`backend.linear()`: `TELinear`,
+    parallel_mode 'duplicated'), instead of the local spec's column-parallel ones.
+
+    The class is the one `MLASelfAttention` accepts for a replicated down projection
+    (`post_training/modelopt/layers.py` `Linear`): its output is not gathered over TP (the
+    gather's backward kept only this rank's heads' part of the shared rope key's gradient), and
+    its weight carries `sequence_parallel`, so `finalize_model_grads` sums its gradient over TP
+    when the input is sequence-sharded; the rope key's gradient is summed by
+    `gather_from_sequence_parallel_region`'s backward. Spec entries without MLA are unchanged.
+    """
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    attn = submodules(spec.submodules.self_attention)
+    if hasattr(attn, "linear_kv_down_proj"):
+        attn.linear_q_down_proj = Linear
+        attn.linear_kv_down_proj = Linear
+    return spec
 
 
 def block_spec(config, use_te: bool, vp_stage: int | None,
@@ -208,9 +232,9 @@ def block_spec(config, use_te: bool, vp_stage: int | None,
             multi_latent_attention=mla) for n in (None, config.num_moe_experts))
         norm = TENorm
     else:
-        dense, moe = (patch_local(get_gpt_layer_local_spec(
+        dense, moe = (replicated_down_projections(patch_local(get_gpt_layer_local_spec(
             num_experts=n, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
-            multi_latent_attention=mla, normalization="RMSNorm"), config)
+            multi_latent_attention=mla, normalization="RMSNorm"), config))
             for n in (None, config.num_moe_experts))
         norm = dense.submodules.input_layernorm
     pattern = [moe if f else dense for f in config.moe_layer_freq]
