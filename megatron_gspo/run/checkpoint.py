@@ -35,7 +35,6 @@ import re
 import shutil
 import time
 from dataclasses import dataclass, field
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +43,7 @@ import torch.distributed as dist
 
 from megatron_gspo.run import faults
 from megatron_gspo.run.diskfull import disk_full
+from megatron_gspo.run.durable import being_read, hold_for_reading  # noqa: F401 - API here
 from megatron_gspo.run.durable import fsync_path, manifest, sha256_file
 from megatron_gspo.run.rundir import RunError
 
@@ -177,41 +177,6 @@ def _count_all_ranks(n: int, learner) -> int:
     return int(t.item())
 
 
-@contextmanager
-def hold_for_reading(step_dir: str | os.PathLike):
-    """Keep a complete checkpoint from being rotated away while it is read: a shared `flock`
-    on its COMPLETE marker, which `Checkpointer.rotate` respects (released on exit, also when
-    the reader dies). Raises FileNotFoundError when the checkpoint is already gone."""
-    import fcntl
-
-    marker = Path(step_dir) / "COMPLETE"
-    fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        if not marker.is_file() or os.stat(marker).st_ino != os.fstat(fd).st_ino:
-            raise FileNotFoundError(f"{step_dir} was removed while it was being opened")
-        yield Path(step_dir)
-    finally:
-        os.close(fd)
-
-
-def being_read(step_dir: str | os.PathLike) -> bool:
-    """A reader holds `hold_for_reading` on this checkpoint."""
-    import fcntl
-
-    try:
-        fd = os.open(Path(step_dir) / "COMPLETE", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-
-
 class Checkpointer:
     """Saves, verifies and finds run checkpoints.
 
@@ -279,6 +244,7 @@ class Checkpointer:
                 # every rank's writer ended: publish (hashes, rename, COMPLETE) in a thread
                 publish = lambda: queue.in_background(  # noqa: E731
                     lambda: self._publish(step, tmp, final, began))
+                queue.on_error = lambda e: self._not_written(e, step, tmp)  # writers, publish
                 learner.save_checkpoint(str(tmp / "model"), save_kwargs=queue.save_kwargs(),
                                         stage=queue.stage,
                                         schedule=lambda req: queue.schedule(req, publish))
@@ -292,21 +258,28 @@ class Checkpointer:
             if _rank() == 0:
                 (tmp / "trainer.json").write_text(json.dumps(trainer_state))
             _barrier()
-        except BaseException as e:  # a full disk (also in torch's CheckpointException, a
-            # BaseException): one line, the partial save removed
-            msg = disk_full(e, tmp)
-            if msg is None:
+        except BaseException as e:
+            err = self._not_written(e, step, tmp)
+            if err is e:
                 raise
-            if _rank() == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            latest = self.latest()
-            raise CheckpointError(f"checkpoint step {step} not written: {msg}; the newest "
-                                  f"complete checkpoint is {latest[1] if latest else 'none'}"
-                                  ) from None
+            raise err from None
         if queue is None:
             self._publish(step, tmp, final)
             _barrier()
         return final
+
+    def _not_written(self, e: BaseException, step: int, tmp: Path) -> BaseException:
+        """A full disk while writing `tmp` (also inside torch's CheckpointException, a
+        BaseException, or a forked writer's failure): a one-line CheckpointError, the partial
+        save removed; any other error: `e` itself."""
+        msg = disk_full(e, tmp)
+        if msg is None:
+            return e
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        latest = self.latest()
+        return CheckpointError(f"checkpoint step {step} not written: {msg}; the newest "
+                               f"complete checkpoint is {latest[1] if latest else 'none'}")
 
     def _publish(self, step: int, tmp: Path, final: Path, began: float | None = None) -> None:
         """Rank 0: the files of every rank are written: rename, COMPLETE, rotate. `began`

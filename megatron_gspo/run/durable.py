@@ -1,11 +1,13 @@
 """Checkpoint files made durable and listed: fsync of files and folders, the sha256 manifest
-that a COMPLETE marker holds (run/checkpoint.py)."""
+that a COMPLETE marker holds (run/checkpoint.py), and the shared lock a reader holds on a
+complete checkpoint so that rotation leaves it alone."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -43,3 +45,38 @@ def manifest(folder: Path, checksums: bool) -> dict[str, list]:
     for d in {(folder / n).parent for n in names} | {folder}:
         fsync_path(d)
     return dict(zip(names, entries, strict=True))
+
+
+@contextmanager
+def hold_for_reading(step_dir: str | os.PathLike):
+    """Keep a complete checkpoint from being rotated away while it is read: a shared `flock`
+    on its COMPLETE marker, which `Checkpointer.rotate` respects (released on exit, also when
+    the reader dies). Raises FileNotFoundError when the checkpoint is already gone."""
+    import fcntl
+
+    marker = Path(step_dir) / "COMPLETE"
+    fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if not marker.is_file() or os.stat(marker).st_ino != os.fstat(fd).st_ino:
+            raise FileNotFoundError(f"{step_dir} was removed while it was being opened")
+        yield Path(step_dir)
+    finally:
+        os.close(fd)
+
+
+def being_read(step_dir: str | os.PathLike) -> bool:
+    """A reader holds `hold_for_reading` on this checkpoint."""
+    import fcntl
+
+    try:
+        fd = os.open(Path(step_dir) / "COMPLETE", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)

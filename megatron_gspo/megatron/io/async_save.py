@@ -71,6 +71,7 @@ class AsyncSaves:
         self._staging: dict[tuple, torch.Tensor] = {}  # (key, offset, range) -> buffer
         self._publisher: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.on_error = None  # set by the Checkpointer: an error -> the one to raise
         install_checkpoint_results_queue()  # at start-up: its server dies with this process
         tie_forked_children()  # and so do the writer processes Megatron forks
 
@@ -137,16 +138,29 @@ class AsyncSaves:
             error, self._error = self._error, None
             raise error
 
+    def _finalize(self, blocking: bool) -> int:
+        """Finalize (and with `blocking` wait for) the scheduled saves and their publish; what
+        a writer or the publish raised goes through `on_error` (a full disk: one line)."""
+        try:
+            if not blocking:
+                self._check(block=False)
+            n = len(self.queue.maybe_finalize_async_calls(blocking=blocking))
+            if blocking:
+                self._check(block=True)
+            return n
+        except BaseException as e:
+            err = self.on_error(e) if self.on_error is not None else e
+            if err is e:
+                raise
+            raise err from None
+
     def poll(self) -> int:
         """Finalize the saves that ended on every rank (collective); the number finalized."""
-        self._check(block=False)
-        return len(self.queue.maybe_finalize_async_calls(blocking=False))
+        return self._finalize(blocking=False)
 
     def wait(self) -> int:
         """Wait for every scheduled save, finalize and publish it (collective)."""
-        n = len(self.queue.maybe_finalize_async_calls(blocking=True))
-        self._check(block=True)
-        return n
+        return self._finalize(blocking=True)
 
     def pending(self) -> int:
         return self.queue.get_num_unfinalized_calls() + (self._publisher is not None)
