@@ -138,10 +138,19 @@ def _kl_reference(cfg, samples, full, chk: Checker, info: dict):
     lps, ref = K.forward_logprobs(samples), K.forward_logprobs(samples, reference=True)
     info["kl_ref_max_diff"] = max(abs(a - b) for x, y in zip(lps, ref, strict=True)
                                   for a, b in zip(x, y, strict=True))
+    pol, frozen = ({k: v for k, v in c.state_dict().items() if torch.is_tensor(v)}
+                   for c in (K.chunks[0], K.reference_chunks[0]))
+    info["kl_ref_weights_equal"] = pol.keys() == frozen.keys() and all(
+        torch.equal(pol[k], frozen[k]) for k in pol)
     m = K.train_step(samples, [s.rollout_logprobs for s in samples], ref)
     info["kl_step"] = {k: m[k] for k in ("loss", "kl_loss", "grad_norm")}
-    if info["kl_ref_max_diff"] != 0.0 or not m["grad_norm"] > 0:
-        chk.failures.append(f"KL reference: {info['kl_ref_max_diff']} {info['kl_step']}")
+    # equal weights bit for bit; the log-probs of the two copies may differ in the last bits:
+    # CPU sgemm results depend on the operands' addresses (the policy's weights live in DDP's
+    # buffer), measured 6e-7 on DeepSeek-V3's replicated MLA down projections (issue 55)
+    if not (info["kl_ref_weights_equal"] and info["kl_ref_max_diff"] <= 1e-6
+            and m["grad_norm"] > 0):
+        chk.failures.append(f"KL reference: {info['kl_ref_weights_equal']} "
+                            f"{info['kl_ref_max_diff']} {info['kl_step']}")
 
 
 def _replay(cfg, samples, full, chk: Checker, info: dict):
