@@ -184,8 +184,9 @@ def _replay(cfg, samples, full, chk: Checker, info: dict):
         chk.failures.append(f"r3 tokens without record: {m['moe/tokens_without_routing_record']}")
 
 
-def _grads_run(arch, outdir, layout):
-    """Loss and full gradients of one forward-backward from the HF weights (fixed samples)."""
+def _grads_run(arch, outdir, layout, keep: list | None = None):
+    """Loss and full gradients of one forward-backward from the HF weights (fixed samples);
+    the learner is appended to `keep` when given (to step it)."""
     import random
 
     from megatron_gspo.data.sample import Sample
@@ -210,6 +211,8 @@ def _grads_run(arch, outdir, layout):
     _load_hf(L, hf_dir)
     old = [[x + 0.01 for x in lp] for lp in L.forward_logprobs(samples)]
     m = L.forward_backward(samples, old)
+    if keep is not None:
+        keep.append(L)
     return m, L.full_grads()
 
 

@@ -45,9 +45,20 @@ def case_ref(outdir: Path, chk: Checker, info: dict):
             tf.make_family_model(ARCH, outdir / sub / "hf")
         finally:
             tf.FAMILIES[ARCH] = (cls, fields)
-        m, g = _grads_run(ARCH, outdir / sub, None)
+        keep: list = []
+        m, g = _grads_run(ARCH, outdir / sub, None, keep)
         info[sub] = m["loss"]
-        torch.save({"loss": m["loss"], "grads": g}, outdir / sub / "ref_grads.pt")
+        torch.save({"loss": m["loss"], "grads": g, **_step(keep[0])},
+                   outdir / sub / "ref_grads.pt")
+
+
+def _step(learner) -> dict:
+    """Grad norm of one optimizer step and the down projections' weights after it (this rank's
+    copies: replicated weights must stay equal on every TP rank)."""
+    norm = learner.optimizer_step()["grad_norm"]
+    after = {n: p.detach().clone() for n, p in learner.chunks[0].named_parameters()
+             if n.endswith(("down_proj.weight",)) and "self_attention" in n}
+    return {"grad_norm": norm, "after": after}
 
 
 def _diff(got: dict, ref: dict) -> dict:
@@ -58,21 +69,23 @@ def _diff(got: dict, ref: dict) -> dict:
             "grad_max_rel": max(rel.values()), "worst_rel": max(rel, key=rel.get)}
 
 
-def _run(outdir: Path, layout, column: bool) -> tuple[dict, dict]:
-    """One TP run with the checks that would refuse it bypassed (`column`: the down
-    projections as Megatron-Core's local spec builds them)."""
+def _run(outdir: Path, layout, column: bool) -> tuple[dict, dict, dict]:
+    """One TP run (forward-backward, then an optimizer step) with the checks that would refuse
+    it bypassed (`column`: the down projections as Megatron-Core's local spec builds them)."""
     from megatron_gspo.megatron import parallel
     from megatron_gspo.megatron.models import deepseek_v3
 
     saved = (deepseek_v3.check_training_layout, deepseek_v3.replicated_down_projections,
              parallel._model_errors)
+    keep: list = []
     deepseek_v3.check_training_layout = lambda *a, **k: None
     parallel._model_errors = lambda lay, hf: [e for e in saved[2](lay, hf)
                                               if "sequence_parallel" not in e]
     if column:
         deepseek_v3.replicated_down_projections = lambda spec: spec
     try:
-        return _grads_run(ARCH, outdir, layout)
+        m, g = _grads_run(ARCH, outdir, layout, keep)
+        return m, g, _step(keep[0])
     finally:
         (deepseek_v3.check_training_layout, deepseek_v3.replicated_down_projections,
          parallel._model_errors) = saved
@@ -91,15 +104,19 @@ def case_tp2(outdir: Path, chk: Checker, info: dict):
                                  ("tp2_dense_column", "dense", False, True)):
         ref = torch.load(outdir / sub / "ref_grads.pt")
         try:
-            m, g = _run(outdir / sub, PL(tensor=2, sequence_parallel=sp), column)
+            m, g, st = _run(outdir / sub, PL(tensor=2, sequence_parallel=sp), column)
         except Exception as e:  # noqa: BLE001 - a measured case may fail upstream: say how
             info[tag] = {"error": f"{type(e).__name__}: {e}"[:300]}
             if tag == "tp2_sp":
                 raise
             continue
         info[tag] = {"loss_diff": abs(m["loss"] - ref["loss"]), **_diff(g, ref["grads"])}
+        info[tag]["grad_norm_diff"] = abs(st["grad_norm"] - ref["grad_norm"])
         if sp and not column:
             chk.close(f"{tag}.loss", m["loss"], ref["loss"], rtol=1e-6, atol=1e-8)
+            chk.close(f"{tag}.grad_norm", st["grad_norm"], ref["grad_norm"], rtol=1e-6)
+            # this rank's replicated down projections after the step: one process's weights
+            chk.dicts(f"{tag}.stepped", st["after"], ref["after"], rtol=1e-6, atol=1e-8)
             if not info[tag]["grad_max_abs"] <= TOL:
                 chk.failures.append(f"{tag}: gradients off one process's: {info[tag]}")
     print(info, flush=True)

@@ -1,6 +1,7 @@
 """Multi-latent attention under tensor parallelism (issue 55, item 3): with the down projections
 replicated (as Megatron-Core's TE spec builds them), TP2 + sequence parallel gives one
-process's GSPO loss and gradients (max abs difference <= 1e-5, fp32, tiny DeepSeek-V3); with
+process's GSPO loss, gradients (max abs difference <= 1e-5, fp32, tiny DeepSeek-V3), grad norm and
+the replicated weights after an optimizer step (on every TP rank); with
 Megatron-Core's local spec as it is (column-parallel down projections, gathered over TP) the
 same run is measured off. TP2 without SP is measured and stays refused. Cases live in
 `_mla_tp_worker.py`; the numbers are printed."""
