@@ -3,7 +3,9 @@ GSPO run through `train.run` whose node leaders launch stand-in SGLang servers
 (SGLANG_SERVER_MODULE). After every weight sync each node leader records its servers' weight
 digests, weight versions and counters next to the learner's digest of the same export; with
 CRASH_FIRST_SERVER=1 the node-1 leader arms the `crash` fault of its server 0, which then exits
-on its first /generate (mid-rollout). Writes OUT_DIR/rank<R>.json.
+on its first /generate (mid-rollout: the sync probe, on by default, is then off, else its
+/generate would be the first; a probe that loses a server is test_sync_probe_default.py's).
+Writes OUT_DIR/rank<R>.json.
 
 Args: MODEL_DIR RUN_DIR OUT_DIR BASE_PORT [override ...]
 """
@@ -81,7 +83,8 @@ def main(model: str, run_dir: str, out_dir: str, base_port: int, extra: list[str
         "train.max_steps=3", "train.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_new_tokens=4", "algorithm.mini_batches=1", "train.eval_interval=0",
         "checkpoint.interval=0", "logging.tensorboard=false", "logging.progress_bar=false",
-        "logging.log_samples=0", *extra])
+        "logging.log_samples=0", *extra,
+        *(["rollout.verify_sync_interval=0"] if os.environ.get("CRASH_FIRST_SERVER") else [])])
     error = None
     try:
         train.run(cfg, run_dir)

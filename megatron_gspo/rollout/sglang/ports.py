@@ -100,4 +100,7 @@ class PortHold:
                 os.close(fd)
 
     def __del__(self) -> None:
-        self.release()
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the kernel drops the locks
+            pass

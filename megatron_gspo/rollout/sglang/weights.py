@@ -270,18 +270,33 @@ class SGLangWeightSync:
     async def aprobe_servers(self, temperature: float = 1.0, prompt: Sequence[int] = PROBE_PROMPT,
                              max_new_tokens: int = PROBE_TOKENS,
                              ) -> list[tuple[str, list[int], list[float]]]:
-        """(url, generated ids, served log-probs) of the probe prompt on every server."""
+        """(url, generated ids, served log-probs) of the probe prompt on every server. A client
+        over every node's servers (`multinode.ClusterClient`, which has `down`) leaves out a
+        server whose connection is refused or dropped, as its generation does: its node
+        restarts it, and it is probed, at the next sync; one server at least must answer."""
+        import aiohttp
+
         from megatron_gspo.rollout.sglang.protocol import parse_generate_output
 
         body = {"input_ids": list(prompt), "return_logprob": True,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature,
                                     "ignore_eos": True}}
-        outs = await self._all("/generate", body)
+        await self.astart()
+        urls, down = list(self.urls), getattr(self, "down", None)
+        outs = await asyncio.gather(*(self._post(u, "/generate", body) for u in urls),
+                                    return_exceptions=down is not None)
         probes = []
-        for url, out in zip(self.urls, outs, strict=True):
+        for url, out in zip(urls, outs, strict=True):
+            if isinstance(out, BaseException):
+                if not isinstance(out.__cause__, aiohttp.ClientConnectionError) or down is None:
+                    raise out
+                down.add(url)
+                continue
             ids, lps, _, _ = parse_generate_output(out, f"sync probe from {url}", max_new_tokens,
                                                    getattr(self, "vocab_size", None))
             probes.append((url, ids, lps))
+        if not probes:
+            raise RolloutError(f"no server answered the sync probe ({len(urls)} unreachable)")
         return probes
 
     async def aupdate_weights_from_disk(self, model_path: str, version: int) -> None:
