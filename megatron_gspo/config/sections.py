@@ -136,7 +136,7 @@ class RolloutConfig:
     verify_sync_interval: int = option(1, "every this many weight syncs the engine's log-probs "
         "of a fixed probe sequence are compared with the learner's (a sync that changed nothing "
         "fails with one error naming it; 0: never). One 8-token generation per server and one "
-        "learner forward: ~35 ms, 5-8% of the tiny CPU demo's step (bench/sync_probe_cost.py)",
+        "learner forward: 4-10% of the tiny CPU demo's step (bench/sync_probe_cost.py)",
         ge=0)
     max_concurrency: int = option(256, "in-flight HTTP requests per server", ge=1)
     request_timeout: float = option(600.0, "seconds before a generate request is retried", gt=0)
