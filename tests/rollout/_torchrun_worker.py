@@ -36,7 +36,6 @@ def free_port() -> int:
 
 
 def push_distributed(eng: SGLangEngine, model: str, version: int) -> dict:
-    import torch.distributed as dist
     from safetensors.torch import load_file
 
     weights = load_file(f"{model}/model.safetensors")
@@ -46,7 +45,7 @@ def push_distributed(eng: SGLangEngine, model: str, version: int) -> dict:
     eng.update_weights([[(k, v + 0.3) for k, v in weights.items()]], version=version)
     after = eng.generate(GREEDY)[0]
     eng.update_weights([list(weights.items())], version=version + 1)  # back to the original
-    dist.destroy_process_group(eng._update_group)  # the next engine forms one of the same name
+    eng.close_update_group()  # the next engine forms one of the same name
     return {"changed": after.response_ids != base, "version": after.weight_version}
 
 

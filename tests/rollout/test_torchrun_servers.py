@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.rollout.sglang.launch import (LEARNER_ONLY_ENV, LaunchSpec, launch_environ,
-                                                 server_env)
+                                                 pick_ports, server_env)
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "rollout" / "_torchrun_worker.py"
@@ -48,7 +48,9 @@ def test_launch_environment_drops_torchrun_variables():
 @pytest.mark.slow
 def test_servers_and_weight_sync_from_a_torchrun_worker(tiny_model_dir, tmp_path):
     # A stand-in server started outside torchrun (clean environment): the worker syncs into it.
-    port = _free_port()
+    # Its port as the launcher picks one: at most 55535 (SGLang, and the stand-in, refuse a
+    # port whose +10000 gRPC port is out of range)
+    port = pick_ports("127.0.0.1", 0, 1)[0]
     clean = {k: v for k, v in os.environ.items() if k not in LEARNER_ONLY_ENV}
     clean.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     server_log = open(tmp_path / "attached_server.log", "wb")  # noqa: SIM115

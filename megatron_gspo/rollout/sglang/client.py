@@ -326,6 +326,8 @@ class SGLangEngine(SGLangServers, SGLangWeightSync, RolloutEngine):
             if attempt == self.max_retries:
                 return ids, lps, reason, url, ver, (
                     f"{where}: aborted by {url} {attempt + 1} times; kept with loss mask 0"), None
+        if (dead := await self._exited_server()) is not None:  # a crashed server, exit code
+            raise RolloutError(f"{where}: {dead.describe()}")
         raise RolloutError(f"{where}: /generate failed {self.max_retries + 1} times; last error: "
                            f"{last_err}")
 

@@ -213,6 +213,19 @@ class SGLangServers:
     def _dead_server(self) -> ServerProcess | None:
         return next((p for p in [*self.procs, self.router_proc] if p and not p.alive()), None)
 
+    async def _exited_server(self, grace_s: float = 5.0):
+        """A launched server that is ending, once it has exited (its listening socket closes
+        when the process starts to exit; the exit code comes once its memory is unmapped,
+        which takes a moment for a large process on a busy machine); None when every launched
+        process stays alive for `grace_s` seconds, or none was launched."""
+        procs = [p for p in [*self.procs, self.router_proc] if p]
+        deadline = time.monotonic() + (grace_s if procs else 0)
+        while True:
+            dead = self._dead_server()
+            if dead is not None or time.monotonic() >= deadline:
+                return dead
+            await asyncio.sleep(0.05)
+
     async def ahealth(self) -> bool:
         """Every server answers `/health_generate` (`/model_info` while memory is released);
         why one is not healthy is logged. A failed health generation is asked once more:
