@@ -33,7 +33,8 @@ from megatron_gspo.convert.fused_experts import (
 from megatron_gspo.convert.te_names import from_te_name, to_te_name  # noqa: F401 (re-exported)
 
 GLU_KINDS = ("glu", "fused_fc1", "fused_fc1_bias")  # [gate; up] in Megatron: split per half
-KINDS = ("copy", "qkv", "qkv_bias", "glu", "vocab", *SLICE_KINDS)
+VOCAB_KINDS = ("vocab", "vocab_shared")  # vocab_shared: more HF copies (MTP, convert.mtp)
+KINDS = ("copy", "qkv", "qkv_bias", "glu", *VOCAB_KINDS, *SLICE_KINDS)
 
 
 class ConversionError(ValueError):
@@ -192,8 +193,14 @@ def to_mcore_tensor(
                 f"{pm.hf[0]} {tuple(gate.shape)} and {pm.hf[1]} {tuple(up.shape)} differ in shape"
             )
         return torch.cat([gate, up], dim=0)
+    if pm.kind == "vocab_shared":
+        for name, other in zip(pm.hf[1:], tensors[1:], strict=True):
+            if not torch.equal(other, tensors[0]):
+                raise ConversionError(f"tensor '{name}' differs from '{pm.hf[0]}' (Megatron-Core's"
+                                      " MTP layers share the main embedding and output layer)")
+        tensors = tensors[:1]
     (t,) = tensors
-    if pm.kind == "vocab":
+    if pm.kind in VOCAB_KINDS:
         if t.shape[0] > padded_vocab:
             raise ConversionError(f"{pm.hf[0]} has {t.shape[0]} rows > padded vocab {padded_vocab}")
         if t.shape[0] < padded_vocab:
@@ -212,8 +219,9 @@ def to_hf_tensors(pm: ParamMap, full: torch.Tensor, dims: ModelDims) -> list[tor
         if full.shape[0] % 2:
             raise ConversionError(f"{pm.mcore} has an odd number of rows {full.shape[0]}")
         return [t.contiguous() for t in torch.chunk(full, 2, dim=0)]
-    if pm.kind == "vocab":
-        return [full[: dims.vocab_size].contiguous()]
+    if pm.kind in VOCAB_KINDS:
+        t = full[: dims.vocab_size].contiguous()
+        return [t] + [t.clone() for _ in pm.hf[1:]]
     return [full]
 
 

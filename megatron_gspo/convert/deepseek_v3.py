@@ -25,8 +25,9 @@ spec's ``TELinear``, parallel_mode duplicated; the learner's local spec builds t
 spec as it is (column-parallel, split on dim 0) is read from the module type by
 `megatron/io/checkpoint.py`. Under TE the q/kv norms are fused into the up
 projections (``linear_q_up_proj.layer_norm_weight``); ``input_layernorm`` stays a module.
-The multi-token-prediction layers of the released checkpoint (layer index num_hidden_layers)
-are not part of the model transformers builds and are not converted.
+The multi-token-prediction layers of the released checkpoint (layer index num_hidden_layers,
+``num_nextn_predict_layers`` of them) map onto Megatron-Core's ``mtp.layers.{k}.*``
+(`convert.mtp`); transformers builds no MTP layer.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from megatron_gspo.convert.base import (
     StateDictAdapter,
     dims_from_hf_config,
 )
+from megatron_gspo.convert.mtp import declared_mtp_layers, mtp_maps, share_vocab_maps
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class MLADims(ModelDims):
     v_head_dim: int = 0
     first_dense: int = 0
     shared_ffn: int = 0
+    mtp_layers: int = 0  # multi-token-prediction layers after the decoder (convert.mtp)
 
 
 def _ffn_maps(h: str, m: str, H: int, F: int, expert: bool = False) -> list[ParamMap]:
@@ -112,7 +115,13 @@ class DeepseekV3Adapter(StateDictAdapter):
             v_head_dim=int(cfg["v_head_dim"]),
             first_dense=int(cfg.get("first_k_dense_replace") or 0),
             shared_ffn=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+            mtp_layers=declared_mtp_layers(cfg),
         )
+
+    def param_maps(self, dims: ModelDims) -> list[ParamMap]:
+        """The base maps, then the MTP layers' (their shared embedding / head copies joined
+        to the main embedding / output-layer maps)."""
+        return share_vocab_maps(super().param_maps(dims), dims) + mtp_maps(self, dims)
 
     def is_moe_layer(self, i: int, dims: ModelDims) -> bool:
         return i >= dims.first_dense

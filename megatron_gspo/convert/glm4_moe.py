@@ -3,7 +3,8 @@ biases fused into ``linear_qkv.bias``), optional q/k norms (``use_qk_norm``), an
 MoE layout (leading dense layers, routed experts, shared expert, router weight plus
 ``e_score_correction_bias`` -> ``mlp.router.expert_bias``). Transformer Engine spelling: the
 standard one (pre-MLP norm fused into fc1 in dense layers only). The multi-token-prediction
-layer of the released checkpoints is not part of transformers' model and is not converted.
+layer of the released checkpoints (layer index num_hidden_layers) maps onto Megatron-Core's
+``mtp.layers.0.*`` as DeepSeek-V3's does (`convert.mtp`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 
 from megatron_gspo.convert.base import ConversionError, ModelDims, ParamMap, StateDictAdapter
 from megatron_gspo.convert.deepseek_v3 import DeepseekV3Adapter, MLADims
+from megatron_gspo.convert.mtp import declared_mtp_layers
 
 
 class Glm4MoeAdapter(DeepseekV3Adapter):
@@ -40,7 +42,8 @@ class Glm4MoeAdapter(DeepseekV3Adapter):
                       moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]))
         return MLADims(**fields, first_dense=int(cfg.get("first_k_dense_replace") or 0),
                        shared_ffn=int(cfg["moe_intermediate_size"])
-                       * int(cfg.get("n_shared_experts") or 0))
+                       * int(cfg.get("n_shared_experts") or 0),
+                       mtp_layers=declared_mtp_layers(cfg))
 
     def attention_maps(self, i: int, d: ModelDims) -> list[ParamMap]:
         return StateDictAdapter.attention_maps(self, i, d)

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.mtp import with_present_mtp_layers
 from megatron_gspo.convert.tempdirs import make_temp_dir, mark_owned, release
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -68,6 +69,8 @@ class HFCheckpointReader:
                 for k in self._open(f).keys():  # noqa: SIM118 (safe_open is not iterable)
                     self.weight_map[k] = f
         self._handles: dict[Path, object] = {}
+        # transformers writes num_nextn_predict_layers=1 with no MTP tensors: count the real ones
+        self.config = with_present_mtp_layers(self.config, self.weight_map)
 
     def _open(self, f: Path):
         try:

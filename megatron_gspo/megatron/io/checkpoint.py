@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron_gspo.convert.base import (
     ConversionError,
     ModelDims,
+    VOCAB_KINDS,
     ParamMap,
     StateDictAdapter,
     from_te_name,
@@ -190,7 +191,7 @@ def load_hf_weights(
 
     for entry in entries:
         pm = entry.pm or emb_map
-        padded = entry.param.shape[0] * (_tp_rank_size(pm)[1] if pm.kind == "vocab" else 1)
+        padded = entry.param.shape[0] * (_tp_rank_size(pm)[1] if pm.kind in VOCAB_KINDS else 1)
         full = to_mcore_tensor(pm, [get(h) for h in pm.hf], dims, padded)
         rank, size = _tp_rank_size(pm)
         _check_partition(entry, pm, size)
