@@ -319,6 +319,7 @@ def build_rank_models(
     *,
     params_dtype: torch.dtype = torch.float32,
     use_te: bool | None = None,
+    mtp: bool = False,
     **config_kwargs,
 ) -> list[torch.nn.Module]:
     """This rank's GPTModel chunks under the initialised parallel_state (one per virtual stage).
@@ -327,6 +328,7 @@ def build_rank_models(
         hf_config: parsed config.json.
         params_dtype: parameter dtype.
         use_te: force the TE / local spec (None: TE when importable).
+        mtp: also build the config's multi-token-prediction layers (`models.mtp`).
         config_kwargs: extra `build_model_config` arguments (layout sizes are read from
             parallel_state).
     Returns:
@@ -363,6 +365,7 @@ def build_rank_models(
                 vp_stage=stage,
                 config=config,
                 use_te=use_te,
+                mtp=mtp,
             )
         )
     return models

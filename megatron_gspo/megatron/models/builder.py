@@ -62,6 +62,7 @@ from megatron_gspo.megatron.models import deepseek_v3
 from megatron_gspo.megatron.models import gemma3
 from megatron_gspo.megatron.models import glm4_moe
 from megatron_gspo.megatron.models import gpt_oss
+from megatron_gspo.megatron.models import mtp as mtp_models
 from megatron_gspo.megatron.compat import submodules
 from megatron_gspo.megatron.fallbacks import bind_missing_te_names, te_available
 from megatron_gspo.megatron.models.local_layers import (PackedDotProductAttention,
@@ -323,6 +324,7 @@ def build_gpt_model(
     use_te: bool | None = None,
     max_sequence_length: int | None = None,
     vocab_multiple: int = VOCAB_PAD_MULTIPLE,
+    mtp: bool = False,
     **config_kwargs: Any,
 ) -> GPTModel:
     """GPTModel for one pipeline stage (or virtual chunk) of the HF architecture.
@@ -336,6 +338,9 @@ def build_gpt_model(
         use_te: force the TE (True) or local (False) spec; None = TE if importable.
         max_sequence_length: rotary table size (default max_position_embeddings).
         vocab_multiple: pad the vocabulary to a multiple of lcm(this, TP).
+        mtp: also build the config's ``num_nextn_predict_layers`` multi-token-prediction
+            layers, frozen, as ``model.mtp`` (`models.mtp.attach_mtp`; the policy forward
+            does not run them).
     Returns:
         GPTModel (unwrapped, fp32/bf16 params as configured).
     """
@@ -381,6 +386,9 @@ def build_gpt_model(
     )
     if hasattr(family, "post_build"):
         family.post_build(model, hf_config)
+    if mtp_models.num_mtp_layers(hf_config, mtp):
+        mtp_models.attach_mtp(model, config, spec, use_te,
+                              mtp_models.num_mtp_layers(hf_config, mtp), vp_stage)
     pad = pad_id_of(hf_config, int(_need(hf_config, "vocab_size")))
     if pre_process and pad is not None:  # transformers' padding_idx
         keep_pad_row_frozen(model.embedding.word_embeddings, pad)

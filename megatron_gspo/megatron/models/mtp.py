@@ -1,0 +1,112 @@
+"""The multi-token-prediction (MTP) layers of DeepSeek-V3 / GLM-4.5 in the learner: Megatron-Core's
+own `MultiTokenPredictionBlock` (transformer/multi_token_prediction.py), one
+`MultiTokenPredictionLayer` per ``num_nextn_predict_layers`` (DeepSeek-V3 report, arXiv
+2412.19437, section 2.2: h' = eh_proj([RMSNorm(Emb(t_{i+k})); RMSNorm(h_i^{k-1})]) -> one
+transformer layer -> final norm -> the main model's output head).
+
+The block is built from `get_mtp_layer_spec` with ``mtp_num_layers`` set on a copy of the model's
+config, and held by the GPTModel as ``model.mtp``: its parameters are named
+``mtp.layers.{k}.*`` as Megatron-Core names them (`convert.mtp` maps them from and to HF), so
+checkpoints, conversion and the weight-sync export carry them.
+
+It is deliberately NOT passed to GPTModel as ``mtp_block_spec``: GPTModel then runs the block in
+every forward and folds an MTP language-model loss into the gradient (`MTPLossAutoScaler`; in
+0.16.1 it also needs ``labels``, which the learner's log-prob forward does not pass). The RL loss
+must stay the policy's alone: the policy forward here is the plain GPTModel forward, and the MTP
+parameters are frozen (``requires_grad=False``: no optimizer state, no weight decay) until a
+draft-training loss exists. `mtp_logits` runs the head on its own (drafting, tests).
+
+Supported: one pipeline stage holding the embedding and the output layer (PP = 1), TP 1, local
+or TE spec; refused otherwise with one line.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from megatron_gspo.convert.mtp import declared_mtp_layers
+
+
+class MTPBuildError(ValueError):
+    """MTP layers asked for where this build cannot place them."""
+
+
+def mtp_layer_spec(block_spec):
+    """The layer spec of the MTP layers' transformer layer: that of the model's last decoder
+    layer kind (MoE for DeepSeek-V3 / GLM-4.5, whose MTP layer index >= first_k_dense_replace)."""
+    specs = getattr(block_spec, "layer_specs", None)
+    return specs[-1] if specs else block_spec
+
+
+def attach_mtp(model, config, block_spec, use_te: bool, num_layers: int, vp_stage=None):
+    """Build Megatron-Core's MTP block and attach it as ``model.mtp`` (frozen).
+
+    Args:
+        model: the GPTModel (one stage with embedding and output layer).
+        config: its TransformerConfig.
+        block_spec: the decoder's block spec (TransformerBlockSubmodules or a layer spec).
+        use_te: the spec backend.
+        num_layers: MTP layers to build.
+        vp_stage: virtual pipeline stage (None).
+    Returns:
+        the block.
+    """
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        get_mtp_layer_spec,
+    )
+
+    if not (model.pre_process and model.post_process):
+        raise MTPBuildError("MTP layers need the embedding and the output layer on one stage "
+                            "(pipeline parallelism with MTP is not supported yet)")
+    if config.tensor_model_parallel_size > 1 or config.context_parallel_size > 1:
+        raise MTPBuildError("MTP layers under tensor / context parallelism are not supported yet")
+    cfg = copy.copy(config)
+    cfg.mtp_num_layers = num_layers
+    cfg.mtp_loss_scaling_factor = 0.0
+    layer = get_mtp_layer_spec(mtp_layer_spec(block_spec), use_transformer_engine=use_te)
+    spec = MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * num_layers)
+    block = MultiTokenPredictionBlock(config=cfg, spec=spec, vp_stage=vp_stage)
+    for p in block.parameters():
+        p.requires_grad_(False)
+    model.mtp = block
+    return block
+
+
+def num_mtp_layers(hf_config: dict, requested: bool) -> int:
+    """MTP layers to build: the config's ``num_nextn_predict_layers`` when `requested`."""
+    return declared_mtp_layers(hf_config) if requested else 0
+
+
+def mtp_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Logits of each MTP layer (k = 1..D predicts token i + k + 1 at position i).
+
+    Args:
+        model: GPTModel with ``model.mtp`` (`attach_mtp`).
+        tokens, position_ids: [B, S].
+    Returns:
+        D tensors [B, S, V_pad]; the last k positions of layer k see a rolled-in token 0.
+    """
+    from megatron_gspo.megatron.io.checkpoint import unwrap
+
+    model = unwrap(model)
+    seen = {}
+    hook = model.decoder.register_forward_hook(lambda m, a, out: seen.update(h=out))
+    try:
+        model(tokens, position_ids, None)
+    finally:
+        hook.remove()
+    h = seen["h"][0] if isinstance(seen["h"], tuple) else seen["h"]  # [S, B, H], final-normed
+    rope = None
+    if getattr(model, "rotary_pos_emb", None) is not None and not getattr(
+            model.config, "multi_latent_attention", False):
+        rope = model.rotary_pos_emb(tokens.shape[1])
+    out = model.mtp(input_ids=tokens, position_ids=position_ids, hidden_states=h,
+                    attention_mask=None, rotary_pos_emb=rope, embedding=model.embedding)
+    chunks = torch.chunk(out, 1 + len(model.mtp.layers), dim=0)[1:]
+    tied = model.share_embeddings_and_output_weights
+    weight = model.shared_embedding_or_output_weight() if tied else None
+    return [model.output_layer(c, weight=weight)[0].transpose(0, 1) for c in chunks]
