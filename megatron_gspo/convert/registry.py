@@ -6,8 +6,10 @@ from collections.abc import Mapping
 
 from megatron_gspo.convert.base import ConversionError, StateDictAdapter
 from megatron_gspo.convert.deepseek_v3 import DeepseekV3Adapter
+from megatron_gspo.convert.deepseek_v32 import DeepseekV32Adapter
 from megatron_gspo.convert.gemma3 import Gemma3Adapter
 from megatron_gspo.convert.glm4_moe import Glm4MoeAdapter
+from megatron_gspo.convert.glm_moe_dsa import GlmMoeDsaAdapter
 from megatron_gspo.convert.gpt_oss import GptOssAdapter
 from megatron_gspo.convert.llama import LlamaAdapter
 from megatron_gspo.convert.qwen2 import Qwen2Adapter
@@ -20,8 +22,10 @@ _ADAPTERS: tuple[type[StateDictAdapter], ...] = (
     Qwen3Adapter,
     Qwen3MoeAdapter,
     DeepseekV3Adapter,
+    DeepseekV32Adapter,
     Gemma3Adapter,
     Glm4MoeAdapter,
+    GlmMoeDsaAdapter,
     GptOssAdapter,
 )
 

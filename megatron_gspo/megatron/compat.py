@@ -34,6 +34,11 @@ that changed (paths under megatron/core/):
   cuda-graph scope "full" is deprecated (`cuda_graph_scope` up to 0.16, `cuda_graph_modules` in
   0.19). `QUIET_WARNINGS` lists the warnings (fallbacks.quiet_fallback_warnings filters them),
   `quiet_logs()` the log records.
+- DeepSeek Sparse Attention (transformer/experimental_attention_variant/dsa.py): 0.16.1's
+  `DSAIndexer` rotates q and k by a Hadamard transform unconditionally (dsa.py:591-592), which
+  asserts bf16 and the CUDA package fast_hadamard_transform (dsa.py:41-44): no fp32 / CPU path.
+  0.19 makes it optional (`dsa_indexer_rotate_activation`) and adds the rope layout, k_norm eps and
+  top-k sharing fields. `dsa_torch_path()` says whether the installed release has them.
 - Refusals that exist because of an upstream limit (`REFUSALS`): each names the upstream line,
   the first release that lifts it (None: none up to 0.19.2, nor Megatron-LM main of
   2026-08-22), and `refusal(name)` says whether the installed release still has it.
@@ -93,6 +98,17 @@ def submodules(spec):
     if keywords is not None and "submodules" in keywords:
         return keywords["submodules"]
     raise TypeError(f"layer spec entry {spec!r} has no submodules")
+
+
+def dsa_torch_path() -> bool:
+    """The installed release's DSA indexer can run without the CUDA-only Hadamard rotation
+    (TransformerConfig has `dsa_indexer_rotate_activation`, 0.19+)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return "dsa_indexer_rotate_activation" in {f.name for f in dataclasses.fields(
+        TransformerConfig)}
 
 
 def async_save_kwargs() -> dict:

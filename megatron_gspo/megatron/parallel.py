@@ -155,6 +155,10 @@ def _model_errors(lay: ParallelLayout, hf: dict) -> list[str]:
         if reason is not None:
             errs.append(f"gpt-oss experts have biases: {reason} (got {etp}): set "
                         "parallel.expert_tensor=1")
+    if lay.tensor > 1:  # (imports Megatron-Core: only where TP needs it anyway)
+        from megatron_gspo.megatron.models.deepseek_v32 import layout_errors
+
+        errs += layout_errors(hf, lay.tensor)
     if lay.context > 1:
         from megatron_gspo.megatron.fallbacks import te_available
 

@@ -59,8 +59,10 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_gspo.megatron.models import deepseek_v3
+from megatron_gspo.megatron.models import deepseek_v32
 from megatron_gspo.megatron.models import gemma3
 from megatron_gspo.megatron.models import glm4_moe
+from megatron_gspo.megatron.models import glm_moe_dsa
 from megatron_gspo.megatron.models import gpt_oss
 from megatron_gspo.megatron.models import mtp as mtp_models
 from megatron_gspo.megatron.compat import submodules
@@ -78,12 +80,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     deepseek_v3.ARCHITECTURE,
+    deepseek_v32.ARCHITECTURE,
     gemma3.ARCHITECTURE,
     glm4_moe.ARCHITECTURE,
+    glm_moe_dsa.ARCHITECTURE,
     gpt_oss.ARCHITECTURE,
 )
 # families whose config fields and layer specs live in a module of their own
-_FAMILIES = {m.ARCHITECTURE: m for m in (deepseek_v3, gemma3, glm4_moe, gpt_oss)}
+_FAMILIES = {m.ARCHITECTURE: m for m in (deepseek_v3, deepseek_v32, gemma3, glm4_moe,
+                                         glm_moe_dsa, gpt_oss)}
 
 
 def _resolve_te(hf_config: dict, use_te: bool | None) -> bool:
