@@ -32,6 +32,8 @@ MCORE_NEW = (
     "tests/megatron/test_glm4_moe_config.py",
     "tests/megatron/test_mg_model_config.py",
     "tests/megatron/test_moe_without_te.py",
+    "tests/megatron/test_mtp_learner.py",
+    "tests/convert/test_mtp_convert.py",
     "tests/convert/test_dsa_parity.py",
     "tests/megatron/test_dsa_train.py",
 )

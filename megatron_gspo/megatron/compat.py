@@ -39,6 +39,10 @@ that changed (paths under megatron/core/):
   asserts bf16 and the CUDA package fast_hadamard_transform (dsa.py:41-44): no fp32 / CPU path.
   0.19 makes it optional (`dsa_indexer_rotate_activation`) and adds the rope layout, k_norm eps and
   top-k sharing fields. `dsa_torch_path()` says whether the installed release has them.
+- MTP layer names (transformer/multi_token_prediction.py, `MultiTokenPredictionLayer`): the
+  transformer layer of an MTP layer is ``transformer_layer`` up to 0.16, ``mtp_model_layer`` in
+  0.19 (so the parameter names, and a torch_dist checkpoint's keys, differ between releases).
+  `canonical_mtp_name` spells either as ``transformer_layer``, the conversion maps' name.
 - Refusals that exist because of an upstream limit (`REFUSALS`): each names the upstream line,
   the first release that lifts it (None: none up to 0.19.2, nor Megatron-LM main of
   2026-08-22), and `refusal(name)` says whether the installed release still has it.
@@ -109,6 +113,15 @@ def dsa_torch_path() -> bool:
 
     return "dsa_indexer_rotate_activation" in {f.name for f in dataclasses.fields(
         TransformerConfig)}
+
+
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.")
+
+
+def canonical_mtp_name(name: str) -> str:
+    """A parameter name of Megatron-Core's MTP block with its transformer layer spelled
+    ``transformer_layer`` (0.16.1's name; 0.19's ``mtp_model_layer`` is renamed)."""
+    return _MTP_LAYER.sub(r"\1transformer_layer.", name, count=1)
 
 
 def async_save_kwargs() -> dict:

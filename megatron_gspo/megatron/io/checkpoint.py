@@ -39,6 +39,7 @@ from megatron_gspo.convert.sources import (  # the on-disk format, shared with t
     META_NAME,
 )
 from megatron_gspo.convert.sharding import expert_index, layer_index, rename_indices, tp_shard
+from megatron_gspo.megatron.compat import canonical_mtp_name
 
 
 
@@ -103,13 +104,16 @@ def model_param_entries(
     for local, p in named:
         if local.endswith((".lora_a", ".lora_b")):
             continue  # LoRA factors (megatron.lora.adapters): exported merged into their weight
-        name = from_te_name(local)
+        name = canonical_mtp_name(from_te_name(local))
         li = layer_index(name)
         if li is not None:
             name = rename_indices(name, layer=layer_global[li])
             e = expert_index(name)
             if e is not None:
                 name = rename_indices(name, expert=e + _ep_rank() * num_local_experts[li])
+        elif name.startswith("mtp.") and expert_index(name) is not None and num_local_experts:
+            nle = next(iter(num_local_experts.values()))  # MTP's MoE layer: the decoder's count
+            name = rename_indices(name, expert=expert_index(name) + _ep_rank() * nle)
         if name == "output_layer.weight" and tied:
             out.append(ParamEntry(local, name, p, None))
             continue

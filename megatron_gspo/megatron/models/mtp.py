@@ -69,7 +69,8 @@ def attach_mtp(model, config, block_spec, use_te: bool, num_layers: int, vp_stag
     cfg.mtp_loss_scaling_factor = 0.0
     layer = get_mtp_layer_spec(mtp_layer_spec(block_spec), use_transformer_engine=use_te)
     spec = MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * num_layers)
-    block = MultiTokenPredictionBlock(config=cfg, spec=spec, vp_stage=vp_stage)
+    block = MultiTokenPredictionBlock(config=cfg, spec=spec, vp_stage=vp_stage,
+                                      pg_collection=getattr(model, "pg_collection", None))
     for p in block.parameters():
         p.requires_grad_(False)
     model.mtp = block
