@@ -104,6 +104,12 @@ def main(work: Path) -> None:
         sent = {k: t for b in export_hf_weights([model], cfg, bucket_bytes=1 << 20) for k, t in b}
         res["export_names_equal_checkpoint"] = sorted(sent) == sorted(reader.keys())
         res["export_bit_exact"] = all(torch.equal(sent[k], reader.get(k)) for k in sent)
+        draft = {k for b in export_hf_weights([model], cfg, bucket_bytes=1 << 20, only_mtp=True)
+                 for k, _ in b}
+        p = f"model.layers.{cfg['num_hidden_layers']}."
+        res["draft_export_is_the_mtp_layer"] = draft == {
+            k for k in reader.keys() if k.startswith(p) and "embed_tokens" not in k
+            and "shared_head.head" not in k}
         model.eval()
         with torch.no_grad():
             (mine,) = mtp_logits(model, tokens, pos)  # [B, S, V_pad]

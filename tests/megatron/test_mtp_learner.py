@@ -8,7 +8,9 @@ tiny DeepSeek-V3 and GLM-4.5 checkpoints with their MTP layer (tests/convert/tin
   compare against: `_keys_to_ignore_on_load_unexpected` drops model.layers.{N}.*);
 - with the block present the policy's token log-probs and every gradient are bit-identical to
   the model without it, and no MTP parameter is trainable (the MTP loss is off);
-- the weight-sync exporter sends every tensor of the checkpoint, MTP layer included, bit for bit.
+- the weight-sync exporter sends every tensor of the checkpoint, MTP layer included, bit for bit;
+  with `only_mtp` it sends the MTP layer's own tensors (``model.layers.{N}.*`` but the embedding
+  / head copies): what SGLang's NEXTN draft loads (tests/convert/test_sglang_nextn_names.py).
 """
 
 from __future__ import annotations
@@ -41,3 +43,4 @@ def test_mtp_block_matches_the_paper_reference_and_leaves_the_policy_unchanged(t
         assert r["mtp_vs_reference"] <= 1e-5, (arch, r)
         assert r["ref_scale"] > 0.1, (arch, r)
         assert r["export_names_equal_checkpoint"] and r["export_bit_exact"], (arch, r)
+        assert r["draft_export_is_the_mtp_layer"], (arch, r)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_gspo.convert import get_adapter
 from megatron_gspo.convert.base import ConversionError, to_hf_tensors
 from megatron_gspo.convert.fused_experts import SLICE_KINDS, ExpertSlices
+from megatron_gspo.convert.mtp import is_mtp
 from megatron_gspo.convert.sharding import expert_index, rename_indices, tp_unshard
 from megatron_gspo.megatron.io.checkpoint import (
     ParamEntry,
@@ -106,6 +107,7 @@ def export_hf_weights(
     dtype: torch.dtype | None = None,
     gather_pipeline: bool = True,
     only_adapted: bool = False,
+    only_mtp: bool = False,
 ) -> Iterator[Bucket]:
     """Yield the model's weights as buckets of (HF name, tensor) (collective).
 
@@ -119,6 +121,9 @@ def export_hf_weights(
             rank's stage (False).
         only_adapted: yield only the weights of LoRA-adapted layers (merged), for a
             receiver that already holds every other (frozen) weight.
+        only_mtp: yield only the multi-token-prediction layers' own tensors
+            (``model.layers.{num_hidden_layers + k}.*`` but their embedding / head copies): the
+            draft model SGLang's NEXTN speculative decoding loads (`convert.mtp`).
     Yields:
         lists of (name, tensor); tensors may share storage with live parameters (copy them
         before the next optimizer step if kept).
@@ -136,7 +141,11 @@ def export_hf_weights(
         for m in models
         for e in model_param_entries(m, maps, dims.tie_embeddings)
         if e.pm is not None and (not only_adapted or is_adapted_weight(e.param))
+        and (not only_mtp or is_mtp(e.canonical))
     ]
+    if only_mtp and not entries and ps.get_pipeline_model_parallel_world_size() == 1:
+        raise ConversionError("only_mtp: the model has no multi-token-prediction layer (build "
+                              "it with mtp=True from a checkpoint that has one)")
     ep_size = ps.get_expert_model_parallel_world_size()
     nle = dims.num_experts // ep_size if dims.num_experts else 0
     pp_size = ps.get_pipeline_model_parallel_world_size()
