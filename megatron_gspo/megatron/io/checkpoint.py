@@ -318,6 +318,15 @@ def load_checkpoint(models: list[torch.nn.Module], ckpt_dir: str | os.PathLike) 
                                   f"{missing[:3]}, unexpected {unexpected[:3]}")
 
 
+def checkpoint_has_mtp(ckpt_dir: str | os.PathLike) -> bool:
+    """The distributed checkpoint holds multi-token-prediction layers (its tensor index, read
+    with the trust `load_checkpoint` states)."""
+    from megatron.core import dist_checkpointing
+
+    return any(".mtp.layers." in f".{k}" for k in dist_checkpointing.load_tensors_metadata(
+        str(ckpt_dir)))
+
+
 def build_rank_models(
     hf_config: Mapping,
     *,

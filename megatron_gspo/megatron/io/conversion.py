@@ -31,6 +31,7 @@ from megatron_gspo.convert.guards import (
     compare_configs,
     model_fields,
 )
+from megatron_gspo.convert.mtp import declared_mtp_layers
 from megatron_gspo.convert.hf_io import (
     HFCheckpointReader,
     commit_output_dir,
@@ -152,6 +153,7 @@ def hf_to_mcore(
             params_dtype=dtype,
             sequence_parallel=layout.sequence_parallel,
             perform_initialization=False,  # every weight is overwritten
+            mtp=declared_mtp_layers(cfg) > 0,  # the reader counts the MTP layers present
         )
         cio.load_hf_weights(models, reader, adapter, dims, progress=progress and _is_rank0())
         meta = {
@@ -310,6 +312,7 @@ def mcore_to_hf(
             params_dtype=params_dtype,
             sequence_parallel=layout.sequence_parallel,
             perform_initialization=False,  # every weight is overwritten
+            mtp=cio.checkpoint_has_mtp(ckpt),
         )
         cio.load_checkpoint(models, ckpt)
         buckets = export_hf_weights(

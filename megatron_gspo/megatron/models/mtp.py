@@ -16,8 +16,9 @@ must stay the policy's alone: the policy forward here is the plain GPTModel forw
 parameters are frozen (``requires_grad=False``: no optimizer state, no weight decay) until a
 draft-training loss exists. `mtp_logits` runs the head on its own (drafting, tests).
 
-Supported: one pipeline stage holding the embedding and the output layer (PP = 1), TP 1, local
-or TE spec; refused otherwise with one line.
+The block is built on the last pipeline stage (as Megatron-Core places it), under TP / SP / EP
+for its weights (conversion, checkpoints, export); `mtp_logits` runs on one stage holding the
+embedding and the output layer, TP 1; context parallelism is refused in one line.
 """
 
 from __future__ import annotations
@@ -44,14 +45,14 @@ def attach_mtp(model, config, block_spec, use_te: bool, num_layers: int, vp_stag
     """Build Megatron-Core's MTP block and attach it as ``model.mtp`` (frozen).
 
     Args:
-        model: the GPTModel (one stage with embedding and output layer).
+        model: the GPTModel (nothing is built unless it is the last stage).
         config: its TransformerConfig.
         block_spec: the decoder's block spec (TransformerBlockSubmodules or a layer spec).
         use_te: the spec backend.
         num_layers: MTP layers to build.
         vp_stage: virtual pipeline stage (None).
     Returns:
-        the block.
+        the block (None on other stages).
     """
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock,
@@ -59,15 +60,19 @@ def attach_mtp(model, config, block_spec, use_te: bool, num_layers: int, vp_stag
         get_mtp_layer_spec,
     )
 
-    if not (model.pre_process and model.post_process):
-        raise MTPBuildError("MTP layers need the embedding and the output layer on one stage "
-                            "(pipeline parallelism with MTP is not supported yet)")
-    if config.tensor_model_parallel_size > 1 or config.context_parallel_size > 1:
-        raise MTPBuildError("MTP layers under tensor / context parallelism are not supported yet")
+    if not model.post_process:
+        return None  # Megatron-Core places every MTP layer on the last pipeline stage
+    if config.context_parallel_size > 1:
+        raise MTPBuildError("MTP layers under context parallelism are not supported yet")
     cfg = copy.copy(config)
     cfg.mtp_num_layers = num_layers
     cfg.mtp_loss_scaling_factor = 0.0
     layer = get_mtp_layer_spec(mtp_layer_spec(block_spec), use_transformer_engine=use_te)
+    if config.sequence_parallel and not use_te:  # the torch norm refuses SP
+        from megatron_gspo.megatron.models.local_layers import SequenceParallelRMSNorm
+
+        sub = layer.submodules
+        sub.enorm = sub.hnorm = sub.layer_norm = SequenceParallelRMSNorm
     spec = MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * num_layers)
     block = MultiTokenPredictionBlock(config=cfg, spec=spec, vp_stage=vp_stage,
                                       pg_collection=getattr(model, "pg_collection", None))
@@ -94,6 +99,11 @@ def mtp_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor) -> list[
     from megatron_gspo.megatron.io.checkpoint import unwrap
 
     model = unwrap(model)
+    if getattr(model, "mtp", None) is None or not model.pre_process:
+        raise MTPBuildError("mtp_logits needs a model with MTP layers and its embedding on one "
+                            "stage (pipeline parallelism: not supported yet)")
+    if model.config.tensor_model_parallel_size > 1:
+        raise MTPBuildError("mtp_logits under tensor parallelism is not supported yet")
     seen = {}
     hook = model.decoder.register_forward_hook(lambda m, a, out: seen.update(h=out))
     try:
