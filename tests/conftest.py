@@ -34,6 +34,10 @@ MCORE_NEW = (
     "tests/megatron/test_moe_without_te.py",
     "tests/megatron/test_mtp_learner.py",
     "tests/convert/test_mtp_convert.py",
+    "tests/convert/test_mtp_cli.py::test_cli_roundtrip_keeps_the_mtp_layer_bit_exact"
+    "[write0-read0-DeepseekV3ForCausalLM]",
+    "tests/convert/test_mtp_cli.py::test_cli_roundtrip_keeps_the_mtp_layer_bit_exact"
+    "[write1-read1-Glm4MoeForCausalLM]",
     "tests/convert/test_dsa_parity.py",
     "tests/megatron/test_dsa_train.py",
 )
