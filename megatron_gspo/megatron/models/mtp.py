@@ -96,9 +96,8 @@ def mtp_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor) -> list[
     Returns:
         D tensors [B, S, V_pad]; the last k positions of layer k see a rolled-in token 0.
     """
-    from megatron_gspo.megatron.io.checkpoint import unwrap
-
-    model = unwrap(model)
+    while hasattr(model, "module"):  # DDP / Float16Module wrappers
+        model = model.module
     if getattr(model, "mtp", None) is None or not model.pre_process:
         raise MTPBuildError("mtp_logits needs a model with MTP layers and its embedding on one "
                             "stage (pipeline parallelism: not supported yet)")
