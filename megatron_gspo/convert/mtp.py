@@ -34,11 +34,16 @@ from dataclasses import replace
 from megatron_gspo.convert.base import ParamMap
 
 CONFIG_KEY = "num_nextn_predict_layers"
+# families whose MTP layers are converted and built (tested); others (DeepSeek-V3.2, GLM-5:
+# their MTP layer is a sparse-attention layer) keep refusing a checkpoint that has them
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 SPEC_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")  # SGLang's nextn_spec_weight_names
 
 
 def declared_mtp_layers(cfg: Mapping) -> int:
-    """MTP layers a config.json declares (0 when absent)."""
+    """MTP layers a config.json declares (0 when absent or not an `MTP_ARCHITECTURES` one)."""
+    if (cfg.get("architectures") or [None])[0] not in MTP_ARCHITECTURES:
+        return 0
     return int(cfg.get(CONFIG_KEY) or 0)
 
 
@@ -59,10 +64,10 @@ def present_mtp_layers(cfg: Mapping, names: Iterable[str]) -> int:
 
 
 def with_present_mtp_layers(cfg: Mapping, names: Iterable[str]) -> dict:
-    """Copy of `cfg` whose `CONFIG_KEY` counts the MTP layers the checkpoint really has (the
-    key is left out when the config does not declare any)."""
+    """Copy of `cfg` whose `CONFIG_KEY` counts the MTP layers the checkpoint really has (left
+    as it is when the config declares none or the family is not in `MTP_ARCHITECTURES`)."""
     out = dict(cfg)
-    if CONFIG_KEY in out:
+    if CONFIG_KEY in out and declared_mtp_layers(cfg):
         out[CONFIG_KEY] = present_mtp_layers(cfg, names)
     return out
 
