@@ -2,8 +2,9 @@
 kept by the conversion, both ways, bit for bit, under Megatron-Core's MTP names.
 
 Before this change the adapters had no map for ``model.layers.{num_hidden_layers}.*``:
-`validate_hf_checkpoint` refused such a checkpoint ("tensor 'model.layers.4.embed_tokens.weight'
-... is not mapped"), and the learner's loader, which reads only mapped tensors, dropped them.
+`validate_hf_checkpoint` refused such a checkpoint (measured on the previous commit, 05d36f9:
+"tensor 'model.layers.4.eh_proj.weight' in ... is not mapped for DeepseekV3ForCausalLM", every
+test here failing), and the learner's loader, which reads only mapped tensors, dropped them.
 """
 
 from __future__ import annotations
