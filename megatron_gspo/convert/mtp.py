@@ -113,6 +113,13 @@ def share_vocab_maps(maps: list[ParamMap], dims) -> list[ParamMap]:
     return out
 
 
+def without_mtp_copies(pm: ParamMap) -> ParamMap:
+    """`pm` without the MTP layers' copies (for a model built without its MTP layers)."""
+    if pm.kind != "vocab_shared":
+        return pm
+    return replace(pm, hf=pm.hf[:1], kind="vocab", shapes=pm.shapes[:1])
+
+
 def is_mtp(name: str) -> bool:
     """A Megatron-Core name of the MTP block."""
     return name.startswith("mtp.")

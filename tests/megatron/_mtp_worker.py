@@ -90,6 +90,14 @@ def main(work: Path) -> None:
             lp = _logprob_sum(model(tokens, pos, None), tokens, vocab)
             lp.sum().backward()
             grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+            if not with_mtp:  # the config declares the MTP layer, the model has none
+                from megatron_gspo.megatron.io.export import export_hf_weights
+
+                p = f"model.layers.{cfg['num_hidden_layers']}."
+                names = {k for b in export_hf_weights([model], cfg, bucket_bytes=1 << 20)
+                         for k, _ in b}
+                res["no_mtp_export_is_the_main_model"] = names == {
+                    k for k in reader.keys() if not k.startswith(p)}
             runs[with_mtp] = (lp.detach(), grads, n, model)
         (lp0, g0, n0, _), (lp1, g1, n1, model) = runs[False], runs[True]
         res["params_loaded"] = [n0, n1]

@@ -10,7 +10,8 @@ tiny DeepSeek-V3 and GLM-4.5 checkpoints with their MTP layer (tests/convert/tin
   the model without it, and no MTP parameter is trainable (the MTP loss is off);
 - the weight-sync exporter sends every tensor of the checkpoint, MTP layer included, bit for bit;
   with `only_mtp` it sends the MTP layer's own tensors (``model.layers.{N}.*`` but the embedding
-  / head copies): what SGLang's NEXTN draft loads (tests/convert/test_sglang_nextn_names.py).
+  / head copies): what SGLang's NEXTN draft loads (tests/convert/test_sglang_nextn_names.py);
+  a model built without its MTP layer (the default) from the same config exports none of it.
 """
 
 from __future__ import annotations
@@ -44,3 +45,4 @@ def test_mtp_block_matches_the_paper_reference_and_leaves_the_policy_unchanged(t
         assert r["ref_scale"] > 0.1, (arch, r)
         assert r["export_names_equal_checkpoint"] and r["export_bit_exact"], (arch, r)
         assert r["draft_export_is_the_mtp_layer"], (arch, r)
+        assert r["no_mtp_export_is_the_main_model"], (arch, r)

@@ -38,6 +38,7 @@ from megatron_gspo.convert.sources import (  # the on-disk format, shared with t
     HF_SIDE_DIR,
     META_NAME,
 )
+from megatron_gspo.convert.mtp import without_mtp_copies
 from megatron_gspo.convert.sharding import expert_index, layer_index, rename_indices, tp_shard
 from megatron_gspo.megatron.compat import canonical_mtp_name
 
@@ -119,7 +120,8 @@ def model_param_entries(
             continue
         if name not in maps:
             raise ConversionError(f"model parameter '{local}' ({name}) has no Hugging Face mapping")
-        out.append(ParamEntry(local, name, p, _spec_map(model, local, maps[name])))
+        pm = maps[name] if getattr(model, "mtp_layers", 0) else without_mtp_copies(maps[name])
+        out.append(ParamEntry(local, name, p, _spec_map(model, local, pm)))
     return out
 
 

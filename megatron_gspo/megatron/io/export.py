@@ -70,7 +70,7 @@ def _stage_tensors(
     slices = ExpertSlices()  # gpt-oss: one HF tensor holds every expert of a layer
     for entry in entries:
         for canonical, full in _full_tensors(entry, num_local_experts):
-            pm = maps[canonical]
+            pm = entry.pm if canonical == entry.canonical else maps[canonical]
             for name, t in zip(pm.hf, to_hf_tensors(pm, full, dims), strict=True):
                 if pm.kind in SLICE_KINDS:
                     t = slices.add(pm, name, t)
@@ -91,7 +91,7 @@ def _stage_meta(entries, maps, dims, dtype, num_local_experts, ep_size) -> list:
                 for r in range(ep_size)
             ]
         for c in names:
-            pm = maps[c]
+            pm = entry.pm if c == entry.canonical else maps[c]
             for name, shape in zip(pm.hf, pm.shapes, strict=True):
                 if pm.kind in SLICE_KINDS and not slices.add(pm, name, None):
                     continue

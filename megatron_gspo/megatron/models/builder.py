@@ -391,9 +391,9 @@ def build_gpt_model(
     )
     if hasattr(family, "post_build"):
         family.post_build(model, hf_config)
-    if mtp_models.num_mtp_layers(hf_config, mtp):
-        mtp_models.attach_mtp(model, config, spec, use_te,
-                              mtp_models.num_mtp_layers(hf_config, mtp), vp_stage)
+    model.mtp_layers = mtp_models.num_mtp_layers(hf_config, mtp)  # on every stage
+    if model.mtp_layers:
+        mtp_models.attach_mtp(model, config, spec, use_te, model.mtp_layers, vp_stage)
     pad = pad_id_of(hf_config, int(_need(hf_config, "vocab_size")))
     if pre_process and pad is not None:  # transformers' padding_idx
         keep_pad_row_frozen(model.embedding.word_embeddings, pad)
