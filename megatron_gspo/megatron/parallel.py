@@ -155,10 +155,7 @@ def _model_errors(lay: ParallelLayout, hf: dict) -> list[str]:
         if reason is not None:
             errs.append(f"gpt-oss experts have biases: {reason} (got {etp}): set "
                         "parallel.expert_tensor=1")
-    if lay.tensor > 1:  # (imports Megatron-Core: only where TP needs it anyway)
-        from megatron_gspo.megatron.models.deepseek_v32 import layout_errors
-
-        errs += layout_errors(hf, lay.tensor)
+    errs += dsa_layout_errors(hf, lay.tensor)
     if lay.context > 1:
         from megatron_gspo.megatron.fallbacks import te_available
 
@@ -166,6 +163,20 @@ def _model_errors(lay: ParallelLayout, hf: dict) -> list[str]:
             errs.append("parallel.context > 1 needs Transformer Engine attention "
                         "(Megatron-Core's local attention has no context parallelism)")
     return errs
+
+
+DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")  # models/deepseek_v32.py
+DSA_NO_TP = ("{arch} with parallel.tensor > 1 is not supported yet (DeepSeek sparse attention "
+             "is measured in one process, under PP2 and EP2; Megatron-Core's "
+             "AbsorbedMLASelfAttention also needs sequence parallelism under TP)")
+
+
+def dsa_layout_errors(hf_config: dict, tensor_parallel: int) -> list[str]:
+    """The layouts the DeepSeek sparse attention families refuse (one line each)."""
+    arch = (hf_config.get("architectures") or [None])[0]
+    if arch in DSA_ARCHITECTURES and tensor_parallel > 1:
+        return [DSA_NO_TP.format(arch=arch)]
+    return []
 
 
 def initialize(layout: ParallelLayout, *, seed: int = 1234, timeout_s: float | None = None,

@@ -40,9 +40,10 @@ def _batch(stale_shift=0.05):
 
 
 def _cfg(old="auto", correction="none"):
+    audit = {} if old == "recompute" else {"audit_fraction": 1.0}  # recompute: every step
     return config_from_dict({"rollout": {"mode": "async"},
-                             "precision": {"old_logprobs": old, "audit_fraction": 1.0,
-                                           "correction": correction}})
+                             "precision": {"old_logprobs": old, "correction": correction,
+                                           **audit}})
 
 
 def _controller(cfg):

@@ -28,7 +28,7 @@ Local spec only (`LOCAL_ONLY`): Megatron-Core builds the DSA layers from a backe
 `linear()` (duplicated linears), which its `LocalSpecProvider` lacks; `_LocalDSABackend` adds
 Megatron-Core's own replicated `Linear` (`post_training/modelopt/layers.py`). Refused in one
 line: megatron-core 0.16.1 (`NO_DSA`: its indexer always applies the CUDA-only Hadamard
-rotation), tensor parallelism (`layout_errors`: not measured
+rotation), tensor parallelism (`parallel.dsa_layout_errors`: not measured
 yet; upstream asserts sequence parallelism for `AbsorbedMLASelfAttention`), and DeepSeek-V3's
 refusals.
 """
@@ -106,18 +106,9 @@ def config_fields(cfg: dict, use_te: bool) -> dict:
     return fields
 
 
-DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
-NO_TP = ("{arch} with parallel.tensor > 1 is not supported yet (DeepSeek sparse attention is "
-         "measured in one process, under PP2 and EP2; Megatron-Core's AbsorbedMLASelfAttention "
-         "also needs sequence parallelism under TP)")
-
-
-def layout_errors(hf_config: dict, tensor_parallel: int) -> list[str]:
-    """One line per layout the DSA families refuse (`parallel.check_layout` lists them)."""
-    arch = (hf_config.get("architectures") or [None])[0]
-    if arch in DSA_ARCHITECTURES and tensor_parallel > 1:
-        return [NO_TP.format(arch=arch)]
-    return []
+# The TP refusal lives with the other layout checks (parallel.py, a lower layer).
+from megatron_gspo.megatron.parallel import (  # noqa: E402,F401
+    DSA_ARCHITECTURES, DSA_NO_TP, dsa_layout_errors)
 
 
 class _LocalDSABackend:
@@ -184,7 +175,7 @@ def block_spec(config, use_te: bool, vp_stage: int | None, patch_local):
     if use_te:
         raise DeepseekConfigError(LOCAL_ONLY)
     if config.tensor_model_parallel_size > 1:
-        raise DeepseekConfigError(NO_TP.format(arch="DeepSeek sparse attention"))
+        raise DeepseekConfigError(DSA_NO_TP.format(arch="DeepSeek sparse attention"))
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         _validate_dsa_index_share_pipeline_split,
     )
