@@ -67,6 +67,9 @@ class Learner(LearnerState):
         lora: LoRA adapters (`megatron.lora.adapters.LoraSettings`) on the targeted layers, every
             other weight frozen and only the adapters in the optimizer; with `reference` the KL
             reference is this model with its adapters off (no second model is built).
+        mtp: also build the config's multi-token-prediction layers, frozen and outside the
+            policy forward (`models.mtp`); the weight sync then sends them too, which only an
+            engine serving them (SGLang's NEXTN draft) accepts.
     """
 
     def __init__(self, hf_config: dict, *, layout: parallel.ParallelLayout | None = None,
@@ -76,7 +79,7 @@ class Learner(LearnerState):
                  model_kwargs: dict | None = None, reference: bool = False,
                  reference_offload: bool = False, routing_replay: str = "none",
                  offload_outside_step: bool = False,
-                 lora: lora_.LoraSettings | None = None):
+                 lora: lora_.LoraSettings | None = None, mtp: bool = False):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.transformer.module import Float16Module
@@ -112,6 +115,7 @@ class Learner(LearnerState):
                     hf_config, config=self.config, use_te=use_te, vp_stage=vps,
                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vps),
                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vps),
+                    mtp=mtp,
                 ).to(device))
             return out
 

@@ -62,6 +62,43 @@ def _logprob_sum(logits, tokens, vocab):
     return lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # [B, S-1]
 
 
+def learner_gspo_with_and_without_mtp(hf_dir: Path) -> dict:
+    """One GSPO forward-backward of the real Learner (2 micro-batches, fixed samples) with and
+    without the MTP block: loss and every gradient bit-identical?"""
+    import random
+
+    from megatron_gspo.data.sample import Sample
+    from megatron_gspo.megatron.learner import BatchSettings, Learner
+    from megatron_gspo.megatron.optimizer import OptimSettings
+    from megatron_gspo.megatron.step import LossSettings
+    from tests.megatron._family_train_worker import _load_hf
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    rng = random.Random(0)
+    samples = [Sample(prompt_ids=[rng.randrange(2, 150) for _ in range(3 + i % 3)],
+                      response_ids=[rng.randrange(2, 150) for _ in range(4 + i % 4)],
+                      loss_mask=[1] * (4 + i % 4), index=i, advantage=rng.uniform(-1, 1))
+               for i in range(6)]
+    runs = {}
+    for mtp in (False, True):
+        L = Learner(cfg, optim=OptimSettings(lr=1e-3), seed=11, mtp=mtp,
+                    loss=LossSettings(kind="gspo", eps_low=3e-4, eps_high=4e-4),
+                    batching=BatchSettings(num_microbatches=2))
+        _load_hf(L, hf_dir)
+        old = [[x + 0.01 for x in lp] for lp in L.forward_logprobs(samples)]
+        m = L.forward_backward(samples, old)
+        runs[mtp] = (m["loss"], L.full_grads(),
+                     sum(1 for n, _ in L.chunks[0].named_parameters() if n.startswith("mtp.")))
+        L.shutdown()
+    (l0, g0, n0), (l1, g1, n1) = runs[False], runs[True]
+    return {"learner_mtp_params": [n0, n1], "learner_loss": [l0, l1],
+            "learner_gspo_equal": l0 == l1 and set(g0) <= set(g1)
+            and all(torch.equal(g0[k], g1[k]) for k in g0),
+            # full_grads lists the frozen MTP weights too: gradient zero
+            "learner_mtp_grads_zero": all(k.startswith("mtp.") and not g1[k].any()
+                                          for k in set(g1) - set(g0))}
+
+
 def main(work: Path) -> None:
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
@@ -128,6 +165,7 @@ def main(work: Path) -> None:
         from megatron_gspo.megatron.parallel import shutdown
 
         shutdown()
+        res.update(learner_gspo_with_and_without_mtp(hf_dir))
     print("RESULT " + json.dumps(out))
 
 

@@ -7,7 +7,9 @@ tiny DeepSeek-V3 and GLM-4.5 checkpoints with their MTP layer (tests/convert/tin
   shared head) within 1e-5 in fp32 (measured 1.8e-7 for both; transformers has no MTP module to
   compare against: `_keys_to_ignore_on_load_unexpected` drops model.layers.{N}.*);
 - with the block present the policy's token log-probs and every gradient are bit-identical to
-  the model without it, and no MTP parameter is trainable (the MTP loss is off);
+  the model without it, and no MTP parameter is trainable (the MTP loss is off); the same for
+  the real Learner's GSPO forward-backward (`Learner(mtp=True)`, two micro-batches): loss and
+  every gradient bit-identical;
 - the weight-sync exporter sends every tensor of the checkpoint, MTP layer included, bit for bit;
   with `only_mtp` it sends the MTP layer's own tensors (``model.layers.{N}.*`` but the embedding
   / head copies): what SGLang's NEXTN draft loads (tests/convert/test_sglang_nextn_names.py);
@@ -41,6 +43,8 @@ def test_mtp_block_matches_the_paper_reference_and_leaves_the_policy_unchanged(t
         assert r["mtp_params"] > 0 and r["mtp_trainable"] == 0, (arch, r)
         assert r["params_loaded"][1] > r["params_loaded"][0], (arch, r)
         assert r["logprobs_equal"] and r["grads_equal"], (arch, r)
+        assert r["learner_mtp_params"][0] == 0 and r["learner_mtp_params"][1] > 0, (arch, r)
+        assert r["learner_gspo_equal"] and r["learner_mtp_grads_zero"], (arch, r)
         assert r["mtp_vs_reference"] <= 1e-5, (arch, r)
         assert r["ref_scale"] > 0.1, (arch, r)
         assert r["export_names_equal_checkpoint"] and r["export_bit_exact"], (arch, r)
