@@ -35,6 +35,9 @@ from megatron_gspo.convert.te_names import from_te_name, to_te_name  # noqa: F40
 GLU_KINDS = ("glu", "fused_fc1", "fused_fc1_bias")  # [gate; up] in Megatron: split per half
 VOCAB_KINDS = ("vocab", "vocab_shared")  # vocab_shared: more HF copies (MTP, convert.mtp)
 KINDS = ("copy", "qkv", "qkv_bias", "glu", *VOCAB_KINDS, *SLICE_KINDS)
+# family-specific layouts: kind -> (to_mcore(tensors, dims), to_hf(full, dims) -> tensors),
+# registered by the adapter module that uses them (convert/qwen3_next.py)
+LAYOUTS: dict[str, tuple[Callable, Callable]] = {}
 
 
 class ConversionError(ValueError):
@@ -184,6 +187,8 @@ def to_mcore_tensor(
             )
     if pm.kind in ("qkv", "qkv_bias"):
         return _qkv_to_mcore(*tensors, dims)
+    if pm.kind in LAYOUTS:
+        return LAYOUTS[pm.kind][0](tensors, dims)
     if pm.kind in SLICE_KINDS:
         return slice_to_mcore(pm.kind, tensors[0][pm.index])
     if pm.kind == "glu":
@@ -213,6 +218,8 @@ def to_hf_tensors(pm: ParamMap, full: torch.Tensor, dims: ModelDims) -> list[tor
     """Split a full Megatron-Core tensor back into its HF tensors (same order as ``pm.hf``)."""
     if pm.kind in ("qkv", "qkv_bias"):
         return _qkv_to_hf(full, dims)
+    if pm.kind in LAYOUTS:
+        return LAYOUTS[pm.kind][1](full, dims)
     if pm.kind in SLICE_KINDS:  # this expert's piece, in the HF layout (`ExpertSlices` stacks)
         return [slice_to_hf(pm.kind, full)]
     if pm.kind == "glu":

@@ -15,6 +15,7 @@ from megatron_gspo.convert.llama import LlamaAdapter
 from megatron_gspo.convert.qwen2 import Qwen2Adapter
 from megatron_gspo.convert.qwen3 import Qwen3Adapter
 from megatron_gspo.convert.qwen3_moe import Qwen3MoeAdapter
+from megatron_gspo.convert.qwen3_next import Qwen3NextAdapter
 
 _ADAPTERS: tuple[type[StateDictAdapter], ...] = (
     LlamaAdapter,
@@ -27,6 +28,7 @@ _ADAPTERS: tuple[type[StateDictAdapter], ...] = (
     Glm4MoeAdapter,
     GlmMoeDsaAdapter,
     GptOssAdapter,
+    Qwen3NextAdapter,
 )
 
 

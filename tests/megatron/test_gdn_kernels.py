@@ -1,5 +1,5 @@
 """The torch stand-ins for fla's `l2norm` / `causal_conv1d` and Dao-AILab's `causal_conv1d_fn`
-(megatron_gspo/megatron/gdn_kernels.py) against transformers' qwen3_next torch paths
+(megatron_gspo/megatron/models/gdn_kernels.py) against transformers' qwen3_next torch paths
 (`l2norm`, `causal_conv1d_fn`, `causal_conv1d_update`), to <= 1e-6 in fp32."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_gspo.megatron import gdn_kernels as gk
+from megatron_gspo.megatron.models import gdn_kernels as gk
 
 TOL = 1e-6
 

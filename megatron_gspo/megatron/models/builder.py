@@ -64,6 +64,7 @@ from megatron_gspo.megatron.models import gemma3
 from megatron_gspo.megatron.models import glm4_moe
 from megatron_gspo.megatron.models import glm_moe_dsa
 from megatron_gspo.megatron.models import gpt_oss
+from megatron_gspo.megatron.models import qwen3_next
 from megatron_gspo.megatron.models import mtp as mtp_models
 from megatron_gspo.megatron.compat import submodules
 from megatron_gspo.megatron.fallbacks import bind_missing_te_names, te_available
@@ -85,10 +86,11 @@ SUPPORTED_ARCHITECTURES = (
     glm4_moe.ARCHITECTURE,
     glm_moe_dsa.ARCHITECTURE,
     gpt_oss.ARCHITECTURE,
+    qwen3_next.ARCHITECTURE,
 )
 # families whose config fields and layer specs live in a module of their own
 _FAMILIES = {m.ARCHITECTURE: m for m in (deepseek_v3, deepseek_v32, gemma3, glm4_moe,
-                                         glm_moe_dsa, gpt_oss)}
+                                         glm_moe_dsa, gpt_oss, qwen3_next)}
 
 
 def _resolve_te(hf_config: dict, use_te: bool | None) -> bool:
