@@ -21,7 +21,7 @@ DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 
 # Losses that take per-token advantages (turn-level agent advantages): see megatron/step.py.
 TOKEN_ADVANTAGE_LOSSES = ("gspo_token", "grpo", "sapo", "cispo")
 
-LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts")  # megatron/lora/adapters.py
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts", "shared_experts")  # lora/adapters.py
 
 
 @dataclass

@@ -8,8 +8,10 @@ layout trained them), then
   - the merged model (base + scale * B A in every adapted layer) streams through the same
     `export_hf_weights` as the weight sync into sharded safetensors with the base's config and
     tokenizer files.
-PEFT's LoRA wraps `nn.Linear` modules: transformers 5 stores Qwen3-MoE experts as fused 3-D
-parameters, so expert adapters are exported merged only (the PEFT writer refuses them).
+Routed-expert adapters go to peft's `target_parameters` on transformers 5's fused 3-D expert
+tensors; what peft cannot load (shared experts or dense MLP layers of an MoE model, gpt-oss
+experts, expert adapters with dropout) is refused before any weight is read
+(`lora_io.peft_refusal`): export --merged.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def check_lora_to_peft(ckpt: str, base: str | None, out: str, merged: str | None
     from megatron_gspo.convert.guards import check_out_disjoint
     from megatron_gspo.convert.hf_io import read_config
     from megatron_gspo.convert.sources import resolve_checkpoint
-    from megatron_gspo.megatron.lora.io import base_mismatch, read_adapter_info
+    from megatron_gspo.megatron.lora.io import base_mismatch, peft_refusal, read_adapter_info
 
     src = resolve_checkpoint(ckpt)
     info = read_adapter_info(src.dist_dir)
@@ -59,9 +61,9 @@ def check_lora_to_peft(ckpt: str, base: str | None, out: str, merged: str | None
     for path, flag in ((out, "--out"), (merged, "--merged")):
         if path is not None and Path(path).exists() and not force:
             raise ConversionError(f"{flag} {path} exists (pass --force to overwrite)")
-    if "experts" in info["targets"] and out is not None:
-        raise ConversionError("the checkpoint adapts routed experts, which PEFT cannot load "
-                              "onto transformers' fused experts; export --merged only")
+    refusal = peft_refusal(info["targets"], read_config(base), float(info.get("dropout") or 0))
+    if refusal and out is not None:
+        raise ConversionError(f"--out {out}: {refusal}")
     return {"ckpt": str(src.dist_dir), "base": str(base), "info": info,
             "hf_config": read_config(base)}
 
@@ -106,7 +108,8 @@ def lora_to_peft(ckpt: str, base: str, info: dict, hf_config: dict, out: str | N
             tmp = prepare_output_dir(out, force)
             full = {k: v for k, v in weights.gather_full(models, dims.tie_embeddings).items()
                     if lora.is_adapter_name(k)}
-            write_peft_adapter(tmp, full, dims, settings, base, dtype or torch.float32)
+            write_peft_adapter(tmp, full, dims, settings, base, dtype or torch.float32,
+                               arch=(cfg.get("architectures") or [None])[0])
         if merged is not None:
             buckets = export_hf_weights(models, cfg, bucket_bytes=256 * 2**20, dtype=dtype)
             save_hf_checkpoint(((n, t) for b in buckets for n, t in b), merged,

@@ -4,11 +4,13 @@ A targeted linear layer W (frozen) gets two trainable factors, A [r, in] and B [
 computes y = W x + (alpha / r) * B A dropout(x). B starts at zero, so step 0 is the base model.
 
 Targets (`TARGETS`): `qkv` (self_attention.linear_qkv), `proj` (self_attention.linear_proj),
-`fc1` / `fc2` (dense mlp.linear_fc1 / linear_fc2) and `experts` (linear_fc1 and linear_fc2 of
-every routed expert of a SequentialMLP, the local spec's experts). The fused QKV and [gate; up]
-layers carry ONE adapter each (A shared by q, k and v, B with the fused layer's rows): a PEFT
-export writes it as per-projection adapters of the same rank (the same A for each, B cut like
-the weight), which is exact.
+`fc1` / `fc2` (dense mlp.linear_fc1 / linear_fc2), `experts` (linear_fc1 and linear_fc2 of
+every routed expert of a SequentialMLP, the local spec's experts) and `shared_experts`
+(mlp.shared_experts.linear_fc1 / linear_fc2 of DeepSeek-V3 / GLM-4.5-style MoE layers: a
+SharedExpertMLP is a dense MLP on the tensor-parallel group, adapted like `fc1` / `fc2`).
+The fused QKV and [gate; up] layers carry ONE adapter each (A shared by q, k and v, B with
+the fused layer's rows): a PEFT export writes it as per-projection adapters of the same rank
+(the same A for each, B cut like the weight), which is exact.
 
 Tensor parallelism (the factors are sharded like their base layer):
   - column-parallel base (qkv, fc1): A [r, in] replicated, B [out/tp, r] split on the output;
@@ -39,8 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-TARGETS = ("qkv", "proj", "fc1", "fc2", "experts")
-_COLUMN = ("qkv", "fc1", "experts.fc1")
+TARGETS = ("qkv", "proj", "fc1", "fc2", "experts", "shared_experts")
+_COLUMN = ("qkv", "fc1", "experts.fc1", "shared_experts.fc1")
 
 
 class LoraError(ValueError):
@@ -81,7 +83,9 @@ def target_of(name: str) -> str | None:
         return "experts.fc2" if name.endswith(".linear_fc2") else None
     if name.endswith((".mlp.experts.linear_fc1", ".mlp.experts.linear_fc2")):
         return "experts.grouped"
-    for suffix, kind in ((".self_attention.linear_qkv", "qkv"),
+    for suffix, kind in ((".mlp.shared_experts.linear_fc1", "shared_experts.fc1"),
+                         (".mlp.shared_experts.linear_fc2", "shared_experts.fc2"),
+                         (".self_attention.linear_qkv", "qkv"),
                          (".self_attention.linear_proj", "proj"),
                          (".mlp.linear_fc1", "fc1"), (".mlp.linear_fc2", "fc2")):
         if name.endswith(suffix):
@@ -179,7 +183,7 @@ def attach(chunks: list, settings: LoraSettings, seed: int = 1234) -> int:
                 continue
             if not hasattr(m, "weight") or m.weight is None:
                 raise LoraError(f"model.lora: {name} has no weight to adapt")
-            expert = kind.startswith("experts")
+            expert = kind.startswith("experts.")
             if expert:
                 group, size = (ps.get_expert_tensor_parallel_group(),
                                ps.get_expert_tensor_parallel_world_size())
@@ -223,7 +227,8 @@ def attach(chunks: list, settings: LoraSettings, seed: int = 1234) -> int:
     missing = [t for t in settings.targets if t not in seen]
     if missing and any(c.decoder is not None and len(c.decoder.layers) for c in chunks):
         raise LoraError(f"model.lora.targets: {missing[0]!r} matches no layer of this model "
-                        "(dense models have no experts; MoE layers have no dense fc1 / fc2)")
+                        "(dense models have no experts; MoE layers have no dense fc1 / fc2; "
+                        "only DeepSeek-V3 / GLM-4.5-style MoE layers have shared experts)")
     return count
 
 
@@ -303,7 +308,8 @@ def sharded_state_dict(chunks: list) -> dict:
                         replica_id=(0, 0, dp_rank))
                 else:
                     sh = ShardedTensor.from_rank_offsets(key, p, replica_id=(0, tp_rank, dp_rank))
-                if factor == "lora_b" and info.kind == "fc1" and chunk.config.gated_linear_unit:
+                if factor == "lora_b" and info.kind in ("fc1", "shared_experts.fc1") \
+                        and chunk.config.gated_linear_unit:
                     sh = apply_swiglu_sharded_factory(sh, ())  # rows [gate_r; up_r] per rank
                 out[key] = sh
     return out

@@ -9,8 +9,21 @@ The PEFT export (`peft_state_dict`, `write_peft_adapter`) writes `adapter_config
 `adapter_model.safetensors` with PEFT's names for the Hugging Face model
 (`base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`, ...): the fused QKV
 adapter becomes q/k/v adapters sharing A (B cut into the q, k, v rows), the fused [gate; up]
-adapter becomes gate_proj/up_proj adapters sharing A; routed experts map to
-`mlp.experts.<e>.{gate,up,down}_proj`.
+adapter becomes gate_proj/up_proj adapters sharing A.
+
+Routed experts: transformers 5.x stores a layer's experts as two 3-D parameters
+(`mlp.experts.gate_up_proj` [E, 2F, H], `mlp.experts.down_proj` [E, H, F]: Qwen3-MoE, DeepSeek-V3,
+GLM-4.5), and peft (>= 0.17; checked with 0.21.2, tuners/lora/layer.py `ParamWrapper`) adapts
+them through `target_parameters`: one wrapper per parameter, A [E*r, in] (expert e's rows
+e*r..e*r+r-1) and B [out, r*E] (expert e's column j at j*E + e), wrappers nested in the
+module's parameter order (gate_up_proj inner: `mlp.experts.base_layer.lora_*`, down_proj outer:
+`mlp.experts.lora_*`). The learner's per-expert [gate; up] / down adapters map onto that exactly.
+Refused in one line (`PeftExportError`): gpt-oss's experts (transposed, interleaved gate/up), an
+expert adapter with dropout (peft's ParamWrapper has none), and adapters on shared experts or
+dense MLP layers of an MoE model: on load peft rewrites every gate_proj / up_proj / down_proj
+target of these architectures into the routed experts' fused parameters
+(utils/transformers_weight_conversion.py `_convert_peft_config_moe`, model types mapped to
+qwen2_moe), so such an adapter cannot be expressed.
 """
 
 from __future__ import annotations
@@ -82,29 +95,97 @@ def check_adapter_info(path: str | os.PathLike, settings: LoraSettings) -> None:
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.(lora_a|lora_b)$")
 
 
-def peft_state_dict(full: dict[str, torch.Tensor], dims) -> dict[str, torch.Tensor]:
+class PeftExportError(ValueError):
+    """An adapter PEFT cannot load (the reason in one line)."""
+
+
+_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\."
+                     r"(linear_fc[12])\.(lora_a|lora_b)$")
+
+
+def _fused_experts(full: dict[str, torch.Tensor], out: dict[str, torch.Tensor], pre: str) -> None:
+    """Routed experts' adapters as peft's `ParamWrapper` factors of the 3-D expert parameters."""
+    by: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
+    for name, t in full.items():
+        m = _EXPERT.match(name)
+        by.setdefault((int(m.group(1)), m.group(3), m.group(4)), {})[int(m.group(2))] = t
+    for (layer, fc, factor), per in sorted(by.items()):
+        if sorted(per) != list(range(len(per))):
+            raise PeftExportError(f"layer {layer}: expert adapters {sorted(per)} are not 0..E-1")
+        ts = [per[e] for e in range(len(per))]
+        where = "mlp.experts.base_layer" if fc == "linear_fc1" else "mlp.experts"
+        if factor == "lora_a":  # [E*r, in]
+            t, ab = torch.cat(ts, dim=0), "lora_A"
+        else:  # [out, r, E] -> [out, r*E]: expert e's column j at j*E + e
+            t, ab = torch.stack(ts, dim=-1).reshape(ts[0].shape[0], -1), "lora_B"
+        out[f"{pre}.{layer}.{where}.{ab}.weight"] = t.contiguous().clone()
+
+
+def peft_refusal(targets, hf_config: dict, dropout: float = 0.0) -> str | None:
+    """Why peft cannot load an adapter of these targets on this HF model (None: it can); the
+    cheap check before any weight is read (`peft_state_dict` refuses the same by name)."""
+    from megatron_gspo.convert.base import num_routed_experts
+
+    arch = (hf_config.get("architectures") or [""])[0]
+    moe = num_routed_experts(hf_config) > 0
+    if "experts" in targets and arch == "GptOssForCausalLM":
+        return ("PEFT export of gpt-oss expert adapters is not supported (transformers' "
+                "GptOssExperts: transposed [E, H, 2F] with interleaved gate/up); export --merged")
+    if "experts" in targets and dropout:
+        return (f"expert adapters with dropout {dropout}: peft's ParamWrapper "
+                "(target_parameters) refuses lora_dropout != 0")
+    mlp = [t for t in targets if t in ("shared_experts", "fc1", "fc2")]
+    if moe and mlp:
+        return (f"model.lora.targets {mlp[0]!r}: peft cannot load adapters on shared experts or "
+                "dense MLP layers of an MoE model (peft 0.21 rewrites their gate_proj / up_proj "
+                "/ down_proj targets into the routed experts' fused parameters on load, "
+                "transformers_weight_conversion._convert_peft_config_moe); export --merged")
+    return None
+
+
+def peft_state_dict(full: dict[str, torch.Tensor], dims, arch: str | None = None,
+                    dropout: float = 0.0) -> dict[str, torch.Tensor]:
     """PEFT-named adapter tensors from the learner's full adapter factors.
 
     Args:
         full: {megatron global name ending in .lora_a / .lora_b: full tensor} (TP=PP=EP=1
             layout, e.g. `weights.gather_full` filtered to adapters).
         dims: `ModelDims` of the HF architecture (head counts for the QKV split).
+        arch: the HF architecture (refusals that depend on transformers' expert layout).
+        dropout: the adapters' dropout (peft's expert wrapper has none).
     Returns:
-        {PEFT name: tensor}.
+        {PEFT name: tensor}; PeftExportError when peft cannot load the adapter.
     """
     from megatron_gspo.convert.base import _qkv_to_hf
 
     out: dict[str, torch.Tensor] = {}
     pre = "base_model.model.model.layers"
+    experts = {k: v for k, v in full.items() if _EXPERT.match(k)}
+    if experts:
+        if arch == "GptOssForCausalLM":
+            raise PeftExportError("PEFT export of gpt-oss expert adapters is not supported "
+                                  "(transformers' GptOssExperts: transposed [E, H, 2F] with "
+                                  "interleaved gate/up); export --merged")
+        if dropout:
+            raise PeftExportError(f"expert adapters with dropout {dropout}: peft's ParamWrapper "
+                                  "(target_parameters) refuses lora_dropout != 0")
+        _fused_experts(experts, out, pre)
     for name, t in sorted(full.items()):
+        if name in experts:
+            continue
         m = _LAYER.match(name)
         if m is None:
             raise ValueError(f"adapter tensor {name!r} has no PEFT name")
         layer, module, factor = int(m.group(1)), m.group(2), m.group(3)
         ab = "lora_A" if factor == "lora_a" else "lora_B"
-        e = re.match(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$", module)
-        mlp = f"mlp.experts.{e.group(1)}" if e else "mlp"
-        fc = e.group(2) if e else module.rsplit(".", 1)[-1]
+        mlp = "mlp.shared_experts" if module.startswith("mlp.shared_experts.") else "mlp"
+        fc = module.rsplit(".", 1)[-1]
+        if dims.num_experts and fc in ("linear_fc1", "linear_fc2"):
+            raise PeftExportError(
+                f"adapter {name!r}: peft cannot load adapters on shared experts or dense MLP "
+                "layers of an MoE model (peft 0.21 rewrites their gate_proj / up_proj / "
+                "down_proj targets into the routed experts' fused parameters on load, "
+                "transformers_weight_conversion._convert_peft_config_moe); export --merged")
         if module == "self_attention.linear_qkv":
             names = [f"self_attn.{p}_proj" for p in "qkv"]
             parts = [t] * 3 if factor == "lora_a" else _qkv_to_hf(t, dims)
@@ -123,11 +204,15 @@ def peft_state_dict(full: dict[str, torch.Tensor], dims) -> dict[str, torch.Tens
 
 
 def peft_config(settings: LoraSettings, base: str | None, state: dict) -> dict:
-    """adapter_config.json contents for the exported adapter."""
-    modules = sorted({k.split(".")[-3] for k in state})
+    """adapter_config.json contents for the exported adapter (routed experts through
+    `target_parameters`, every other layer through `target_modules`)."""
+    modules = sorted({k.split(".")[-3] for k in state if ".mlp.experts." not in k})
+    params = (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+              if any(".mlp.experts." in k for k in state) else None)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank,
             "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
-            "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
+            "target_modules": modules, "target_parameters": params, "bias": "none",
+            "fan_in_fan_out": False,
             "base_model_name_or_path": base, "inference_mode": True, "use_rslora": False,
             "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
             "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
@@ -136,13 +221,15 @@ def peft_config(settings: LoraSettings, base: str | None, state: dict) -> dict:
 
 def write_peft_adapter(out_dir: str | os.PathLike, full: dict[str, torch.Tensor], dims,
                        settings: LoraSettings, base: str | None,
-                       dtype: torch.dtype = torch.float32) -> Path:
-    """Write a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)."""
+                       dtype: torch.dtype = torch.float32, arch: str | None = None) -> Path:
+    """Write a PEFT adapter directory (adapter_config.json, adapter_model.safetensors);
+    `arch`: the HF architecture (PeftExportError for what peft cannot load)."""
     from safetensors.torch import save_file
 
+    state = {k: v.to(dtype) for k, v in
+             peft_state_dict(full, dims, arch, settings.dropout).items()}  # refusals first
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.to(dtype) for k, v in peft_state_dict(full, dims).items()}
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     (out / "adapter_config.json").write_text(
         json.dumps(peft_config(settings, base, state), indent=2) + "\n")

@@ -1,0 +1,87 @@
+"""LoRA on MoE experts (`megatron_gspo/megatron/lora/adapters.py`, `lora/io.py`; issue 55
+item 5): routed and shared experts' adapters against a merged-weight model (log-probs and
+chain-rule gradients), the merged partial sync of expert weights, the PEFT export of routed
+experts that `peft` loads (transformers 5's fused expert tensors through `target_parameters`),
+the refusals with peft's reason, and (slow) EP2 / TP2+SP+EP2 against one process. The cases live
+in `_lora_experts_worker.py` (one process: about 8 s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.megatron import _dist
+
+
+def _launch(case: str, n: int, workdir: Path):
+    mp = pytest.MonkeyPatch()
+    mp.setattr(_dist, "WORKERS", Path(__file__).with_name("_lora_experts_worker.py"))
+    try:
+        return _dist.launch(case, n, workdir, timeout=400)
+    finally:
+        mp.undo()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("lorax")
+
+
+@pytest.fixture(scope="module")
+def single(workdir):
+    return _launch("lorax1", 1, workdir)[0]
+
+
+def test_lora_on_routed_and_shared_experts_single_process(single):
+    assert single["failures"] == []
+    info = single["info"]
+    assert {"experts.fc1", "experts.fc2", "shared_experts.fc1",
+            "shared_experts.fc2"} <= set(info["glm.kinds"])
+    assert info["glm.shared_adapter_grads"] == 3 * 2 * 2  # 3 MoE layers x (fc1, fc2) x (A, B)
+    assert info["glm.logprob_vs_merged"] <= 1e-5 and info["glm.grad_vs_chain_rule"] <= 1e-5
+    # partial sync: q, k, v, o + 4 experts x (gate, up, down) in 4 layers
+    assert info["moe.sync.sent"] == 4 * (4 + 4 * 3)
+    assert info["moe.sync.engine_vs_learner"] <= 1e-5
+    assert info["moe.peft.max_abs_logprob_diff"] <= 1e-5
+    assert info["moe.peft.adapters_off_diff"] > 1e-2
+    assert info["moe.peft.merge_and_unload_max_diff"] <= 1e-6
+    refusal = info["glm.peft_refusal"]
+    assert "shared experts" in refusal and "_convert_peft_config_moe" in refusal
+    assert "\n" not in refusal
+
+
+@pytest.mark.slow
+def test_lora_experts_ep2_and_tp2sp_ep2_match_single_process(single, workdir):
+    reps = _launch("lorax2", 2, workdir)
+    for rank, rep in enumerate(reps):
+        assert rep["failures"] == [], f"rank {rank}"
+    info = reps[0]["info"]
+    for tag in ("glm.ep2", "glm.tp2sp-ep2"):
+        assert info[f"{tag}.grad_max_diff"] <= 1e-5
+
+
+def test_peft_rewrites_shared_expert_targets_into_the_fused_experts():
+    """The reason of the shared-expert refusal, checked in peft itself: on a transformers 5
+    GLM-4.5 (model type mapped to qwen2_moe's conversion), a `shared_experts.gate_proj` target
+    becomes the routed experts' `gate_up_proj` parameter."""
+    import transformers
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
+    from megatron_gspo.megatron.lora.io import peft_refusal
+    from tests.convert.tiny_families import GLM4_MOE
+
+    cfg = {k: v for k, v in GLM4_MOE.items() if k not in ("architectures", "model_type")}
+    model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**cfg))
+    lc = LoraConfig(r=2, target_modules=["shared_experts.gate_proj", "shared_experts.up_proj",
+                                         "shared_experts.down_proj", "q_proj"])
+    convert_peft_config_for_transformers(lc, model=model, conversions=None)
+    assert set(lc.target_modules) == {"q_proj"}
+    assert {"gate_up_proj", "down_proj"} <= set(lc.target_parameters)
+    assert peft_refusal(("qkv", "experts"), GLM4_MOE) is None
+    assert "shared experts" in peft_refusal(("experts", "shared_experts"), GLM4_MOE)
+    assert "dropout" in peft_refusal(("experts",), GLM4_MOE, dropout=0.1)
+    gpt_oss = {"architectures": ["GptOssForCausalLM"], "num_local_experts": 4}
+    assert "gpt-oss" in peft_refusal(("experts",), gpt_oss)
+    assert peft_refusal(("qkv", "fc1"), {"architectures": ["Qwen3ForCausalLM"]}) is None
