@@ -142,8 +142,10 @@ def block_spec(config, use_te: bool, vp_stage: int | None, patch_local):
             "converter maps the one-rank layout only)")
     if config.context_parallel_size > 1:
         raise Qwen3NextConfigError(
-            "Qwen3-Next with context parallelism: Megatron-Core 0.16.1's GatedDeltaNet has no "
-            "CP path (ssm/gated_delta_net.py: '# TODO: support CP')")
+            "Qwen3-Next with context parallelism: the local spec's full-attention layers have "
+            "none (Megatron-Core: 'Context parallelism is only supported by "
+            "TEDotProductAttention'); 0.16.1's GatedDeltaNet has none either ('Gated delta net "
+            "does not support context parallel for now'), 0.19.2's has")
     linear = config.linear_attention_freq
     moe = config.moe_layer_freq if config.num_moe_experts else [0] * config.num_layers
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
