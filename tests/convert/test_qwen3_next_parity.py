@@ -1,8 +1,9 @@
 """Qwen3-Next (gated delta-net + gated attention hybrid, MoE with a gated shared expert):
-Megatron-Core logits equal transformers' in one process (fp32, <= 1e-5) on a tiny random model
-(tests/convert/tiny_qwen3_next.py) over 70 tokens (two chunks of the chunked delta rule); the
-exported HF tensors equal the originals bit for bit (tests/convert/_parity_worker.py); the
-conversion layouts round-trip bit-exact; the layouts not built yet are refused."""
+Megatron-Core logits equal transformers' in one process, PP2 and EP2 (fp32, <= 1e-5) on a tiny
+random model (tests/convert/tiny_qwen3_next.py) over 70 tokens (two chunks of the chunked
+delta rule); the exported HF tensors equal the originals bit for bit
+(tests/convert/_parity_worker.py); the conversion layouts round-trip bit-exact; the layouts
+not built yet are refused."""
 
 from __future__ import annotations
 
@@ -22,21 +23,46 @@ WORKER = Path(__file__).with_name("_parity_worker.py")
 TOL = 1e-5
 
 
-def test_single_process_logits_match_transformers(tmp_path):
-    model = make_qwen3_next(tmp_path / "hf")
-    tokens = torch.randint(0, QWEN3_NEXT["vocab_size"], (2, 70),
-                           generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.save({"tokens": tokens, "logits": model(tokens).logits}, tmp_path / "refs.pt")
-    args = dict(hf_dir=str(tmp_path / "hf"), refs_path=str(tmp_path / "refs.pt"),
-                work=str(tmp_path), layouts=["single"], tag="one", world=1)
+def _launch(tmp: Path, world: int, layouts: list[str], tag: str) -> dict:
+    args = dict(hf_dir=str(tmp / "hf"), refs_path=str(tmp / "refs.pt"), work=str(tmp),
+                layouts=layouts, tag=tag, world=world)
     p = subprocess.run([sys.executable, "-W", "ignore", str(WORKER), json.dumps(args)],
                        capture_output=True, text=True, timeout=900, cwd=ROOT,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-4000:]
-    errs = json.loads((tmp_path / "parity.one.rank0.json").read_text())
+    merged: dict = {}
+    for r in range(world):
+        for k, v in json.loads((tmp / f"parity.{tag}.rank{r}.json").read_text()).items():
+            if v is not None and not k.endswith("_bucket_groups"):
+                merged[k] = max(v, merged.get(k, 0.0))
+    return merged
+
+
+def _refs(tmp: Path) -> None:
+    model = make_qwen3_next(tmp / "hf")
+    tokens = torch.randint(0, QWEN3_NEXT["vocab_size"], (2, 70),
+                           generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.save({"tokens": tokens, "logits": model(tokens).logits}, tmp / "refs.pt")
+
+
+def test_single_process_logits_match_transformers(tmp_path):
+    _refs(tmp_path)
+    errs = _launch(tmp_path, 1, ["single"], "one")
     print(f"\nQwen3NextForCausalLM max |logits - transformers|: {errs}")
     assert errs["single"] <= TOL, errs
+
+
+@pytest.mark.slow
+def test_pp2_ep2_logits_match_transformers(tmp_path):
+    """PP2 and EP2 (2 ranks, per-stage export bit-exact), then the EP2 checkpoint in one
+    process (about 40 s on 2 busy cores)."""
+    _refs(tmp_path)
+    errs = _launch(tmp_path, 2, ["pp2", "ep2"], "multi")
+    errs.update(_launch(tmp_path, 1, ["single"], "one"))
+    print(f"\nQwen3NextForCausalLM max |logits - transformers| per layout: {errs}")
+    assert set(errs) == {"pp2", "ep2", "single", "single_from_ep2_ckpt"}, errs
+    assert max(errs.values()) <= TOL, errs
 
 
 def test_layouts_round_trip_bit_exact(tmp_path):
