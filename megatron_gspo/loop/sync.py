@@ -90,10 +90,11 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
         learner.onload(["weights"] if "weights" in learner.offloaded_parts() else [])
         learner.offload(STATE_PARTS)
     # LoRA: the frozen weights reach the engine once (this process's first sync); after that
-    # only the adapted layers' merged weights change, so only they are sent
+    # only the adapted layers' merged weights change, so only those whose adapters changed
+    # since the last sync are sent (routed experts: per expert; export_hf_weights only_changed)
     only = getattr(learner, "lora", None) is not None and getattr(learner, "synced_base", False)
     buckets = _finite(export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
-                                        dtype=dtype, only_adapted=only), version)
+                                        dtype=dtype, only_changed=only), version)
     if offload:
         buckets = offload_after_stream(learner, buckets)
     delta = delta_sender(engine, cfg, hf_config)

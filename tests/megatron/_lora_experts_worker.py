@@ -8,13 +8,16 @@ Cases:
                    that model's weight gradients (dA = s B^T dW, dB = s dW A^T); a step moves
                    the adapters only. Qwen3-MoE (qkv, proj, experts): the merged partial sync
                    sends exactly the attention and routed experts' merged weights and the
-                   served model gives the learner's log-probs; the PEFT export (routed experts
+                   served model gives the learner's log-probs; `only_changed` then sends
+                   only the layers / experts whose adapters changed, and nothing when none
+                   did; the PEFT export (routed experts
                    as peft `target_parameters` of transformers 5's fused expert tensors) loads
                    in `peft` with the learner's log-probs, and merge_and_unload equals the
                    merged weights; GLM-4.5's shared-expert adapters are refused by the PEFT
                    export with peft's reason.
   lorax2 (2 ranks) GLM-4.5 under TP2 + SP + EP2 (expert TP 1) and EP2 against lorax1: log-probs,
-                   loss, adapter gradients and post-step adapters.
+                   loss, adapter gradients and post-step adapters; `only_changed` with one
+                   expert changed on EP rank 1 yields exactly that expert on both ranks.
 Each rank writes `<case>.rank<r>.json` = {"failures": [...], "info": {...}}.
 """
 
@@ -184,6 +187,7 @@ def _sync_and_peft(chk: Checker, samples, outdir: Path, info: dict):
     info["moe.sync.engine_vs_learner"] = _maxdiff(got, learner)
     chk.close("synced engine lps", got, learner, rtol=1e-5)
 
+    _changed_only_sync(chk, L, engine, samples, info)
     L.load_full_state_dict(_random_b(L.full_state_dict(), seed=6))  # adapters far from zero
     learner = _flat(L.forward_logprobs(samples))
     dims = get_adapter(MOE).dims(normalize_hf_config(MOE))
@@ -205,6 +209,49 @@ def _sync_and_peft(chk: Checker, samples, outdir: Path, info: dict):
                                                      for k, v in merged.items())
     for k, v in merged.items():
         chk.close(f"peft merge_and_unload {k}", folded[k], v, rtol=1e-6)
+
+
+@torch.no_grad()
+def _touch(L, module: str, by: float = 0.05) -> bool:
+    """Change the adapter of `module` (a local name) if this rank holds it."""
+    m = dict(L.chunks[0].named_modules()).get(module)
+    if m is None:
+        return False
+    m.lora_b.add_(by)
+    return True
+
+
+def _changed_only_sync(chk: Checker, L, engine, samples, info: dict):
+    """`only_changed`: the first time every adapted layer, then only what changed (routed
+    experts one by one), then nothing; the engine updated with it serves the learner's lps."""
+    first = _export(L, "moe", only_changed=True)
+    if set(first) != set(_export(L, "moe", only_adapted=True)):
+        chk.failures.append("only_changed: the first export is not every adapted layer")
+    _touch(L, "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1")
+    _touch(L, "decoder.layers.0.self_attention.linear_qkv")
+    sent = _export(L, "moe", only_changed=True)
+    # expert 2's fc1 ([gate; up]) changed, its fc2 (down_proj) did not
+    want = {f"model.layers.1.mlp.experts.2.{p}.weight" for p in ("gate_proj", "up_proj")}
+    want |= {f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"}
+    info["moe.changed_sync.sent"] = sorted(sent)
+    if set(sent) != want:
+        chk.failures.append(f"only_changed sent {sorted(set(sent) ^ want)[:4]} wrongly")
+    sd = engine.state_dict()
+    for name, t in sent.items():
+        if ".mlp.experts." in name:  # into transformers 5's fused tensors
+            _, _, layer, _, _, e, proj, _ = name.split(".")
+            fused = sd[f"model.layers.{layer}.mlp.experts." + ("down_proj" if proj == "down_proj"
+                                                                else "gate_up_proj")]
+            rows = {"gate_proj": slice(0, t.shape[0]), "up_proj": slice(t.shape[0], None),
+                    "down_proj": slice(None)}[proj]
+            fused[int(e)][rows].copy_(t)
+        else:
+            sd[name].copy_(t)
+    got, learner = _flat(_hf_logprobs(engine, samples)), _flat(L.forward_logprobs(samples))
+    info["moe.changed_sync.engine_vs_learner"] = _maxdiff(got, learner)
+    chk.close("only_changed synced engine lps", got, learner, rtol=1e-5)
+    if _export(L, "moe", only_changed=True):
+        chk.failures.append("only_changed sent something with no adapter changed")
 
 
 def _fuse(state: dict) -> dict:
@@ -272,10 +319,33 @@ def case_lorax2(outdir: Path, chk: Checker, info: dict):
         info[f"{tag}.grad_max_diff"] = max(_maxdiff(grads[k], r["grads"][k]) for k in grads)
         info[f"{tag}.logprob_max_diff"] = _maxdiff(lps, _flat(r["lps"]))
         L.optimizer_step()
+        _ep_changed_only(chk, L, tag, info)
         # TP + SP + EP reorders float32 sums (as in _lora_worker: 1e-5 / 1e-4 after Adam)
         chk.dicts(f"{tag}.after", _adapters(L.full_state_dict()), r["after"],
                   rtol=1e-5 if name == "ep2" else 1e-4)
         del L
+
+
+def _ep_changed_only(chk: Checker, L, tag: str, info: dict):
+    """`only_changed` under EP: the fc1 adapter of global expert 5 of layer 2 (EP rank 1,
+    local 1) changed: every rank yields exactly its gate / up, equal to a full export's."""
+    import torch.distributed as dist
+
+    name = "decoder.layers.2.mlp.experts.local_experts.1.linear_fc1"
+    _export(L, "glm", only_changed=True)  # everything, then recorded as synced
+    if dist.get_rank() == 1:
+        _touch(L, name)
+    sent = _export(L, "glm", only_changed=True)
+    want = {f"model.layers.2.mlp.experts.5.{p}.weight" for p in ("gate_proj", "up_proj")}
+    info[f"{tag}.changed_sync.sent"] = sorted(sent)
+    if set(sent) != want:
+        chk.failures.append(f"{tag}: only_changed sent {sorted(set(sent) ^ want)[:4]}")
+    full = _export(L, "glm")
+    for k, v in sent.items():
+        if not torch.equal(v, full[k]):
+            chk.failures.append(f"{tag}: only_changed {k} differs from the full export")
+    if dist.get_rank() == 1:  # undo: the post-step adapters still compare with one process
+        _touch(L, name, -0.05)
 
 
 def main():

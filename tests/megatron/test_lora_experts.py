@@ -1,6 +1,7 @@
 """LoRA on MoE experts (`megatron_gspo/megatron/lora/adapters.py`, `lora/io.py`; issue 55
 item 5): routed and shared experts' adapters against a merged-weight model (log-probs and
-chain-rule gradients), the merged partial sync of expert weights, the PEFT export of routed
+chain-rule gradients), the merged partial sync of expert weights (only the experts whose
+adapters changed: `export_hf_weights(only_changed=True)`), the PEFT export of routed
 experts that `peft` loads (transformers 5's fused expert tensors through `target_parameters`),
 the refusals with peft's reason, and (slow) EP2 / TP2+SP+EP2 against one process. The cases live
 in `_lora_experts_worker.py` (one process: about 8 s)."""
@@ -43,6 +44,11 @@ def test_lora_on_routed_and_shared_experts_single_process(single):
     # partial sync: q, k, v, o + 4 experts x (gate, up, down) in 4 layers
     assert info["moe.sync.sent"] == 4 * (4 + 4 * 3)
     assert info["moe.sync.engine_vs_learner"] <= 1e-5
+    # only_changed: expert 2's fc1 and layer 0's qkv adapters changed -> exactly their tensors
+    assert info["moe.changed_sync.sent"] == sorted(
+        [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+        + [f"model.layers.1.mlp.experts.2.{p}.weight" for p in ("gate_proj", "up_proj")])
+    assert info["moe.changed_sync.engine_vs_learner"] <= 1e-5
     assert info["moe.peft.max_abs_logprob_diff"] <= 1e-5
     assert info["moe.peft.adapters_off_diff"] > 1e-2
     assert info["moe.peft.merge_and_unload_max_diff"] <= 1e-6
@@ -59,6 +65,8 @@ def test_lora_experts_ep2_and_tp2sp_ep2_match_single_process(single, workdir):
     info = reps[0]["info"]
     for tag in ("glm.ep2", "glm.tp2sp-ep2"):
         assert info[f"{tag}.grad_max_diff"] <= 1e-5
+        assert info[f"{tag}.changed_sync.sent"] == [  # expert 5 lives on EP rank 1
+            f"model.layers.2.mlp.experts.5.{p}.weight" for p in ("gate_proj", "up_proj")]
 
 
 def test_peft_rewrites_shared_expert_targets_into_the_fused_experts():

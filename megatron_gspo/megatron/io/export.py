@@ -28,7 +28,12 @@ from megatron_gspo.megatron.io.checkpoint import (
     model_param_entries,
     normalize_hf_config,
 )
-from megatron_gspo.megatron.lora.adapters import effective_weight, is_adapted_weight
+from megatron_gspo.megatron.lora.adapters import (
+    changed_since_sync,
+    effective_weight,
+    is_adapted_weight,
+    mark_synced,
+)
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -39,8 +44,10 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
-def _full_tensors(entry: ParamEntry, num_local_experts: int) -> list[tuple[str, torch.Tensor]]:
-    """(canonical name, full tensor) for one local parameter; several for gathered experts."""
+def _full_tensors(entry: ParamEntry, num_local_experts: int,
+                  drop: frozenset = frozenset()) -> list[tuple[str, torch.Tensor]]:
+    """(canonical name, full tensor) for one local parameter; several for gathered experts
+    (but those of the EP ranks in `drop`)."""
     from megatron.core import parallel_state as ps
 
     pm, t = entry.pm, effective_weight(entry.param)  # LoRA layers: base + scale * B A
@@ -61,15 +68,17 @@ def _full_tensors(entry: ParamEntry, num_local_experts: int) -> list[tuple[str, 
     return [
         (rename_indices(entry.canonical, expert=e_local + r * num_local_experts), p)
         for r, p in enumerate(parts)
+        if r not in drop
     ]
 
 
 def _stage_tensors(
-    entries: list[ParamEntry], maps, dims, dtype, num_local_experts: int
+    entries: list[ParamEntry], maps, dims, dtype, num_local_experts: int, drops=None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     slices = ExpertSlices()  # gpt-oss: one HF tensor holds every expert of a layer
-    for entry in entries:
-        for canonical, full in _full_tensors(entry, num_local_experts):
+    for i, entry in enumerate(entries):
+        drop = drops[i] if drops else frozenset()
+        for canonical, full in _full_tensors(entry, num_local_experts, drop):
             pm = entry.pm if canonical == entry.canonical else maps[canonical]
             for name, t in zip(pm.hf, to_hf_tensors(pm, full, dims), strict=True):
                 if pm.kind in SLICE_KINDS:
@@ -79,16 +88,17 @@ def _stage_tensors(
                 yield name, (t if dtype is None else t.to(dtype))
 
 
-def _stage_meta(entries, maps, dims, dtype, num_local_experts, ep_size) -> list:
+def _stage_meta(entries, maps, dims, dtype, num_local_experts, ep_size, drops=None) -> list:
     """(name, shape, dtype) of every HF tensor a stage yields, in yield order (no data)."""
     out, slices = [], ExpertSlices()
-    for entry in entries:
+    for i, entry in enumerate(entries):
         names = [entry.canonical]
         if entry.pm.expert and ep_size > 1:
             e = expert_index(entry.canonical) % num_local_experts
             names = [
                 rename_indices(entry.canonical, expert=e + r * num_local_experts)
                 for r in range(ep_size)
+                if not drops or r not in drops[i]
             ]
         for c in names:
             pm = entry.pm if c == entry.canonical else maps[c]
@@ -108,6 +118,7 @@ def export_hf_weights(
     gather_pipeline: bool = True,
     only_adapted: bool = False,
     only_mtp: bool = False,
+    only_changed: bool = False,
 ) -> Iterator[Bucket]:
     """Yield the model's weights as buckets of (HF name, tensor) (collective).
 
@@ -124,6 +135,9 @@ def export_hf_weights(
         only_mtp: yield only the multi-token-prediction layers' own tensors
             (``model.layers.{num_hidden_layers + k}.*`` but their embedding / head copies): the
             draft model SGLang's NEXTN speculative decoding loads (`convert.mtp`).
+        only_changed: like `only_adapted`, but only the layers (routed experts: the experts)
+            whose adapters changed since the last `only_changed` export was consumed to its
+            end (every adapted layer the first time); it then records the adapters as synced.
     Yields:
         lists of (name, tensor); tensors may share storage with live parameters (copy them
         before the next optimizer step if kept).
@@ -140,7 +154,7 @@ def export_hf_weights(
         e
         for m in models
         for e in model_param_entries(m, maps, dims.tie_embeddings)
-        if e.pm is not None and (not only_adapted or is_adapted_weight(e.param))
+        if e.pm is not None and (not (only_adapted or only_changed) or is_adapted_weight(e.param))
         and (not only_mtp or is_mtp(e.canonical))
     ]
     if only_mtp and not entries and ps.get_pipeline_model_parallel_world_size() == 1:
@@ -149,9 +163,12 @@ def export_hf_weights(
     ep_size = ps.get_expert_model_parallel_world_size()
     nle = dims.num_experts // ep_size if dims.num_experts else 0
     pp_size = ps.get_pipeline_model_parallel_world_size()
+    drops = None
+    if only_changed:
+        entries, drops = _changed(entries)
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        own = _stage_tensors(entries, maps, dims, dtype, nle)
+        own = _stage_tensors(entries, maps, dims, dtype, nle, drops)
         if pp_size == 1 or not gather_pipeline:
             yield from own
             return
@@ -160,7 +177,11 @@ def export_hf_weights(
         me = ps.get_pipeline_model_parallel_rank()
         device = entries[0].param.device if entries else torch.device("cpu")
         for stage in range(pp_size):
-            meta = [_stage_meta(entries, maps, dims, dtype, nle, ep_size) if stage == me else None]
+            meta = [
+                _stage_meta(entries, maps, dims, dtype, nle, ep_size, drops)
+                if stage == me
+                else None
+            ]
             dist.broadcast_object_list(meta, src=ranks[stage], group=group)
             if stage == me:
                 for (name, t), (mname, _, _) in zip(own, meta[0], strict=True):
@@ -175,6 +196,40 @@ def export_hf_weights(
                     yield name, t
 
     yield from bucketize(stream(), bucket_bytes, together=bucket_together(hf_config))
+    if only_changed:  # consumed to the end: the engine now holds these adapters
+        mark_synced([e.param for e in entries])
+
+
+def _changed(entries: list[ParamEntry]) -> tuple[list[ParamEntry], list[frozenset]]:
+    """The entries whose adapter changed on any rank that gathers them, and per entry the EP
+    ranks whose (expert) tensor is unchanged (collective over TP and EP: every rank of a stage
+    agrees on what travels)."""
+    from megatron.core import parallel_state as ps
+
+    # gpt-oss: one HF tensor holds every expert of a layer (ExpertSlices), so all travel
+    flags = torch.tensor(
+        [float(e.pm.kind in SLICE_KINDS or changed_since_sync(e.param)) for e in entries]
+    )
+    dense = torch.tensor([not e.pm.expert for e in entries])
+    if ps.get_tensor_model_parallel_world_size() > 1 and len(entries):
+        tp = flags * dense  # a dense layer's TP shards travel together
+        dist.all_reduce(tp, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+        flags = torch.where(dense, tp, flags)
+    ep = ps.get_expert_model_parallel_world_size()
+    per_rank = (
+        torch.stack(_all_gather(flags, ps.get_expert_model_parallel_group()))
+        if ep > 1 and len(entries)
+        else flags[None]
+    )  # [ep, entries]
+    keep, drops = [], []
+    for i, e in enumerate(entries):
+        col = per_rank[:, i]
+        if col.max() > 0:
+            keep.append(e)
+            drops.append(
+                frozenset(r for r in range(len(col)) if col[r] == 0) if e.pm.expert else frozenset()
+            )
+    return keep, drops
 
 
 def bucket_together(hf_config: Mapping) -> Callable[[str], tuple[str, int] | None]:

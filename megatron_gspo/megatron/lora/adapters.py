@@ -273,6 +273,22 @@ def is_adapted_weight(param: torch.Tensor) -> bool:
     return getattr(param, "lora_module", None) is not None
 
 
+def changed_since_sync(param: torch.Tensor) -> bool:
+    """True when the adapter of this adapted weight differs from what `mark_synced` recorded
+    (or nothing was recorded): its merged weight must travel in a partial sync."""
+    m = param.lora_module
+    snap = getattr(m, "lora_synced", None)
+    return snap is None or not (torch.equal(snap[0], m.lora_a) and torch.equal(snap[1], m.lora_b))
+
+
+@torch.no_grad()
+def mark_synced(params) -> None:
+    """Record the adapters of these adapted weights as the engine's (after a sync sent them)."""
+    for p in params:
+        m = p.lora_module
+        m.lora_synced = (m.lora_a.detach().clone(), m.lora_b.detach().clone())
+
+
 def adapter_parameters(chunks: list) -> list[tuple[str, torch.nn.Parameter]]:
     """(local name, parameter) of every adapter factor of this rank."""
     return [(f"{c}:{n}", p) for c, chunk in enumerate(chunks)
