@@ -157,6 +157,7 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
             if event is not None:
                 event(f"weight sync v{version}: {failed}; sending it in full")
             _sync_room(engine, cfg)
+            learner.synced_base = False  # LoRA: every weight (the partial sync's records aside)
             out = sync_weights(learner, engine, hf_config, cfg, version, event, retry=False,
                                moment="delta retry")
             out["weight_sync/delta_probe_retries"] = 1.0
