@@ -168,8 +168,10 @@ def attach(chunks: list, settings: LoraSettings, seed: int = 1234) -> int:
     if "experts" in settings.targets and any(
             target_of(n) == "experts.grouped" for c in chunks for n, _ in c.named_modules()):
         raise LoraError("model.lora.targets: 'experts' on grouped-GEMM experts of the "
-                        "Transformer Engine spec is not supported; use "
-                        "model.transformer_impl=local")
+                        "Transformer Engine spec is not supported (TEGroupedMLP's "
+                        "TEGroupedLinear: one weight<e> per local expert in one CUDA grouped "
+                        "GEMM, forward(x, m_splits); no adapter written, it needs a GPU to "
+                        "check); use model.transformer_impl=local")
     count = 0
     seen: set[str] = set()
     for vp, chunk in enumerate(chunks):
