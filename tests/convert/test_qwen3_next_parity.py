@@ -20,6 +20,7 @@ from tests.convert.tiny_qwen3_next import QWEN3_NEXT, make_qwen3_next
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_parity_worker.py")
+PACKED = Path(__file__).with_name("_qwen3_next_packed_worker.py")
 TOL = 1e-5
 
 
@@ -63,6 +64,24 @@ def test_pp2_ep2_logits_match_transformers(tmp_path):
     print(f"\nQwen3NextForCausalLM max |logits - transformers| per layout: {errs}")
     assert set(errs) == {"pp2", "ep2", "single", "single_from_ep2_ckpt"}, errs
     assert max(errs.values()) <= TOL, errs
+
+
+def test_packed_rows_match_transformers_per_sequence(tmp_path):
+    """The learner's packed rows (THD): no delta-net state crosses a sequence boundary."""
+    model = make_qwen3_next(tmp_path / "hf")
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, QWEN3_NEXT["vocab_size"], (n,), generator=g) for n in (30, 45)]
+    with torch.no_grad():
+        logits = [model(s.unsqueeze(0)).logits[0] for s in seqs]
+    torch.save({"seqs": seqs, "logits": logits}, tmp_path / "packed_refs.pt")
+    out = tmp_path / "packed.json"
+    p = subprocess.run([sys.executable, "-W", "ignore", str(PACKED), str(tmp_path / "hf"),
+                        str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-4000:]
+    errs = json.loads(out.read_text())["errors"]
+    print(f"\npacked Qwen3-Next, max |logits - transformers| per sequence: {errs}")
+    assert max(errs) <= TOL, errs
 
 
 def test_layouts_round_trip_bit_exact(tmp_path):

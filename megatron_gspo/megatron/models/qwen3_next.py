@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -38,7 +40,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megatron_gspo.convert.qwen3_next import layer_types, moe_layers
 from megatron_gspo.megatron.models import gdn_kernels
-from megatron_gspo.megatron.compat import submodules
+from megatron_gspo.megatron.compat import submodules, version
 from megatron_gspo.megatron.models.gemma_layers import GemmaRMSNorm
 from megatron_gspo.megatron.models.local_layers import SequenceParallelRMSNorm
 
@@ -104,12 +106,36 @@ def config_fields(cfg: dict, use_te: bool) -> dict:
     return out
 
 
-def _gdn_spec() -> ModuleSpec:
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+class PackedGatedDeltaNet(GatedDeltaNet):
+    """GatedDeltaNet over the learner's packed rows (THD, batch 1): each packed sequence (and
+    the padding tail) runs on its own, so no state crosses a boundary. Megatron-Core 0.16.1's
+    module refuses packed input ("GDN does not support packed sequence for now") and 0.19.2's
+    torch rule asserts `cu_seqlens is None`; with fla on 0.19.2 the native varlen path runs."""
 
+    def forward(self, hidden_states, attention_mask=None, *args, packed_seq_params=None,
+                **kwargs):
+        native = gdn_kernels.fla_available() and version() >= (0, 19, 0)
+        if packed_seq_params is None or native:
+            return super().forward(hidden_states, attention_mask, *args,
+                                   packed_seq_params=packed_seq_params, **kwargs)
+        if hidden_states.shape[1] != 1 or self.config.sequence_parallel:
+            raise ValueError("packed delta-net input needs batch 1 and no sequence parallelism")
+        cu = packed_seq_params.cu_seqlens_q_padded
+        cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+        bounds = sorted({0, *(int(b) for b in cu.tolist()), hidden_states.shape[0]})
+        outs, bias = [], None
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            if lo < hidden_states.shape[0]:
+                out, bias = super().forward(hidden_states[lo:hi], attention_mask, *args,
+                                            packed_seq_params=None, **kwargs)
+                outs.append(out)
+        return torch.cat(outs, dim=0), bias
+
+
+def _gdn_spec() -> ModuleSpec:
     gdn_kernels.bind()  # torch l2norm / causal conv / chunked rule where fla is missing
     return ModuleSpec(
-        module=GatedDeltaNet,
+        module=PackedGatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear,
                                            out_norm=SequenceParallelRMSNorm,
                                            out_proj=RowParallelLinear),
