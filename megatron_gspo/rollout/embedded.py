@@ -356,10 +356,11 @@ class EmbeddedEngine(RolloutEngine):
         done = [False] * bsz
 
         # DSA models (DeepSeek-V3.2, GLM-5) keep their indexer keys in the cache layers their
-        # config's `indexed_attention` layer types select; other models keep the plain cache
+        # config's `indexed_attention` layer types select, delta-net hybrids (Qwen3-Next) their
+        # conv / recurrent states in its `linear_attention` layers; others the plain cache
         types = getattr(self.model.config, "layer_types", None) or ()
-        cache = DynamicCache(config=self.model.config) if "indexed_attention" in types \
-            else DynamicCache()
+        typed = {"indexed_attention", "linear_attention"} & set(types)
+        cache = DynamicCache(config=self.model.config) if typed else DynamicCache()
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
         kw = {self._cache_kw: cache, "use_cache": True, "logits_to_keep": 1}
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **kw).logits[
