@@ -185,6 +185,11 @@ def attach(chunks: list, settings: LoraSettings, seed: int = 1234) -> int:
                 continue
             if not hasattr(m, "weight") or m.weight is None:
                 raise LoraError(f"model.lora: {name} has no weight to adapt")
+            if kind.startswith("shared_experts") and getattr(cfg, "moe_shared_expert_overlap",
+                                                             False):
+                raise LoraError("model.lora: shared-expert adapters with "
+                                "moe_shared_expert_overlap are not supported (its fc1 / fc2 "
+                                "run with their own communication outside the TP regions)")
             expert = kind.startswith("experts.")
             if expert:
                 group, size = (ps.get_expert_tensor_parallel_group(),
