@@ -119,3 +119,26 @@ def test_unbuilt_layouts_are_refused(layout, message):
     with pytest.raises((ValueError, AssertionError), match=message):
         config = build_model_config(cfg, use_te=False, **layout)
         qwen3_next.block_spec(config, False, None, lambda spec, _: spec)
+
+
+def test_exported_names_are_known_to_sglang():
+    """Every module / parameter name the exporter sends occurs in SGLang 0.5.12's Qwen3-Next
+    model source (qwen3_next.py, its MoE block from qwen2_moe.py), as in test_sglang_names.py."""
+    import re
+
+    from megatron_gspo.convert import get_adapter
+    from tests.convert.test_sglang_names import _sglang_models
+
+    models = _sglang_models()
+    if models is None:
+        pytest.skip("SGLang 0.5.12's source is not installed (.sglang-cpu)")
+    src = "\n".join((models / f).read_text() for f in ("qwen3_next.py", "qwen2_moe.py"))
+    cfg = {**QWEN3_NEXT, "architectures": ["Qwen3NextForCausalLM"]}
+    adapter = get_adapter(cfg)
+    parts = set()
+    for n in adapter.hf_names(adapter.dims(cfg)):
+        pieces = n.split(".")
+        pieces = pieces[:-1] if pieces[-1] in ("weight", "bias") else pieces
+        parts.update(p for p in pieces[-2:] if not p.isdigit() and p != "model")
+    missing = sorted(p for p in parts if not re.search(rf"\b{re.escape(p)}\b", src))
+    assert not missing, f"names SGLang's qwen3_next.py / qwen2_moe.py never mention: {missing}"
