@@ -10,7 +10,9 @@ Cases:
                    sends exactly the attention and routed experts' merged weights and the
                    served model gives the learner's log-probs; `only_changed` then sends
                    only the layers / experts whose adapters changed, and nothing when none
-                   did; the PEFT export (routed experts
+                   did; the loop's `sync_weights` into a stand-in SGLang server with the
+                   sync probe (full, partial, one expert) passes and leaves the served
+                   weights equal to the learner's merged ones; the PEFT export (routed experts
                    as peft `target_parameters` of transformers 5's fused expert tensors) loads
                    in `peft` with the learner's log-probs, and merge_and_unload equals the
                    merged weights; GLM-4.5's shared-expert adapters are refused by the PEFT
@@ -40,7 +42,7 @@ MODELS = {"glm": GLM4_MOE, "moe": MOE}
 TARGETS = {"glm": ("qkv", "proj", "experts", "shared_experts"), "moe": ("qkv", "proj", "experts")}
 
 
-def _learner(model, layout=None, *, lora=True, seed=7):
+def _learner(model, layout=None, *, lora=True, seed=7, microbatches=2):
     from megatron_gspo.megatron.learner import BatchSettings, Learner
     from megatron_gspo.megatron.lora.adapters import LoraSettings
     from megatron_gspo.megatron.optimizer import OptimSettings
@@ -48,7 +50,7 @@ def _learner(model, layout=None, *, lora=True, seed=7):
     settings = LoraSettings(rank=4, alpha=8.0, targets=TARGETS[model]) if lora else None
     return Learner(MODELS[model], layout=layout, seed=seed,
                    optim=OptimSettings(lr=1e-2, adam_eps=1e-4),
-                   batching=BatchSettings(num_microbatches=2), lora=settings)
+                   batching=BatchSettings(num_microbatches=microbatches), lora=settings)
 
 
 def _maxdiff(a, b) -> float:
@@ -254,6 +256,44 @@ def _changed_only_sync(chk: Checker, L, engine, samples, info: dict):
         chk.failures.append("only_changed sent something with no adapter changed")
 
 
+def _probe_sync(chk: Checker, samples, outdir: Path, info: dict):
+    """The loop's `sync_weights` into a stand-in SGLang server (an embedded engine behind
+    SGLang's HTTP API) with the sync probe on: a full sync, a partial one after a step, one
+    after a single expert's adapter changed; every probe passes and the served weights then
+    equal the learner's merged export bit for bit."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.loop.sync import sync_weights
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+    from megatron_gspo.rollout.sglang.client import SGLangEngine
+    from megatron_gspo.rollout.standin.server import StandinServer
+
+    L = _learner("moe", seed=5, microbatches=1)  # the probe is one sample
+    base = outdir / "moe-base"
+    _hf("moe", _fuse(_export(L, "moe"))).save_pretrained(base)
+    served = EmbeddedEngine(str(base), seed=1)
+    srv = StandinServer(served, model_path=str(base)).start_in_thread()
+    eng = SGLangEngine(server_urls=[srv.url], backoff_s=0.01, weight_sync="tensor")
+    cfg = load_config(None, ["model.dtype=float32", "rollout.engine=sglang",
+                             f"rollout.server_urls=[{srv.url}]", "rollout.colocate=false",
+                             "rollout.weight_sync=distributed", "rollout.verify_sync_interval=1"])
+    try:
+        for version in (1, 2, 3):
+            if version == 2:
+                L.train_step(samples, old_logprobs(L.forward_logprobs(samples)))
+            if version == 3:
+                _touch(L, "decoder.layers.3.mlp.experts.local_experts.1.linear_fc2")
+            out = sync_weights(L, eng, MOE, cfg, version=version)
+            info[f"moe.probe.v{version}"] = out.get("weight_sync/probe_max_diff")
+        want = _fuse(_export(L, "moe"))
+        got = dict(served.model.named_parameters())
+        bad = [k for k, v in want.items() if not torch.equal(got[k], v)]
+        if bad:
+            chk.failures.append(f"served weights after partial syncs differ: {bad[:3]}")
+    finally:
+        eng.shutdown()
+        srv.stop_thread()
+
+
 def _fuse(state: dict) -> dict:
     """Per-expert HF names (what the export yields) -> transformers 5's fused expert tensors."""
     out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
@@ -296,6 +336,7 @@ def case_lorax1(outdir: Path, chk: Checker, info: dict):
     torch.save(ref, outdir / "lorax_ref.pt")
     _shared_refusal(chk, ref["glm"]["full"], outdir, info)
     _sync_and_peft(chk, samples, outdir, info)
+    _probe_sync(chk, samples, outdir, info)
 
 
 def case_lorax2(outdir: Path, chk: Checker, info: dict):

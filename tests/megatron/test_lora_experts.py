@@ -49,6 +49,10 @@ def test_lora_on_routed_and_shared_experts_single_process(single):
         [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
         + [f"model.layers.1.mlp.experts.2.{p}.weight" for p in ("gate_proj", "up_proj")])
     assert info["moe.changed_sync.engine_vs_learner"] <= 1e-5
+    # the loop's sync_weights into a stand-in SGLang server: full, partial, one expert; the
+    # probe passes each time and the served weights equal the learner's merged ones (worker)
+    assert all(info[f"moe.probe.v{v}"] is not None and info[f"moe.probe.v{v}"] <= 1e-3
+               for v in (1, 2, 3))
     assert info["moe.peft.max_abs_logprob_diff"] <= 1e-5
     assert info["moe.peft.adapters_off_diff"] > 1e-2
     assert info["moe.peft.merge_and_unload_max_diff"] <= 1e-6
