@@ -53,10 +53,13 @@ def _export_named(d, seed):
 
     from megatron_gspo.convert import get_adapter
 
-    cfg = json.loads((d / "config.json").read_text())
+    from megatron_gspo.convert.mtp import with_present_mtp_layers
+
+    ckpt = load_file(str(d / "model.safetensors"))
+    # transformers declares MTP layers (num_nextn_predict_layers) but writes none
+    cfg = with_present_mtp_layers(json.loads((d / "config.json").read_text()), ckpt)
     adapter = get_adapter(cfg)
     names = list(adapter.hf_names(adapter.dims(cfg)))
-    ckpt = load_file(str(d / "model.safetensors"))
     assert set(names) == set(ckpt), set(names) ^ set(ckpt)
     g = torch.Generator().manual_seed(seed)
     return [(n, (ckpt[n] + 0.05 * torch.randn(ckpt[n].shape, generator=g)).contiguous())
