@@ -171,7 +171,12 @@ def test_abort_and_timeouts(fp32):
         if fr == WAITING_ABORTED:  # 0.5.23 adds keys (response_sent_to_client_ts, ...)
             short = {"completion_tokens", "e2e_latency", "finish_reason", "id", "weight_version"}
             got = set(out["meta_info"])
-            assert (got == short if tier.version() == tier.PINNED else short <= got), got
+            # 0.5.12 too adds response_sent_to_client_ts when the finished output passes through
+            # the tokenizer manager's loop first (managers/tokenizer_manager.py, `if finished:`):
+            # a race, seen in 1 of 2 runs of this tier
+            sent = {"response_sent_to_client_ts"}
+            assert (short <= got <= short | sent if tier.version() == tier.PINNED
+                    else short <= got), got
     eng = _attach(fp32, request_timeout_s=0.3, max_retries=1)
     try:
         with pytest.raises(RolloutError, match="failed 2 times; last error.*Timeout"):
