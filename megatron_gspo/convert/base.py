@@ -134,6 +134,9 @@ class ParamMap:
     expert: bool = False
     shapes: tuple[tuple[int, ...], ...] = ()
     index: int | None = None  # expert index into an [E, ...] HF tensor (SLICE_KINDS)
+    # tp_dim holds these sections one after another, each split over TP (each rank: its slice
+    # of every section, as the delta-net's in_proj / conv1d); empty = one plain split
+    sections: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------- layout transforms

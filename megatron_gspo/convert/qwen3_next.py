@@ -9,8 +9,8 @@ Layouts beyond the base adapter's (registered in `base.LAYOUTS`):
 - ``gdn_in``: ``in_proj_qkvz`` is grouped per key head, [q_h (dk); k_h (dk); v (r * dv);
   z (r * dv)] with r = value heads / key heads, and ``in_proj_ba`` [b (r); a (r)] per key head;
   Megatron-Core's GatedDeltaNet ``in_proj`` holds [q; k; v; z; beta; alpha], each over all
-  heads (the full, one-rank layout; its TP shards split every section, so TP > 1 is refused by
-  the model spec until that split is written).
+  heads (the full, one-rank layout); a TP rank holds its slice of every section
+  (``ParamMap.sections``), as does the conv1d's [q; k; v].
 - the causal conv's channels are [q; k; v] over all heads on both sides (``conv1d.weight``
   copied); the gated output norm (``linear_attn.norm``, weight initialised to ones) is copied
   to ``out_norm`` (a plain RMSNorm in the spec, no -1 shift as Megatron-Bridge needs for its
@@ -175,9 +175,10 @@ class Qwen3NextAdapter(Qwen3MoeAdapter):
         conv = 2 * qk + v
         return norms + [
             ParamMap(s + "in_proj.weight", (a + "in_proj_qkvz.weight", a + "in_proj_ba.weight"),
-                     "gdn_in", 0, shapes=((2 * qk + 2 * v, H), (2 * d.lv_heads, H))),
+                     "gdn_in", 0, shapes=((2 * qk + 2 * v, H), (2 * d.lv_heads, H)),
+                     sections=(qk, qk, v, v, d.lv_heads, d.lv_heads)),
             ParamMap(s + "conv1d.weight", (a + "conv1d.weight",), tp_dim=0,
-                     shapes=((conv, 1, d.conv),)),
+                     shapes=((conv, 1, d.conv),), sections=(qk, qk, v)),
             ParamMap(s + "dt_bias", (a + "dt_bias",), tp_dim=0, shapes=((d.lv_heads,),)),
             ParamMap(s + "A_log", (a + "A_log",), tp_dim=0, shapes=((d.lv_heads,),)),
             ParamMap(s + "out_norm.weight", (a + "norm.weight",), shapes=((d.lv_dim,),)),

@@ -5,7 +5,8 @@ Pure torch; no process groups. Rules per parameter kind (see `ParamMap`):
 - row-parallel (``linear_proj``, ``linear_fc2``): dim 1;
 - norms, router: replicated;
 - fused ``[gate; up]`` (``glu``) is split per half, so each rank holds ``[gate_r; up_r]``;
-- the interleaved QKV splits by query groups, which is a plain dim-0 chunk of the fused tensor.
+- the interleaved QKV splits by query groups, which is a plain dim-0 chunk of the fused tensor;
+- a tensor of ``sections`` (the delta-net's in_proj / conv1d) splits each section.
 Routed experts are split across EP ranks (contiguous blocks of experts) and, inside an
 expert, across the expert-tensor-parallel group with the same rules.
 """
@@ -42,6 +43,12 @@ def tp_shard(full: torch.Tensor, pm: ParamMap, rank: int, size: int) -> torch.Te
     if pm.kind in GLU_KINDS:
         gate, up = torch.chunk(full, 2, dim=dim)
         return torch.cat([gate.chunk(size, dim)[rank], up.chunk(size, dim)[rank]], dim=dim)
+    if pm.sections:
+        if sum(pm.sections) != full.shape[dim] or any(n % size for n in pm.sections):
+            raise ConversionError(f"{pm.mcore}: sections {pm.sections} of dim {dim} do not "
+                                  f"split over {size} TP ranks")
+        parts = torch.split(full, list(pm.sections), dim=dim)
+        return torch.cat([p.chunk(size, dim)[rank] for p in parts], dim=dim).contiguous()
     return full.chunk(size, dim)[rank].contiguous()
 
 
@@ -53,6 +60,10 @@ def tp_unshard(shards: list[torch.Tensor], pm: ParamMap) -> torch.Tensor:
     if pm.kind in GLU_KINDS:
         halves = [torch.chunk(s, 2, dim=dim) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    if pm.sections:
+        local = [n // len(shards) for n in pm.sections]
+        pieces = [torch.split(s, local, dim=dim) for s in shards]
+        return torch.cat([p[i] for i in range(len(local)) for p in pieces], dim=dim)
     return torch.cat(shards, dim=dim)
 
 

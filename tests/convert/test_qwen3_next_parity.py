@@ -1,5 +1,5 @@
 """Qwen3-Next (gated delta-net + gated attention hybrid, MoE with a gated shared expert):
-Megatron-Core logits equal transformers' in one process, PP2 and EP2 (fp32, <= 1e-5) on a tiny
+Megatron-Core logits equal transformers' in one process, TP2, PP2, EP2 (fp32, <= 1e-5) on a tiny
 random model (tests/convert/tiny_qwen3_next.py) over 70 tokens (two chunks of the chunked
 delta rule); the exported HF tensors equal the originals bit for bit
 (tests/convert/_parity_worker.py); the conversion layouts round-trip bit-exact; the layouts
@@ -55,14 +55,16 @@ def test_single_process_logits_match_transformers(tmp_path):
 
 
 @pytest.mark.slow
-def test_pp2_ep2_logits_match_transformers(tmp_path):
-    """PP2 and EP2 (2 ranks, per-stage export bit-exact), then the EP2 checkpoint in one
-    process (about 40 s on 2 busy cores)."""
+def test_tp2_pp2_ep2_logits_match_transformers(tmp_path):
+    """TP2 (+SP; the delta-net's in_proj / conv1d split per section), PP2 and EP2 (2 ranks,
+    export bit-exact, per stage under PP2), then the TP2 and EP2 checkpoints in one process
+    (about a minute on 2 busy cores)."""
     _refs(tmp_path)
-    errs = _launch(tmp_path, 2, ["pp2", "ep2"], "multi")
+    errs = _launch(tmp_path, 2, ["tp2", "pp2", "ep2"], "multi")
     errs.update(_launch(tmp_path, 1, ["single"], "one"))
     print(f"\nQwen3NextForCausalLM max |logits - transformers| per layout: {errs}")
-    assert set(errs) == {"pp2", "ep2", "single", "single_from_ep2_ckpt"}, errs
+    assert set(errs) == {"tp2", "pp2", "ep2", "single", "single_from_tp2_ckpt",
+                         "single_from_ep2_ckpt"}, errs
     assert max(errs.values()) <= TOL, errs
 
 
@@ -107,7 +109,7 @@ def test_layouts_round_trip_bit_exact(tmp_path):
     assert all(torch.equal(back[n], hf[n]) for n in hf)
 
 
-@pytest.mark.parametrize("layout,message", [({"tensor_parallel": 2}, "tensor parallelism"),
+@pytest.mark.parametrize("layout,message", [({"tensor_parallel": 2}, "sequence parallelism"),
                                             ({"context_parallel": 2}, "context parallel")])
 def test_unbuilt_layouts_are_refused(layout, message):
     from megatron_gspo.megatron.models import qwen3_next

@@ -161,11 +161,11 @@ def block_spec(config, use_te: bool, vp_stage: int | None, patch_local):
     """Per-layer local specs of this pipeline stage (`use_te` must be False)."""
     if use_te:
         raise Qwen3NextConfigError(LOCAL_ONLY)
-    if config.tensor_model_parallel_size > 1:
+    if config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
         raise Qwen3NextConfigError(
-            "Qwen3-Next under tensor parallelism is not built yet (each TP rank's delta-net "
-            "in_proj / conv1d shard takes a slice of every q / k / v / z / b / a section; the "
-            "converter maps the one-rank layout only)")
+            "Qwen3-Next under tensor parallelism needs sequence parallelism: the delta-net's "
+            "output norm weight meets only this rank's heads, and Megatron-Core sums a "
+            "replicated weight's gradient over TP only when it is marked sequence-parallel")
     if config.context_parallel_size > 1:
         raise Qwen3NextConfigError(
             "Qwen3-Next with context parallelism: the local spec's full-attention layers have "
