@@ -1,6 +1,7 @@
 """Worker for tests/megatron/test_qwen3_next_train.py: `_family_train_worker`'s cases on the
 tiny Qwen3-Next of tests/convert/tiny_qwen3_next.py (three GSPO steps with the embedded engine
-and weight sync, r2 / r3 replay, KL reference)."""
+and weight sync, r2 / r3 replay, KL reference; `ref-`: one process's loss and gradients), and
+`pe-<arch>`: PP2 / EP2 loss and gradients against them."""
 
 from __future__ import annotations
 
@@ -24,5 +25,29 @@ def _make_family_model(arch, out_dir, seed=0):
 
 tiny.make_family_model = _make_family_model
 
+
+def case_pipe_expert(arch: str, outdir: Path, chk, info: dict):
+    """PP2 and EP2 give the single process's GSPO loss and gradients (1e-5); TP2 is not run:
+    the learner's packed rows reach the delta-net sequence-sharded under SP (refused by
+    `PackedGatedDeltaNet`)."""
+    import torch
+
+    from megatron_gspo.megatron.parallel import ParallelLayout as PL
+
+    ref = torch.load(outdir / "ref_grads.pt")
+    for tag, layout in {"pp2": PL(pipeline=2), "ep2": PL(expert=2, expert_tensor=1)}.items():
+        m, g = family._grads_run(arch, outdir, layout)
+        chk.close(f"{tag}.loss", m["loss"], ref["loss"], rtol=1e-5, atol=1e-8)
+        chk.dicts(f"{tag}.grad", g, ref["grads"], rtol=1e-5, atol=1e-8)
+        info[tag] = float(m["loss"])
+        info[f"{tag}_max_grad_diff"] = max(float((g[k] - ref["grads"][k]).abs().max())
+                                           for k in ref["grads"])
+
+
 if __name__ == "__main__":
-    family.main()
+    kind, arch = sys.argv[1].split("-", 1)
+    if kind == "pe":
+        family.run_case({sys.argv[1]: lambda outdir, chk, info:
+                         case_pipe_expert(arch, outdir, chk, info)})
+    else:
+        family.main()
