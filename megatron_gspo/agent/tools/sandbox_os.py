@@ -26,7 +26,7 @@ import sys
 import sysconfig
 import tempfile
 
-from megatron_gspo.agent.tools import sandbox_cgroup
+import megatron_gspo.agent.tools.sandbox_cgroup as sandbox_cgroup
 from megatron_gspo.agent.tools.sandbox_cgroup import PREFIX, _pid_ns, owner_tag
 
 PIDS_ROOT = "/sys/fs/cgroup/pids"
