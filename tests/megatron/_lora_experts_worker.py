@@ -252,8 +252,11 @@ def _changed_only_sync(chk: Checker, L, engine, samples, info: dict):
     got, learner = _flat(_hf_logprobs(engine, samples)), _flat(L.forward_logprobs(samples))
     info["moe.changed_sync.engine_vs_learner"] = _maxdiff(got, learner)
     chk.close("only_changed synced engine lps", got, learner, rtol=1e-5)
-    if _export(L, "moe", only_changed=True):
-        chk.failures.append("only_changed sent something with no adapter changed")
+    # nothing changed: one dense adapted layer (attention here) still travels, so the engine
+    # takes the sync's weight version; no expert tensor
+    again = _export(L, "moe", only_changed=True)
+    if not again or len(again) > 3 or any(".experts." in n for n in again):
+        chk.failures.append(f"only_changed with no adapter changed sent {sorted(again)}")
 
 
 def _probe_sync(chk: Checker, samples, outdir: Path, info: dict):

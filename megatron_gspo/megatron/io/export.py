@@ -229,6 +229,10 @@ def _changed(entries: list[ParamEntry]) -> tuple[list[ParamEntry], list[frozense
             drops.append(
                 frozenset(r for r in range(len(col)) if col[r] == 0) if e.pm.expert else frozenset()
             )
+    if not keep:  # nothing changed: one dense adapted layer still travels, so that the engine
+        # takes this sync's weight version (an update without a tensor sets none)
+        first = next((e for e in entries if not e.pm.expert), None)
+        keep, drops = ([first], [frozenset()]) if first is not None else ([], [])
     return keep, drops
 
 

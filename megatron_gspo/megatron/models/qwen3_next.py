@@ -73,6 +73,15 @@ def config_fields(cfg: dict, use_te: bool) -> dict:
     if cfg.get("attention_bias"):
         raise Qwen3NextConfigError("config.json attention_bias=true is not supported for "
                                    f"{ARCHITECTURE}")
+    need = ["linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+            "linear_num_value_heads"]
+    if any(moe_layers(cfg)):
+        need += ["num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "shared_expert_intermediate_size"]
+    missing = [k for k in need if not isinstance(cfg.get(k), int) or isinstance(cfg[k], bool)]
+    if missing:
+        raise Qwen3NextConfigError(f"config.json of {ARCHITECTURE} lacks an integer "
+                                   f"{missing[0]} (needed by its layers)")
     _rope(cfg)
     types = layer_types(cfg)
     out = dict(
