@@ -79,6 +79,12 @@ def read_stage_imports(path: Path = STAGE_IMPORTS) -> dict[str, list[str]]:
     return out
 
 
+# Modules a stage imports only when they happen to be installed (inside try/except ImportError),
+# left out of the recording: werkzeug's log handler imports colorama if present, which the
+# recording venv had through the docs tools, and a machine without it runs the stage the same.
+OPTIONAL_IMPORTS = {"colorama"}
+
+
 def recorded_imports(folder: Path) -> dict[str, list[str]]:
     """{stage: sorted modules} from the files of a GPU_CHECKS_RECORD_IMPORTS run, keeping the
     modules of the distributions the GPU machine has or the kit carries (not the standard
@@ -94,7 +100,7 @@ def recorded_imports(folder: Path) -> dict[str, list[str]]:
         stage = f.name.split(".", 1)[0]
         if stage == "wheels":  # its import check imports the other stages' modules
             continue
-        names = {m for m in f.read_text().split() if m not in own
+        names = {m for m in f.read_text().split() if m not in own | OPTIONAL_IMPORTS
                  and m not in sys.stdlib_module_names
                  and {norm(d) for d in dists.get(m, [])} & keep}
         out.setdefault(stage, set()).update(names)

@@ -273,3 +273,14 @@ def test_learner_check_without_cpu_layer_asks_for_a_reference(monkeypatch, tmp_p
     assert glc.main(["--reference-only", "--reference", str(tmp_path / "none.pt"),
                      "--out", str(tmp_path)]) == 1
     assert "no such file" in capsys.readouterr().out
+
+
+def test_recorded_imports_leave_out_what_is_imported_only_when_present(tmp_path):
+    """colorama came into the list through werkzeug's optional import in a venv that had it;
+    a machine without it (the CI's) then failed the kit's import check."""
+    (tmp_path / "colocated.txt").write_text("yaml colorama json megatron_gspo\n")
+    got = gpu_kit.recorded_imports(tmp_path)
+    assert "colorama" not in got["colocated"] and "json" not in got["colocated"]
+    assert "yaml" in got["colocated"]
+    listed = {m for mods in gpu_kit.read_stage_imports().values() for m in mods}
+    assert not listed & gpu_kit.OPTIONAL_IMPORTS
