@@ -64,7 +64,7 @@ def install() -> None:
 
     from megatron_gspo.megatron.io import async_save
     from megatron_gspo.megatron.learner_state import LearnerState
-    from megatron_gspo.run import checkpoint as ck
+    from megatron_gspo.runtime import run_checkpoint as ck
 
     _wrap(ck.Checkpointer, "save", "checkpoint save (loop)")
     _wrap(ck, "nonfinite_parameters", "  non-finite check")

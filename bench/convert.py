@@ -82,9 +82,9 @@ def main() -> None:
         rows.append(("safetensors load+save (baseline)", _timed(baseline)[0]))
 
         from megatron_gspo.convert import get_adapter
-        from megatron_gspo.megatron.io import checkpoint as cio
+        from megatron_gspo.megatron.io import dist_checkpoint as cio
         from megatron_gspo.megatron.io.conversion import hf_to_mcore, mcore_to_hf
-        from megatron_gspo.megatron.io.export import export_hf_weights
+        from megatron_gspo.megatron.io.weight_export import export_hf_weights
         from megatron_gspo.megatron.parallel import ParallelLayout, initialize, shutdown
 
         import megatron.core.dist_checkpointing  # noqa: F401  (imports are not timed)

@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_gspo.convert.base import num_routed_experts  # noqa: E402
+from megatron_gspo.convert.param_map import num_routed_experts  # noqa: E402
 from megatron_gspo.data.batch import pad_rows  # noqa: E402
 from megatron_gspo.algo.precision import (  # noqa: E402
     ToleranceController,
@@ -214,7 +214,7 @@ def load_prompts(tok, data: str, n: int, longest: bool = False) -> list[list[int
 def run(args) -> dict:
     from megatron_gspo.config import load_config
     from megatron_gspo.loop import build
-    from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+    from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
     from megatron_gspo.rollout.embedded import EmbeddedEngine
     from transformers import AutoTokenizer
 

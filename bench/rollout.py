@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 
 MODELS = {

@@ -104,8 +104,8 @@ class Project:
         self.version = 0
 
     def step(self, prompt_texts: list[str], args) -> tuple[_Phases, list]:
-        from megatron_gspo.loop import sync as sync_phase
-        from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+        from megatron_gspo.loop import weight_sync_phase as sync_phase
+        from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
 
         sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, n=args.group,
                             ignore_eos=True)

@@ -7,7 +7,8 @@ Trains the config's run (`train.run`, in this process) for `--steps` steps per e
 `embedded` (the config's engine: no servers, so no probe: the probe reads served log-probs)
 and `standin` (SGLang engine, stand-in servers launched by the run through SGLANG_SERVER_MODULE,
 colocated tensor sync, as tests/convert/test_smollm2.py runs them) with the probe off and at
-every sync. Every `loop.sync.verify_sync` call is timed (the probe's generation on every server,
+every sync. Every `loop.weight_sync_phase.verify_sync` call is timed (the probe's generation on
+every server,
 the learner's recompute, the comparison and its broadcast). The first step of each run is left
 out of the step times (start-up, first sync).
 
@@ -37,7 +38,7 @@ QUIET = ["logging.tensorboard=false", "logging.progress_bar=false", "logging.log
 def run_once(config: str, steps: int, engine: str, interval: int) -> dict:
     """One run of `steps` steps; returns its row."""
     from megatron_gspo.config import load_config
-    from megatron_gspo.loop import sync as sync_mod
+    from megatron_gspo.loop import weight_sync_phase as sync_mod
     from megatron_gspo.loop import train
 
     over = [*QUIET, f"train.max_steps={steps}", f"rollout.verify_sync_interval={interval}"]

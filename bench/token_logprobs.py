@@ -4,7 +4,7 @@ Measures, for each (tokens, vocab, dtype) case, the peak memory beyond the logit
 and the median time of
 - the forward of `algo.logprobs.token_logprobs` (rollout-side and loss code) against the
   materialised forward;
-- forward + backward of the learner's `megatron.logprobs.vocab_parallel_logprobs` (one TP rank),
+- forward + backward of the learner's `megatron.tp_logprobs.vocab_parallel_logprobs` (one TP rank),
   whose autograd backward recomputes the softmax chunk by chunk into the gradient, against
   forward + backward of the materialised log-softmax (the gradient of the logits is in both).
 Each measurement runs in a fresh subprocess so peak RSS (CPU) or peak allocated memory (CUDA)
@@ -39,7 +39,7 @@ def _child(tokens: int, vocab: int, dtype: str, method: str, repeats: int) -> di
     import torch
 
     from megatron_gspo.algo.logprobs import token_logprobs
-    from megatron_gspo.megatron.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.megatron.tp_logprobs import vocab_parallel_logprobs
 
     torch.manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 def _standins(model: str, dtype: str, loader: str):
     from megatron_gspo.rollout.embedded import EmbeddedEngine
     from megatron_gspo.rollout.sglang.client import SGLangEngine
-    from megatron_gspo.rollout.sglang.delta_sync import LOADER
+    from megatron_gspo.rollout.sglang.weight_sync_delta import LOADER
     from megatron_gspo.rollout.standin.server import StandinServer
 
     sys.path.insert(0, loader)
@@ -52,7 +52,7 @@ def _standins(model: str, dtype: str, loader: str):
 
 def _real(model: str, dtype: str, loader: str):
     from megatron_gspo.rollout.sglang.client import SGLangEngine
-    from megatron_gspo.rollout.sglang.delta_sync import launch_extras
+    from megatron_gspo.rollout.sglang.weight_sync_delta import launch_extras
     from megatron_gspo.rollout.sglang.launch import LaunchSpec, cpu_server_env
 
     python = str(ROOT / ".sglang-cpu" / "venv" / "bin" / "python")
@@ -76,7 +76,7 @@ def _served_equal(srv, buckets) -> bool:
 
 
 def _greedy(eng):
-    from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+    from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
 
     sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(p, sp) for p in ([3, 5, 7, 11, 13], [17, 19, 23, 29])]
@@ -99,7 +99,7 @@ def main() -> int:
     from megatron_gspo.loop import train
     from megatron_gspo.rollout.delta.sender import DeltaSender
     from megatron_gspo.rollout.embedded import EmbeddedEngine
-    from megatron_gspo.rollout.sglang.delta_sync import loader_dir
+    from megatron_gspo.rollout.sglang.weight_sync_delta import loader_dir
 
     cfg = load_config(args.config, [
         f"rollout.dtype={args.engine_dtype}", f"train.max_steps={args.steps}",

@@ -1,5 +1,5 @@
 """What one GPU of each shipped colocated config would hold at every moment of the loop, from a
-CPU run: the device-memory ledger (megatron_gspo/run/device_ledger.py).
+CPU run: the device-memory ledger (megatron_gspo/runtime/device_ledger.py).
 
     .venv/bin/python scripts/device_ledger.py [--json OUT] [--configs NAME ...]
 

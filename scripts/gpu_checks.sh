@@ -17,7 +17,7 @@
 #                   IPC), the sync probe: match / mismatch and times (skipped without sglang;
 #                   the dry run uses the CPU stand-in server)
 #   bench_logprobs  bench/token_logprobs.py on CUDA (algo.logprobs and the learner's chunked
-#                   backward, megatron/logprobs.py)
+#                   backward, megatron/tp_logprobs.py)
 # and end with a markdown summary (docs/gpu-results.md format). Exits 0 even when stages fail:
 # the summary says which. Exit 2 only for bad arguments.
 #

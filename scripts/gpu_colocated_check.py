@@ -8,11 +8,13 @@ learner's GPU, then the sync probe, with the loop's own functions in loop/train.
 2. one colocated SGLang server launched on the same GPU (`loop.build.rollout_engine`:
    `sglang.launch_server --enable-memory-saver`), its KV cache and CUDA graphs released at once
    as the loop does;
-3. sync v0 (`loop.sync.sync_weights` -> `rollout.multinode.colocated.colocated_sync`): the
+3. sync v0 (`loop.weight_sync_phase.sync_weights` ->
+   `rollout.multinode.colocated.colocated_sync`): the
    learner's CUDA weights exported in buckets, flattened, pickled with SGLang's
    `monkey_patch_torch_reductions` (`rollout.weight_sync`) and posted with
    `update_weights_from_tensor`, the server opening CUDA IPC handles into the learner's
-   memory; then the sync probe (`loop.sync.verify_sync`: the server answers the probe prompt,
+   memory; then the sync probe (`loop.weight_sync_phase.verify_sync`: the server answers the probe
+   prompt,
    the learner recomputes the log-probs): a match is every token within `PROBE_TOLERANCE` of
    the served dtype;
 4. control: the learner's weights changed (noise) and NOT synced: the probe must report a
@@ -77,10 +79,10 @@ def config(model: Path, dtype: str, cuda: bool, logs: Path):
 
 def run(workdir: Path, module: str, cuda: bool) -> dict:
     """Steps 1-5; the report (the --json content)."""
-    from megatron_gspo.loop import build, sync
-    from megatron_gspo.rollout.base import RolloutError
+    from megatron_gspo.loop import build, weight_sync_phase as sync
+    from megatron_gspo.rollout.engine import RolloutError
     from megatron_gspo.rollout.multinode import colocated
-    from megatron_gspo.rollout.sglang.weights import PROBE_TOLERANCE
+    from megatron_gspo.rollout.sglang.weight_sync_endpoints import PROBE_TOLERANCE
 
     os.environ["SGLANG_SERVER_MODULE"] = module
     dtype = "bfloat16" if cuda else "float32"
@@ -186,7 +188,7 @@ def main() -> int:
         os.environ["MASTER_PORT"] = str(free_port())
     import torch
 
-    from megatron_gspo.rollout.weight_sync import sglang_importable
+    from megatron_gspo.rollout.weight_sync_payloads import sglang_importable
 
     cuda = torch.cuda.is_available()
     module = args.server_module or ("sglang.launch_server" if cuda else STANDIN)

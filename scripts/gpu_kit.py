@@ -11,8 +11,7 @@ stays under the travel limit, installs the wheels with pip (offline, no dependen
 --target, and imports every module the stages import (scripts/gpu_stage_imports.txt, recorded
 from the stages themselves by `imports`). `--cross` installs for the GPU machine's CPython
 3.12 / x86-64 instead of this interpreter (the CPU dry run), and skips the import check of the
-installed wheels (this interpreter's own packages are checked instead).
-"""
+installed wheels (this interpreter's own packages are checked instead)."""
 
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ LIMIT_BYTES = 64 * 2**20  # what may travel with the working tree to the GPU mac
 # Per stage, the installed top-level modules its processes import (recorded by a dry run with
 # GPU_CHECKS_RECORD_IMPORTS; `imports --write` updates it); the kit check imports all of them.
 STAGE_IMPORTS = ROOT / "scripts" / "gpu_stage_imports.txt"
+OPTIONAL_IMPORTS = {"colorama"}  # imported only when installed (werkzeug's log handler)
 # For CPython 3.12; pip 23 checks Requires-Python against this interpreter anyway (mcore 0.17+).
 CROSS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
          "--ignore-requires-python",
@@ -77,12 +77,6 @@ def read_stage_imports(path: Path = STAGE_IMPORTS) -> dict[str, list[str]]:
             stage, _, mods = line.partition(":")
             out[stage.strip()] = mods.split()
     return out
-
-
-# Modules a stage imports only when they happen to be installed (inside try/except ImportError),
-# left out of the recording: werkzeug's log handler imports colorama if present, which the
-# recording venv had through the docs tools, and a machine without it runs the stage the same.
-OPTIONAL_IMPORTS = {"colorama"}
 
 
 def recorded_imports(folder: Path) -> dict[str, list[str]]:

@@ -6,7 +6,8 @@ optimizer steps; then
    + main weights + Adam moments + reference (`megatron.memory.plan`);
 2. the training peak above that against the plan's activation + logits estimate;
 3. the colocated loop (`rollout.offload_learner`), in the order the code runs it: the loop's
-   own functions (loop/sync.py `sync_weights`, rollout/multinode/colocated.py) drive the
+   own functions (loop/weight_sync_phase.py `sync_weights`, rollout/multinode/colocated.py) drive
+   the
    learner and a probe engine (a RolloutEngine without servers) that records, at every
    memory call the loop makes into the servers, what this process holds: allocated, reserved
    (allocated + torch's cache, which SGLang cannot use until `empty_cache`) and the driver's
@@ -23,7 +24,7 @@ Where the servers take memory (launch, resume) the learner may hold only what th
 leaves it (nothing; its weights while the servers resume theirs) plus 2 % of its resident
 bytes (at least 64 MiB on a GPU: the allocator's segments). Without CUDA it runs the tiny shape
 on the CPU and counts storage bytes instead (the CPU dry run of scripts/gpu_checks.sh): the
-moments are reported, and judged only on a GPU (on the CPU `run.device_ledger` models them).
+moments are reported, and judged only on a GPU (on the CPU `runtime.device_ledger` models them).
 Prints one line per measure; exit 1 when the resident bytes differ from the plan by more than
 2 %, a judged moment holds too much, the allocation after onload differs, or the log-probs
 changed.
@@ -111,7 +112,7 @@ def probe_engine(L, cuda: bool, rows: list, moment: list):
     """A RolloutEngine without servers: the loop's memory calls reach it through the real
     `release_memory` / `resume_memory` bookkeeping; each records a snapshot; the weight stream
     is consumed bucket by bucket like a server's update."""
-    from megatron_gspo.rollout.base import RolloutEngine
+    from megatron_gspo.rollout.engine import RolloutEngine
 
     class Probe(RolloutEngine):
         version = 0
@@ -176,7 +177,7 @@ def room(L, engine, cuda: bool):
 def colocated_order(L, hf: dict, batch, old, before, cuda: bool) -> tuple[list, dict]:
     """Steps 3-4: the loop's moments with a probe engine; returns the snapshots and numbers."""
     from megatron_gspo.config import load_config
-    from megatron_gspo.loop import sync
+    from megatron_gspo.loop import weight_sync_phase as sync
     from megatron_gspo.rollout.multinode import colocated
 
     cfg = load_config(None, ["model.path=/unused", "model.dtype=bfloat16",

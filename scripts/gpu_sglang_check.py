@@ -55,7 +55,7 @@ def run_checks(workdir: str, tp_size: int = 1, logprob_tol: float = 0.05,
         colocated: also check memory release/resume (server started with memory saving).
         module: server module taking SGLang's flags (SGLang's; the stand-in on a CPU).
     """
-    from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
+    from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams
     from megatron_gspo.rollout.embedded import build_hf_model, sequence_logprobs
     from megatron_gspo.rollout.sglang.client import SGLangEngine
     from megatron_gspo.rollout.sglang.launch import LaunchSpec

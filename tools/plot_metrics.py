@@ -36,7 +36,7 @@ def plot(run_dir: Path, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_gspo.run.metrics import read_metrics
+    from megatron_gspo.runtime.metrics import read_metrics
 
     rows = read_metrics(run_dir)
     if not rows:

@@ -83,7 +83,7 @@ def make_batch(tok, rng: random.Random, batch_size: int) -> tuple[torch.Tensor, 
 @torch.no_grad()
 def accuracy(model, tok, rows: list[dict], temperature: float, seed: int = 0) -> dict:
     """Mean `task.reward` and response length of samples from the embedded rollout engine."""
-    from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+    from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
     model.eval()

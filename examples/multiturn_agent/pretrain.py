@@ -71,7 +71,7 @@ def make_batch(tok, rng: random.Random, batch_size: int) -> tuple[torch.Tensor, 
 def evaluate_episodes(model, tok, rows: list[dict], seed: int = 0) -> dict:
     """Run real episodes (embedded engine, temperature 1) and report success statistics."""
     from megatron_gspo.agent.runner import EpisodeLimits, EpisodeRunner, episode_metrics
-    from megatron_gspo.rollout.base import SamplingParams
+    from megatron_gspo.rollout.engine import SamplingParams
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
     model.eval()

@@ -52,7 +52,7 @@ def evaluate_base(config: Path, overrides: list[str]) -> dict:
     sys.path.insert(0, str(ROOT))
     from megatron_gspo.loop import build, phases
     from megatron_gspo.config import load_config
-    from megatron_gspo.rollout.base import SamplingParams
+    from megatron_gspo.rollout.engine import SamplingParams
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
     cfg = load_config(config, overrides)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from megatron_gspo.agent.chat import ParsedAction, parse_action
-from megatron_gspo.agent.tools.base import ToolSet
+from megatron_gspo.agent.tools.toolset import ToolSet
 
 
 @dataclass

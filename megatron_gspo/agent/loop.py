@@ -17,7 +17,7 @@ from megatron_gspo.agent import build_runner
 from megatron_gspo.agent.runner import episode_metrics
 from megatron_gspo.algo.turn_advantages import assign_multiturn_advantages
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.rollout.engine import RolloutError
 
 
 def _item(req: Any) -> dict[str, Any]:
@@ -35,7 +35,7 @@ def _check(cfg: Any) -> None:
 def make_runner(cfg: Any, engine: Any, tok: Any, temperature: float | None = None):
     """EpisodeRunner configured from `agent.*` and `rollout.*` (`temperature` overrides
     `rollout.temperature`, e.g. for evaluation; 0 is greedy)."""
-    from megatron_gspo.rollout.base import SamplingParams
+    from megatron_gspo.rollout.engine import SamplingParams
 
     _check(cfg)
     sampling = SamplingParams.for_rollouts(cfg.rollout, tok).with_n(1)

@@ -28,7 +28,7 @@ from megatron_gspo.agent.tool_parsers import (ToolParser, ToolParserError, check
 from megatron_gspo.agent.episode_stats import episode_metrics, merge_info  # noqa: F401
 from megatron_gspo.agent.interrupt import run_cancel_on_interrupt
 from megatron_gspo.data.sample import MAX_ABS_REWARD, Sample
-from megatron_gspo.rollout.base import GenerateRequest, RolloutEngine, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
 
 
 @dataclass(frozen=True)

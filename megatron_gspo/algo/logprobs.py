@@ -6,7 +6,7 @@ only `chunk_size x V` float32 values exist at a time (about 256 MiB by default),
 and in the backward pass
 (a custom autograd function saves the logits it was given plus one log-sum-exp per token and
 recomputes the softmax of each chunk in backward). This is the single-rank version; the
-vocabulary-parallel one lives in `megatron_gspo.megatron.logprobs`.
+vocabulary-parallel one lives in `megatron_gspo.megatron.tp_logprobs`.
 """
 
 from __future__ import annotations

@@ -67,14 +67,15 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input (data rows, rewards, checkpoints, samples, a chat template
     that cannot extend episodes): one line, exit 2."""
     from megatron_gspo.agent.chat_session import ChatTemplateError
-    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.param_map import ConversionError
     from megatron_gspo.data.datasets import DatasetError
     from megatron_gspo.data.sample import SampleError
     from megatron_gspo.rewards import RewardError
     from megatron_gspo.megatron.models.builder import ModelConfigError  # e.g. a checkpoint's model
-    from megatron_gspo.rollout.base import RolloutError  # every sampled group failed, ...
-    from megatron_gspo.run.device_ledger import LedgerSpecError  # a spec to read or write
-    from megatron_gspo.run.rundir import RunError  # run-dir lock, checkpoints, diverged training
+    from megatron_gspo.rollout.engine import RolloutError  # every sampled group failed, ...
+    from megatron_gspo.runtime.device_ledger import LedgerSpecError  # a spec to read or write
+    # run-dir lock, checkpoints, diverged training
+    from megatron_gspo.runtime.rundir import RunError
 
     return (DatasetError, RewardError, ConversionError, SampleError, FileNotFoundError, RunError,
             ChatTemplateError, ModelConfigError, RolloutError, LedgerSpecError)
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 def _plan(cfg, args) -> int:
     """`megatron-gspo plan`: print the table (or, with --brief, three lines); exit 1 when the
     layout does not fit or the launch would be refused."""
-    from megatron_gspo.cli.plan import (UNKNOWN, checked_model_config, launch_problems,
+    from megatron_gspo.cli.plan_checks import (UNKNOWN, checked_model_config, launch_problems,
                                         rollout_line)
     from megatron_gspo.config import ConfigError
     from megatron_gspo.megatron.memory import changes as mc

@@ -71,8 +71,8 @@ def _held(ckpt: str):
     """`--ckpt` resolved to one run checkpoint (step_N) held against rotation while it is read
     (`checkpoint.hold_for_reading`); a converted checkpoint is passed through. A checkpoint
     removed before it could be held, or while it was read, is a one-line "retry" error."""
-    from megatron_gspo.run.checkpoint import hold_for_reading
-    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.runtime.run_checkpoint import hold_for_reading
+    from megatron_gspo.convert.param_map import ConversionError
     from megatron_gspo.convert.sources import resolve_checkpoint
 
     src = resolve_checkpoint(ckpt)
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None, prog: str | None = "megatron-gspo conver
         prog: the program name in usage lines (None: the script's file name).
     """
     args = _parser(prog).parse_args(argv)
-    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.param_map import ConversionError
     from megatron_gspo.convert.guards import check_out_writable
 
     try:
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None, prog: str | None = "megatron-gspo conver
 
 
 def _refuse_lora(ckpt: str) -> None:
-    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.param_map import ConversionError
     from megatron_gspo.convert.sources import resolve_checkpoint
     from megatron_gspo.megatron.lora.io import read_adapter_info
 
@@ -161,7 +161,7 @@ def _refuse_lora(ckpt: str) -> None:
 
 
 def _lora_to_peft(args) -> int:
-    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.param_map import ConversionError
     from megatron_gspo.convert.guards import check_out_writable
     from megatron_gspo.megatron.io import conversion as conv
     from megatron_gspo.megatron.io.lora_to_peft import check_lora_to_peft, lora_to_peft

@@ -20,8 +20,8 @@ from megatron_gspo.config.schema import ConfigError
 
 __all__ = ["SERVER_FIELDS", "check_unused"]
 
-#: RolloutConfig fields read only where SGLang servers generate (loop/servers.py, cli/plan.py,
-#: rollout/sglang/*, rollout/multinode/*).
+#: RolloutConfig fields read only where SGLang servers generate (loop/server_setup.py,
+#: cli/plan_checks.py, rollout/sglang/*, rollout/multinode/*).
 SERVER_FIELDS = ("server_urls", "num_servers", "tp_size", "mem_fraction", "host", "base_port",
                  "extra_server_args", "sglang_python", "sglang_device", "weight_sync",
                  "weight_sync_master", "router_url", "launch_router", "router_policy",

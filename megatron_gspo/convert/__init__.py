@@ -1,6 +1,6 @@
 """Hugging Face <-> Megatron-Core checkpoint conversion: adapters, registry, safetensors I/O."""
 
-from megatron_gspo.convert.base import (
+from megatron_gspo.convert.param_map import (
     ConversionError,
     ModelDims,
     ParamMap,

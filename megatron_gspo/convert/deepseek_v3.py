@@ -23,7 +23,7 @@ The down projections are replicated on every TP rank in both specs (the Transfor
 spec's ``TELinear``, parallel_mode duplicated; the learner's local spec builds the same with
 `models/deepseek_v3.replicated_down_projections`). A model built from Megatron-Core's local
 spec as it is (column-parallel, split on dim 0) is read from the module type by
-`megatron/io/checkpoint.py`. Under TE the q/kv norms are fused into the up
+`megatron/io/dist_checkpoint.py`. Under TE the q/kv norms are fused into the up
 projections (``linear_q_up_proj.layer_norm_weight``); ``input_layernorm`` stays a module.
 The multi-token-prediction layers of the released checkpoint (layer index num_hidden_layers,
 ``num_nextn_predict_layers`` of them) map onto Megatron-Core's ``mtp.layers.{k}.*``
@@ -36,7 +36,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_gspo.convert.base import (
+from megatron_gspo.convert.param_map import (
     ConversionError,
     ModelDims,
     ParamMap,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_gspo.convert.base import ConversionError, ModelDims, ParamMap
+from megatron_gspo.convert.param_map import ConversionError, ModelDims, ParamMap
 from megatron_gspo.convert.deepseek_v3 import DeepseekV3Adapter, MLADims
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from megatron_gspo.convert.base import ConversionError, ModelDims, ParamMap, StateDictAdapter
+from megatron_gspo.convert.param_map import ConversionError, ModelDims, ParamMap, StateDictAdapter
 from megatron_gspo.convert.deepseek_v3 import DeepseekV3Adapter, MLADims
 from megatron_gspo.convert.mtp import declared_mtp_layers
 
@@ -34,7 +34,7 @@ class Glm4MoeAdapter(DeepseekV3Adapter):
         self.check_config(cfg)
         self.qkv_bias = bool(cfg.get("attention_bias"))
         self.qk_norm = bool(cfg.get("use_qk_norm"))
-        from megatron_gspo.convert.base import dims_from_hf_config
+        from megatron_gspo.convert.param_map import dims_from_hf_config
 
         base = dims_from_hf_config(cfg)
         fields = {k: getattr(base, k) for k in ModelDims.__dataclass_fields__}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.param_map import ConversionError
 from megatron_gspo.convert.deepseek_v32 import DeepseekV32Adapter, DSADims
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from megatron_gspo.convert.base import ConversionError, ModelDims, ParamMap, StateDictAdapter
+from megatron_gspo.convert.param_map import ConversionError, ModelDims, ParamMap, StateDictAdapter
 
 
 class GptOssAdapter(StateDictAdapter):

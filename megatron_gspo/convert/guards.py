@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from megatron_gspo.convert.base import ConversionError, num_routed_experts
+from megatron_gspo.convert.param_map import ConversionError, num_routed_experts
 from megatron_gspo.convert.registry import get_adapter
 
 VOCAB_PAD_MULTIPLE = 128  # as megatron_gspo.megatron.models.builder pads the vocabulary

@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.param_map import ConversionError
 from megatron_gspo.convert.mtp import with_present_mtp_layers
 from megatron_gspo.convert.tempdirs import make_temp_dir, mark_owned, release
 

@@ -1,6 +1,6 @@
 """State-dict adapter for Llama (LlamaForCausalLM): GQA attention, SwiGLU MLP, RMSNorm."""
 
-from megatron_gspo.convert.base import StateDictAdapter
+from megatron_gspo.convert.param_map import StateDictAdapter
 
 
 class LlamaAdapter(StateDictAdapter):

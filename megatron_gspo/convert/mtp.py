@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from megatron_gspo.convert.base import ParamMap
+from megatron_gspo.convert.param_map import ParamMap
 
 CONFIG_KEY = "num_nextn_predict_layers"
 # families whose MTP layers are converted and built (tested); others (DeepSeek-V3.2, GLM-5:

@@ -1,6 +1,6 @@
 """State-dict adapter for Qwen2 (Qwen2ForCausalLM): Llama layout plus q/k/v projection biases."""
 
-from megatron_gspo.convert.base import ConversionError, StateDictAdapter
+from megatron_gspo.convert.param_map import ConversionError, StateDictAdapter
 
 
 class Qwen2Adapter(StateDictAdapter):

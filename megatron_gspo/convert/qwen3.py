@@ -1,6 +1,6 @@
 """State-dict adapter for Qwen3 (Qwen3ForCausalLM): Llama layout plus per-head q/k RMSNorm."""
 
-from megatron_gspo.convert.base import StateDictAdapter
+from megatron_gspo.convert.param_map import StateDictAdapter
 
 
 class Qwen3Adapter(StateDictAdapter):

@@ -5,7 +5,7 @@ Each HF expert ``mlp.experts.{e}.{gate,up,down}_proj`` maps to Megatron-Core's
 ``mlp.gate.weight`` maps to ``mlp.router.weight``. Qwen3-MoE has no shared expert.
 """
 
-from megatron_gspo.convert.base import ConversionError, ModelDims, ParamMap
+from megatron_gspo.convert.param_map import ConversionError, ModelDims, ParamMap
 from megatron_gspo.convert.qwen3 import Qwen3Adapter
 
 

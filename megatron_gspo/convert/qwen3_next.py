@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_gspo.convert.base import (
+from megatron_gspo.convert.param_map import (
     LAYOUTS,
     ConversionError,
     ModelDims,

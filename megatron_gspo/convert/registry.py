@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from megatron_gspo.convert.base import ConversionError, StateDictAdapter
+from megatron_gspo.convert.param_map import ConversionError, StateDictAdapter
 from megatron_gspo.convert.deepseek_v3 import DeepseekV3Adapter
 from megatron_gspo.convert.deepseek_v32 import DeepseekV32Adapter
 from megatron_gspo.convert.gemma3 import Gemma3Adapter

@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from megatron_gspo.convert.base import GLU_KINDS, ConversionError, ParamMap
+from megatron_gspo.convert.param_map import GLU_KINDS, ConversionError, ParamMap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.param_map import ConversionError
 from megatron_gspo.convert.hf_io import read_config
 
 MODEL_INFO = "megatron_gspo_model.json"
@@ -200,7 +200,7 @@ def run_dir_of(step: Path) -> Path | None:
 
 def _step_dir(path: Path, notes: list[str]) -> Path | None:
     """The run checkpoint (step_N folder) `path` designates, or None if it is not one."""
-    from megatron_gspo.run.checkpoint import Checkpointer
+    from megatron_gspo.runtime.run_checkpoint import Checkpointer
 
     if (path / "COMPLETE").is_file() or (_STEP_RE.match(path.name) and (path / "model").is_dir()):
         return path
@@ -236,7 +236,7 @@ def _run_model_path(step: Path) -> Path | None:
 
 
 def _run_source(step: Path, notes: list[str]) -> CheckpointSource:
-    from megatron_gspo.run.checkpoint import read_marker, verify
+    from megatron_gspo.runtime.run_checkpoint import read_marker, verify
 
     if not (step / "COMPLETE").is_file():
         raise ConversionError(
@@ -275,7 +275,8 @@ def _recorded(info: dict) -> dict:
 
 
 def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
-    """The metadata dict of a checkpoint written by `megatron.io.checkpoint.save_checkpoint`."""
+    """The metadata dict of a checkpoint written by
+    `megatron.io.dist_checkpoint.save_checkpoint`."""
     path = Path(ckpt_dir) / META_NAME
     if not path.is_file():
         raise ConversionError(f"{ckpt_dir}: not a megatron_gspo checkpoint ({META_NAME} missing)")

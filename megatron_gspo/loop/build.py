@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.loop.early_checks import check_rows, is_moe
 from megatron_gspo.loop import resume_checks
-from megatron_gspo.loop.servers import sglang_engine
+from megatron_gspo.loop.server_setup import sglang_engine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,7 +39,7 @@ def resolve_run_dir(run_dir: str | None, config_path: str | None) -> Path:
 
 def read_hf_config(model_path: str | None) -> dict:
     """The model's Hugging Face config.json as a dict (one-line errors naming model.path)."""
-    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.param_map import ConversionError
     from megatron_gspo.convert.hf_io import read_config
 
     if not model_path:
@@ -138,7 +138,7 @@ def load_initial_weights(cfg: Config, learner_, hf_config: dict) -> None:
     safetensors in `model.path`."""
     from megatron_gspo.convert.hf_io import HFCheckpointReader
     from megatron_gspo.convert.registry import get_adapter
-    from megatron_gspo.megatron.io import checkpoint as checkpoint_io
+    from megatron_gspo.megatron.io import dist_checkpoint as checkpoint_io
 
     if cfg.model.load_checkpoint:
         resume_checks.check_load_checkpoint(cfg, hf_config)  # another model: one line
@@ -165,7 +165,7 @@ def load_reference(cfg: Config, learner_, hf_config: dict) -> int:
     """
     from megatron_gspo.convert.hf_io import HFCheckpointReader
     from megatron_gspo.convert.registry import get_adapter
-    from megatron_gspo.megatron.io import checkpoint as checkpoint_io
+    from megatron_gspo.megatron.io import dist_checkpoint as checkpoint_io
 
     chunks = learner_.reference_chunks
     if chunks is None:
@@ -215,7 +215,7 @@ def rollout_engine(cfg: Config, hf_config: dict, tok):
     """The embedded engine (in-process) or SGLang servers (launched or attached). With
     colocated servers on several nodes (`colocated_on_every_node`): collective, rank 0 gets the
     engine over all nodes, the other node leaders their node's servers, other ranks None."""
-    from megatron_gspo.rollout.base import SamplingParams
+    from megatron_gspo.rollout.engine import SamplingParams
 
     r = cfg.rollout
     sampling = SamplingParams.for_rollouts(r, tok)
@@ -232,7 +232,7 @@ def rollout_engine(cfg: Config, hf_config: dict, tok):
 def async_producer(cfg: Config, engine, prompts, score, tok, start_step: int):
     """The producer of asynchronous rollouts (`rollout.mode: async`), not yet started."""
     from megatron_gspo.rollout.asynchronous.producer import AsyncProducer
-    from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+    from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
 
     r = cfg.rollout
 

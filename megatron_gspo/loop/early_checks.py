@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from megatron_gspo.config import Config, ConfigError
-from megatron_gspo.run import device_ledger
+from megatron_gspo.runtime import device_ledger
 
 LABEL_REWARDS = ("math", "math_boxed_strict", "exact_match")  # built-ins that need a label
 
@@ -158,14 +158,14 @@ def check_model(path: str | None, hf_config: dict) -> None:
 
 def is_moe(hf_config: dict) -> bool:
     """The model has routed experts (`num_experts` / `num_local_experts` / `n_routed_experts`)."""
-    from megatron_gspo.convert.base import num_routed_experts
+    from megatron_gspo.convert.param_map import num_routed_experts
 
     return bool(num_routed_experts(hf_config))
 
 
 def _check_reference(path: str, hf_config: dict) -> None:
     """The KL reference is held in the policy's layout: same family and sizes."""
-    from megatron_gspo.convert.base import ConversionError, dims_from_hf_config
+    from megatron_gspo.convert.param_map import ConversionError, dims_from_hf_config
     from megatron_gspo.convert.hf_io import read_config
 
     try:
@@ -245,7 +245,7 @@ def _check_agent_chat(cfg: Config, tok) -> None:
 def check_rows(cfg: Config, ds, hf_config: dict | None) -> None:
     """Rows the run cannot use, found once the prompts are tokenized: a label the scorer cannot
     read (agent mode: the environment's `check_label`; else the reward function's,
-    `rewards.registry.label_check`), a prompt that leaves no room for a response in the model's
+    `rewards.scoring.label_check`), a prompt that leaves no room for a response in the model's
     context (`model_context`; None: not checked). Each is a bad row: a DatasetError naming it,
     or with data.skip_bad_rows skipped and counted; no usable row left is an error."""
     from megatron_gspo.data.datasets import DatasetError
@@ -282,7 +282,7 @@ def _label_check(cfg: Config):
         return check if callable(check) else None
     if cfg.reward.url or cfg.data.label_key is None:
         return None
-    from megatron_gspo.rewards.registry import get_reward_fn, label_check
+    from megatron_gspo.rewards.scoring import get_reward_fn, label_check
 
     return label_check(get_reward_fn(cfg.reward.name))
 

@@ -83,7 +83,7 @@ def set_metrics(rewards: Sequence[Sequence[float]], n: int, ks: Sequence[int],
 
 
 def _requests(prompts):
-    from megatron_gspo.rollout.base import GenerateRequest
+    from megatron_gspo.rollout.engine import GenerateRequest
 
     for item in prompts:
         yield GenerateRequest(prompt_ids=list(item.prompt_ids), prompt=item.prompt,
@@ -93,7 +93,7 @@ def _requests(prompts):
 def _generate(cfg: Any, engine: Any, tok: Any, score, prompts, n: int) -> tuple[list[Sample],
                                                                                 dict]:
     """n scored responses per prompt (group_index = prompt position) and extra metrics."""
-    from megatron_gspo.rollout.base import SamplingParams
+    from megatron_gspo.rollout.engine import SamplingParams
 
     if cfg.agent.enabled:
         from megatron_gspo.agent.loop import make_runner

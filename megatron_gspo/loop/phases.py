@@ -23,17 +23,17 @@ from megatron_gspo.algo.precision import (
     finalize_audit,
     sequence_mismatch,
 )
-from megatron_gspo.run import device_ledger, faults
+from megatron_gspo.runtime import device_ledger, faults
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.data.batch import pad_rows
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rewards.overlong import apply_overlong
-from megatron_gspo.loop.sync import colocated_sglang, released_after_rollout
-from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.loop.weight_sync_phase import colocated_sglang, released_after_rollout
+from megatron_gspo.rollout.engine import RolloutError
 
 
 def _requests(prompts):
-    from megatron_gspo.rollout.base import GenerateRequest
+    from megatron_gspo.rollout.engine import GenerateRequest
 
     for item in prompts:
         yield GenerateRequest(prompt_ids=list(item.prompt_ids), prompt=item.prompt,
@@ -47,7 +47,7 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
     Returns:
         (samples, metrics)
     """
-    from megatron_gspo.rollout.base import SamplingParams
+    from megatron_gspo.rollout.engine import SamplingParams
     from megatron_gspo.rollout.groups import GroupSampler
 
     device_ledger.note("moment", "generation")
@@ -56,7 +56,7 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
     if producer is None and hasattr(engine, "generator"):
         engine.generator.manual_seed(step_seed)
     elif producer is None and hasattr(engine, "sample_seeds") and cfg.train.deterministic:
-        from megatron_gspo.rollout.base import SampleSeeds  # SGLang: a seed per sample
+        from megatron_gspo.rollout.engine import SampleSeeds  # SGLang: a seed per sample
 
         engine.sample_seeds = SampleSeeds(step_seed)
     if producer is not None:  # asynchronous rollouts: the oldest finished groups

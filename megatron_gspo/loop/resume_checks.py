@@ -142,7 +142,7 @@ def check_resume(cfg: Config, hf_config: dict, ckpt: str | Path) -> None:
     """Refuse to resume from run checkpoint `ckpt` (step_N) with a config it was not written
     with (see the module docstring). Checkpoints of older versions record less; what they do
     not record is not compared."""
-    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.param_map import ConversionError
     from megatron_gspo.convert.guards import compare_configs
     from megatron_gspo.convert.sources import other_weights, read_model_info
     from megatron_gspo.megatron.lora.adapters import LoraSettings
@@ -190,7 +190,7 @@ def check_load_checkpoint(cfg: Config, hf_config: dict) -> None:
     """`model.load_checkpoint` (a converted or a run checkpoint) holds the model that
     `model.path`'s config.json describes: the config stored with it and the tensor shapes of
     its metadata (no tensor is read). No-op when it is not set."""
-    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.param_map import ConversionError
     from megatron_gspo.convert.guards import (check_config_against_shapes, checkpoint_shapes,
                                               compare_configs)
     from megatron_gspo.convert.sources import resolve_checkpoint

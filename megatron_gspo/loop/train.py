@@ -7,8 +7,8 @@
 Every rank runs this loop. Rank 0 owns the prompts, the rollout engine and the rewards; the
 samples are broadcast so every rank trains on the same global batch (the learner picks its
 data-parallel share). Helpers live where they belong: `loop/build.py` (objects from the config),
-`loop/servers.py` (SGLang servers), `loop/phases.py` (each phase of a step), `run/checkpoint.py`,
-`run/metrics.py`, `algo/` (the math).
+`loop/server_setup.py` (SGLang servers), `loop/phases.py` (each phase of a step),
+`runtime/run_checkpoint.py`, `runtime/metrics.py`, `algo/` (the math).
 """
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
-from megatron_gspo.loop import build, early_checks, phases, resume_checks, servers, sync
+from megatron_gspo.loop import build, early_checks, phases, resume_checks
+from megatron_gspo.loop import server_setup as servers
+from megatron_gspo.loop import weight_sync_phase as sync
 from megatron_gspo.algo.precision import ToleranceController
-from megatron_gspo.run.checkpoint import Checkpointer
+from megatron_gspo.runtime.run_checkpoint import Checkpointer
 from megatron_gspo.config import Config, to_dict
 from megatron_gspo.megatron.fallbacks import fallback_summary
 from megatron_gspo.megatron.learner_state import CHECKPOINT_PARTS
-from megatron_gspo.run.metrics import MetricsLogger
+from megatron_gspo.runtime.metrics import MetricsLogger
 from megatron_gspo.rollout.multinode import colocated as colocated_sync
-from megatron_gspo.run import device_ledger, faults, restarts
-from megatron_gspo.run.rundir import RunDirLock, RunError, check_start
+from megatron_gspo.runtime import device_ledger, faults, restarts
+from megatron_gspo.runtime.rundir import RunDirLock, RunError, check_start
 
 
 def run(cfg: Config, run_dir: str | None = None, config_path: str | None = None) -> Path:

@@ -2,7 +2,7 @@
 
 At the top, the learner and its step: learner (the `Learner` object), learner_state (weights,
 reference, checkpoints of a learner), step (forward_step / loss_func and the loss normalisation),
-logprobs (vocab-parallel log-probs, context-parallel sums), paired (one schedule over policy and
+tp_logprobs (vocab-parallel log-probs, context-parallel sums), paired (one schedule over policy and
 reference), optimizer and adam_step (DDP, Adam, LR schedule), parallel (layout checks, process
 groups), cpu (run without CUDA over gloo), compat (Megatron-Core version differences), fallbacks
 (missing TE / apex). Sub-packages by concept: models/ (the GPTModel builder and one module per
@@ -13,8 +13,8 @@ cpu, parallel) < models < lora, memory, moe < io < the learner's modules at the 
 (tests/layout/import_graph.py).
 Submodules are imported explicitly; importing this package imports nothing heavy.
 
-The modules that moved into the sub-packages keep their old dotted paths as an error: importing
-`megatron_gspo.megatron.model` raises an ImportError that names
+The modules that moved into the sub-packages keep their old dotted paths as an error
+(`megatron_gspo.MOVED`): importing `megatron_gspo.megatron.model` raises an ImportError that names
 `megatron_gspo.megatron.models.builder`.
 A megatron-core that cannot be imported beside the installed nvidia-resiliency-ext (0.17+ with
 NVRx 0.4.x: its import-time NVRx check raises) is one ImportError line saying what to do
@@ -26,31 +26,6 @@ import sys
 
 from megatron_gspo.megatron.compat import nvrx_refusal
 from megatron_gspo.megatron.fallbacks import quiet_fallback_warnings
-
-# Old module -> new module (the split of this folder into sub-packages).
-MOVED = {
-    "model": "models.builder", "local_layers": "models.local_layers",
-    "te_conditions": "models.te_conditions", "padding_idx": "models.padding_idx",
-    "gemma3": "models.gemma3", "gemma_layers": "models.gemma_layers",
-    "deepseek_v3": "models.deepseek_v3", "glm4_moe": "models.glm4_moe", "gpt_oss": "models.gpt_oss",
-    "lora_io": "lora.io", "lora_export": "io.lora_to_peft",
-    "memory_plan": "memory.plan", "memory_report": "memory.report", "offload": "memory.offload",
-    "router_replay": "moe.router_replay", "routing_exchange": "moe.routing_exchange",
-    "checkpoint_io": "io.checkpoint", "async_save": "io.async_save",
-    "child_procs": "io.child_procs",
-    "conversion": "io.conversion", "export": "io.export", "weights": "models.weights",
-}  # `lora` itself is now the package; its adapters' names raise from lora/__init__.py
-
-
-class _MovedFinder(importlib.abc.MetaPathFinder):
-    """Turns an import of an old module path into an ImportError naming the new one."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        head, _, tail = fullname.rpartition(".")
-        if head == __name__ and tail in MOVED:
-            raise ImportError(f"{fullname} moved to {__name__}.{MOVED[tail]}: import that instead",
-                              name=fullname)
-        return None
 
 
 class _NvrxFinder(importlib.abc.MetaPathFinder):
@@ -68,8 +43,6 @@ class _NvrxFinder(importlib.abc.MetaPathFinder):
         return None
 
 
-if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
-    sys.meta_path.insert(0, _MovedFinder())
 if not any(isinstance(f, _NvrxFinder) for f in sys.meta_path):
     sys.meta_path.insert(0, _NvrxFinder())
 quiet_fallback_warnings()  # Megatron-Core's TE / apex import warnings -> one run-log line

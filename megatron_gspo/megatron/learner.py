@@ -28,7 +28,7 @@ from megatron_gspo.megatron.moe import router_replay
 from megatron_gspo.megatron.learner_state import LearnerState
 from megatron_gspo.megatron.models import deepseek_v3
 from megatron_gspo.megatron.models.builder import build_gpt_model, build_model_config
-from megatron_gspo.run import device_ledger
+from megatron_gspo.runtime import device_ledger
 from megatron_gspo.megatron.optimizer import (OptimSettings, all_ranks_agree, build_optimizer,
                                               current_lr, grads_finite, wrap_ddp)
 
@@ -68,7 +68,7 @@ class Learner(LearnerState):
             other weight frozen and only the adapters in the optimizer; with `reference` the KL
             reference is this model with its adapters off (no second model is built).
         mtp: also build the config's multi-token-prediction layers, frozen and outside the
-            policy forward (`models.mtp`); the weight sync then sends them too, which only an
+            policy forward (`models.mtp_block`); the weight sync then sends them too, which only an
             engine serving them (SGLang's NEXTN draft) accepts.
     """
 

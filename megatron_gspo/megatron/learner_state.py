@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.megatron.models import weights
+from megatron_gspo.megatron.models import shards as weights
 
 
 CHECKPOINT_PARTS = ("weights", "main", "moments")  # what `save_checkpoint` reads
@@ -104,10 +104,10 @@ class LearnerState:
         return total
 
     def note_memory(self) -> None:
-        """Tell the device-memory ledger (`run.device_ledger`, when one is installed) which of
+        """Tell the device-memory ledger (`runtime.device_ledger`, when one is installed) which of
         this rank's parts are on the device now (Adam moments exist after the first step or a
         checkpoint load; the KL reference when one is built and kept on the device)."""
-        from megatron_gspo.run import device_ledger
+        from megatron_gspo.runtime import device_ledger
 
         if not device_ledger.active():
             return
@@ -140,7 +140,7 @@ class LearnerState:
     # ----------------------------------------------------------------------------- checkpoints
     def sharded_state_dict(self) -> dict:
         """Model + optimizer + scheduler state for `megatron.core.dist_checkpointing`."""
-        from megatron_gspo.megatron.io.checkpoint import moe_norm_keys_as_te
+        from megatron_gspo.megatron.io.dist_checkpoint import moe_norm_keys_as_te
 
         if getattr(self, "lora", None) is not None:  # adapters only; the base stays where it is
             from megatron_gspo.megatron.lora import adapters as lora

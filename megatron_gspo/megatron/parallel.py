@@ -130,7 +130,7 @@ def _model_errors(lay: ParallelLayout, hf: dict) -> list[str]:
     if layers % chunks:
         errs.append(f"num_hidden_layers={layers} not divisible by pipeline*virtual_pipeline "
                     f"= {chunks}")
-    from megatron_gspo.convert.base import num_routed_experts
+    from megatron_gspo.convert.param_map import num_routed_experts
 
     experts = num_routed_experts(hf) or None
     if experts is not None and lay.tensor > 1 and not lay.sequence_parallel:

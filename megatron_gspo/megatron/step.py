@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron_gspo.algo import cispo, gmpo, kl as kl_terms, losses, sapo
 from megatron_gspo.algo.corrections import offpolicy_sequence_mask
 from megatron_gspo.data.batch import MicroBatch, cp_local_index
-from megatron_gspo.megatron.logprobs import (cp_gather, vocab_parallel_entropy,
+from megatron_gspo.megatron.tp_logprobs import (cp_gather, vocab_parallel_entropy,
                                               vocab_parallel_logprobs)
 
 LOSS_KINDS = ("gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo")

@@ -1,7 +1,7 @@
 """Reward functions: a registry by name (math answer checking, exact match) and
 `module:function` loading of user code."""
 
-from megatron_gspo.rewards.registry import (
+from megatron_gspo.rewards.scoring import (
     RewardError,
     get_reward_fn,
     register_reward,

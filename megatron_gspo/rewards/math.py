@@ -248,7 +248,7 @@ def exact_match_reward(response_text: str, label: Any, sample_metadata: dict | N
     return float(any(got == norm(x) for x in labels))
 
 
-# The label check of each reward (`rewards.registry.label_check`): rows whose label it refuses
+# The label check of each reward (`rewards.scoring.label_check`): rows whose label it refuses
 # are bad rows at load time instead of a reward of 0 for every sample of theirs.
 math_reward.check_label = check_math_label
 math_boxed_strict_reward.check_label = check_math_label

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from megatron_gspo.data.sample import MAX_ABS_REWARD, Sample
-from megatron_gspo.rewards.registry import RewardError
+from megatron_gspo.rewards.scoring import RewardError
 
 FAILED_KEY = "rollout_error"  # the failed-sample mark that group sampling and evaluation honour
 

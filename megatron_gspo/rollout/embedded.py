@@ -5,7 +5,7 @@ Prompts are left-padded into one batch (attention mask + position ids = running 
 tokens), prefilled once, then decoded token by token with the model's KV cache. Sampling:
 temperature, top-k, top-p, per-request stop ids and the model's EOS, seeded by a private
 `torch.Generator`. Each sampled token's log-prob is log softmax(logits / T) over the full
-vocabulary (before top-k/top-p), see `megatron_gspo.rollout.base`.
+vocabulary (before top-k/top-p), see `megatron_gspo.rollout.engine`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from megatron_gspo.rollout.embedded_moe import (  # noqa: F401  (names used by c
     fused_expert_slice,
     moe_routers,
 )
-from megatron_gspo.rollout.base import (
+from megatron_gspo.rollout.engine import (
     Bucket,
     GenerateRequest,
     RolloutEngine,

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.rollout.base import (
+from megatron_gspo.rollout.engine import (
     GenerateRequest,
     RolloutEngine,
     RolloutError,

@@ -2,7 +2,7 @@
 base config, same data order, seeds and sample budget) in its own process and resumes a killed
 study; `report` summarises the arms' metrics (summary.json) and overlays their curves."""
 
-from megatron_gspo.study.report import plot_study, summarize
-from megatron_gspo.study.runner import StudySpec, arm_configs, load_study, run_study
+from megatron_gspo.study.study_report import plot_study, summarize
+from megatron_gspo.study.arms import StudySpec, arm_configs, load_study, run_study
 
 __all__ = ["StudySpec", "arm_configs", "load_study", "run_study", "plot_study", "summarize"]

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.rollout.base import (
+from megatron_gspo.rollout.engine import (
     Bucket,
     GenerateRequest,
     RolloutEngine,

@@ -18,7 +18,7 @@ from megatron_gspo.cli import main
 from megatron_gspo.config import load_config
 from megatron_gspo.data.datasets import PromptItem
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.rollout.engine import RolloutError
 from tests.agent.agent_helpers import ScriptedEngine
 
 EX = Path(__file__).resolve().parents[2] / "examples" / "multiturn_agent"

@@ -20,7 +20,7 @@ from megatron_gspo.agent import CalculatorEnv, ChatTemplateError, EpisodeRunner
 from megatron_gspo.agent.chat_session import BuiltinChat, TemplateChat
 from megatron_gspo.config import load_config
 from megatron_gspo.data.datasets import PromptItem
-from megatron_gspo.rollout.base import SamplingParams
+from megatron_gspo.rollout.engine import SamplingParams
 from tests.agent.agent_helpers import ScriptedEngine
 from tests.agent.chat_families import QWEN3_OFFICIAL_TEMPLATE, llama31_tokenizer, mistral_tokenizer
 

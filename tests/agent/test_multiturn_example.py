@@ -9,7 +9,7 @@ import pytest
 
 from megatron_gspo.agent import build_runner, resolve_env
 from megatron_gspo.config import load_config
-from megatron_gspo.rollout.base import SamplingParams
+from megatron_gspo.rollout.engine import SamplingParams
 from tests.agent.agent_helpers import ScriptedEngine
 
 EX = Path(__file__).resolve().parents[2] / "examples" / "multiturn_agent"
@@ -81,7 +81,7 @@ def _reference_script(tok, rows, answers_right):
 
 def test_loop_glue_rollout_and_turn_advantages(tok):
     from megatron_gspo.agent.loop import fill_turn_advantages, rollout_episodes
-    from megatron_gspo.rollout.base import GenerateRequest
+    from megatron_gspo.rollout.engine import GenerateRequest
 
     cfg = load_config(EX / "config_cpu.yaml", ["train.prompts_per_step=2", "rollout.group_size=3",
                                                f"agent.environment={EX / 'env.py'}:"

@@ -9,7 +9,7 @@ from megatron_gspo.agent.env import StepResult, ToolEnvironment
 from megatron_gspo.agent.envs import CalculatorEnv
 from megatron_gspo.agent.runner import EpisodeLimits, EpisodeRunner, episode_metrics
 from megatron_gspo.agent.tools import Calculator, ToolSet
-from megatron_gspo.rollout.base import RolloutError, SamplingParams
+from megatron_gspo.rollout.engine import RolloutError, SamplingParams
 from tests.agent.agent_helpers import SPECIALS, ScriptedEngine, ToyTokenizer
 
 TOK = ToyTokenizer()

@@ -9,7 +9,7 @@ import torch
 
 from megatron_gspo.agent.env import StepResult, ToolEnvironment
 from megatron_gspo.agent.runner import EpisodeLimits, EpisodeRunner
-from megatron_gspo.rollout.base import SamplingParams
+from megatron_gspo.rollout.engine import SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine, sequence_logprobs
 from tests.agent.agent_helpers import ToyTokenizer
 

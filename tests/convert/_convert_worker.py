@@ -71,7 +71,7 @@ def _check_logits(models, ref, what):
 
 
 def _check_export(models, cfg, reader, bucket_bytes, what, save_to=None):
-    from megatron_gspo.megatron.io.export import export_hf_weights
+    from megatron_gspo.megatron.io.weight_export import export_hf_weights
 
     seen = {}
     for bucket in export_hf_weights(models, cfg, bucket_bytes=bucket_bytes):
@@ -92,7 +92,7 @@ def _check_stage_export(models, cfg, reader, bucket_bytes, what):
     """gather_pipeline=False: each stage yields its own tensors; stages partition the model."""
     from megatron.core import parallel_state as ps
 
-    from megatron_gspo.megatron.io.export import export_hf_weights
+    from megatron_gspo.megatron.io.weight_export import export_hf_weights
 
     buckets = export_hf_weights(models, cfg, bucket_bytes=bucket_bytes, gather_pipeline=False)
     mine = [n for b in buckets for n, _ in b]
@@ -105,7 +105,7 @@ def _check_stage_export(models, cfg, reader, bucket_bytes, what):
 def run(hf_dirs: dict, refs_path: str, work: str) -> None:
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
-    from megatron_gspo.megatron.io import checkpoint as cio
+    from megatron_gspo.megatron.io import dist_checkpoint as cio
     from megatron_gspo.megatron.parallel import ParallelLayout, initialize, shutdown
 
     refs = torch.load(refs_path)

@@ -15,12 +15,12 @@ def main(base: str, run_dir: str, targets: str = "qkv,proj") -> None:
 
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader, read_config
-    from megatron_gspo.megatron.io import checkpoint as cio
+    from megatron_gspo.megatron.io import dist_checkpoint as cio
     from megatron_gspo.megatron.learner import Learner
     from megatron_gspo.megatron.lora.adapters import LoraSettings
     from megatron_gspo.megatron.optimizer import OptimSettings
     from megatron_gspo.megatron.parallel import shutdown
-    from megatron_gspo.run.checkpoint import Checkpointer
+    from megatron_gspo.runtime.run_checkpoint import Checkpointer
 
     cfg = cio.normalize_hf_config(read_config(base))
     learner = Learner(cfg, optim=OptimSettings(lr=1e-2), use_te=False, seed=3,

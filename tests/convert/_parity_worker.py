@@ -50,7 +50,7 @@ def _err(models, ref) -> float | None:
 def _check_groups(models, cfg, adapter, dims, what) -> int:
     """With buckets smaller than any pair, the adapter's bucket groups (DeepSeek-V3:
     q_a_proj + kv_a_proj_with_mqa of a layer) still share one bucket; returns groups seen."""
-    from megatron_gspo.megatron.io.export import export_hf_weights
+    from megatron_gspo.megatron.io.weight_export import export_hf_weights
 
     where: dict = {}
     for b, bucket in enumerate(export_hf_weights(models, cfg, bucket_bytes=1024)):
@@ -66,7 +66,7 @@ def _check_groups(models, cfg, adapter, dims, what) -> int:
 def run(hf_dir: str, refs_path: str, work: str, layouts: list[str], tag: str) -> None:
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
-    from megatron_gspo.megatron.io import checkpoint as cio
+    from megatron_gspo.megatron.io import dist_checkpoint as cio
     from megatron_gspo.megatron.parallel import initialize, shutdown
 
     ref = torch.load(refs_path)

@@ -18,7 +18,7 @@ def run(hf_dir: str, out: str) -> None:
 
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
-    from megatron_gspo.megatron.io import checkpoint as cio
+    from megatron_gspo.megatron.io import dist_checkpoint as cio
     from megatron_gspo.megatron.parallel import ParallelLayout, initialize, shutdown
 
     refs = torch.load(Path(out).with_name("packed_refs.pt"))

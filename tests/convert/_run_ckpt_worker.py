@@ -38,10 +38,10 @@ def samples(n: int = 6, seed: int = 0):
 
 
 def run(hf_dirs: dict, work: str) -> None:
-    from megatron_gspo.run.checkpoint import Checkpointer
+    from megatron_gspo.runtime.run_checkpoint import Checkpointer
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader, read_config
-    from megatron_gspo.megatron.io import checkpoint as cio
+    from megatron_gspo.megatron.io import dist_checkpoint as cio
     from megatron_gspo.megatron.learner import Learner
     from megatron_gspo.megatron.optimizer import OptimSettings
     from megatron_gspo.megatron.parallel import ParallelLayout, shutdown

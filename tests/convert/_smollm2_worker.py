@@ -22,7 +22,7 @@ def run(hf_dir: str, refs_path: str, layouts: list, out: str) -> None:
 
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
-    from megatron_gspo.megatron.io import checkpoint as cio
+    from megatron_gspo.megatron.io import dist_checkpoint as cio
     from megatron_gspo.megatron.parallel import ParallelLayout, initialize, shutdown
     from tests.convert._convert_worker import _forward_logits
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.param_map import ConversionError
 from megatron_gspo.convert.hf_io import INDEX_NAME, save_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,7 +195,7 @@ def test_unwritable_out_is_refused_before_anything_is_loaded(tiny_hf, tmp_path, 
 def test_a_checkpoint_being_converted_is_not_rotated_away(tmp_path):
     """The converter holds the run checkpoint it reads (a shared flock on COMPLETE); the
     trainer's rotation keeps a held checkpoint until a later save."""
-    from megatron_gspo.run.checkpoint import Checkpointer, hold_for_reading
+    from megatron_gspo.runtime.run_checkpoint import Checkpointer, hold_for_reading
 
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3):
@@ -204,7 +204,7 @@ def test_a_checkpoint_being_converted_is_not_rotated_away(tmp_path):
         (d / "COMPLETE").write_text("{}")
     ckpt = Checkpointer(root, keep_last=2)
     held = subprocess.Popen([sys.executable, "-c",
-                             "import sys, time; from megatron_gspo.run.checkpoint import "
+                             "import sys, time; from megatron_gspo.runtime.run_checkpoint import "
                              "hold_for_reading\n"
                              f"with hold_for_reading({str(root / 'step_00000001')!r}):"
                              "\n    print('held', flush=True); time.sleep(60)"],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.param_map import ConversionError
 from megatron_gspo.convert.sources import (CheckpointSource, other_model, tokenizer_fingerprint,
                                            weights_fingerprint, write_model_info)
 from megatron_gspo.megatron.io.conversion import check_mcore_to_hf

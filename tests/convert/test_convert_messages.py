@@ -74,7 +74,7 @@ def _one_line_disk_full(p, where: Path):
     assert p.returncode == 1 and len(lines) == 1, p.stderr[-3000:]
     # ENOSPC reads "no space left"; where torch.save's zip writer hits the full disk it only
     # reports a short write ("unexpected pos N vs M"), which reads "full disk or quota?"
-    # (run/diskfull.py); which of the two a run meets depends on where the writes stop
+    # (runtime/diskfull.py); which of the two a run meets depends on where the writes stop
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "no space left" in lines[0] or "(full disk or quota?)" in lines[0], lines[0]
     assert f"mounted at {where}" in lines[0], lines[0]
@@ -95,7 +95,7 @@ def test_a_full_disk_is_one_line(tiny_hf, tiny_fs, tmp_path):
 
 
 def test_a_full_disk_during_a_checkpoint_save_is_one_line(tiny_fs):
-    from megatron_gspo.run.checkpoint import CheckpointError, Checkpointer
+    from megatron_gspo.runtime.run_checkpoint import CheckpointError, Checkpointer
 
     class BigLearner:
         chunks = [torch.nn.Linear(1, 1)]

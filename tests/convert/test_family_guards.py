@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.param_map import ConversionError
 from megatron_gspo.convert.guards import compare_configs
 from megatron_gspo.megatron.io import conversion as conv
 from tests.convert.tiny_families import FAMILIES, make_family_model

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 from convert_checkpoint import main  # noqa: E402
 
-from megatron_gspo.convert.base import ConversionError  # noqa: E402
+from megatron_gspo.convert.param_map import ConversionError  # noqa: E402
 from megatron_gspo.megatron.io import conversion as conv  # noqa: E402
 
 ARCH = "Qwen3ForCausalLM"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_gspo.convert import ConversionError, get_adapter, padded_vocab_size
-from megatron_gspo.convert.base import from_te_name
+from megatron_gspo.convert.param_map import from_te_name
 from megatron_gspo.convert.hf_io import HFCheckpointReader
 from megatron_gspo.convert.sharding import shard_state_dict, tp_shard, tp_unshard
 from tests.convert.tiny_models import ARCHS
@@ -100,7 +100,7 @@ def test_tp_pp_ep_shards_reassemble(tiny_hf, arch):
 
 
 def test_glu_shard_holds_gate_and_up_halves():
-    from megatron_gspo.convert.base import ParamMap
+    from megatron_gspo.convert.param_map import ParamMap
 
     pm = ParamMap("x.linear_fc1.weight", ("g", "u"), "glu", 0)
     full = torch.arange(8.0).reshape(8, 1)  # gate rows 0..3, up rows 4..7

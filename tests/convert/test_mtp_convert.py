@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_gspo.convert import get_adapter
-from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.param_map import ConversionError
 from megatron_gspo.convert.hf_io import HFCheckpointReader, validate_hf_checkpoint
 from megatron_gspo.convert.sharding import tp_shard, tp_unshard
 from tests.convert.tiny_families import make_family_model

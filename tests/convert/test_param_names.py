@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from megatron_gspo.convert import ConversionError, dims_from_hf_config, get_adapter
-from megatron_gspo.megatron.io import checkpoint as cio
+from megatron_gspo.megatron.io import dist_checkpoint as cio
 
 CFG = {
     "architectures": ["Qwen3MoeForCausalLM"],

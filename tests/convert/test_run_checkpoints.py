@@ -115,7 +115,7 @@ def test_damaged_or_incomplete_run_checkpoint_is_refused(runs, tmp_path, capsys)
 
 @pytest.mark.slow
 def test_run_checkpoint_config_sources_and_checks(runs, tiny_hf, tmp_path, capsys):
-    from megatron_gspo.convert.base import ConversionError
+    from megatron_gspo.convert.param_map import ConversionError
     from megatron_gspo.convert.sources import MODEL_INFO
     from megatron_gspo.megatron.io import conversion as conv
 

@@ -112,7 +112,7 @@ def test_pretraining_batches_train_on_the_response_only(task, pretrain):
 
 def test_configs_and_study_load():
     from megatron_gspo.config import load_config
-    from megatron_gspo.study.runner import arm_configs, load_study
+    from megatron_gspo.study.arms import arm_configs, load_study
 
     for name in ("config.yaml", "config_moe.yaml"):
         cfg = load_config(str(LONG / name), [])

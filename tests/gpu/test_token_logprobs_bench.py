@@ -1,4 +1,4 @@
-"""bench/token_logprobs.py measures the learner's chunked backward (megatron/logprobs.py's
+"""bench/token_logprobs.py measures the learner's chunked backward (megatron/tp_logprobs.py's
 `vocab_parallel_logprobs`, whose autograd backward recomputes the softmax chunk by chunk), not
 only the forward of algo.logprobs; and gpu_kit's summary carries both ratios."""
 
@@ -18,7 +18,7 @@ sys.path.pop(0)
 
 
 def test_learner_method_runs_the_chunked_backward(monkeypatch):
-    from megatron_gspo.megatron import logprobs
+    from megatron_gspo.megatron import tp_logprobs as logprobs
 
     calls = []
     real = logprobs._VocabParallelLogProbs.backward

@@ -57,7 +57,7 @@ def graph() -> dict[str, set[str]]:
 # units of a lower rank. Same rank = siblings, which never import each other.
 RANKS = {
     "megatron_gspo": 0,  # the package's __init__ (version only)
-    "algo": 0, "data": 0, "config": 0, "run": 0,
+    "algo": 0, "data": 0, "config": 0, "runtime": 0,
     "convert": 1, "rollout": 1,  # rollout/'s top: engine interface, embedded engine, groups
     "rollout.delta": 1,  # the delta weight-sync codec, sender and the servers' loader (pure torch)
     "megatron": 2, "rewards": 2, "agent": 2, "rollout.sglang": 2, "rollout.asynchronous": 2,
@@ -88,7 +88,7 @@ MEGATRON_SUBPACKAGES = ("models", "lora", "memory", "moe", "io")
 
 def megatron_unit(module: str) -> str | None:
     """The sub-unit of megatron/ a module belongs to (None outside megatron/):
-    `megatron_gspo.megatron.io.export` -> `io`, `...megatron.parallel` -> `base`,
+    `megatron_gspo.megatron.io.weight_export` -> `io`, `...megatron.parallel` -> `base`,
     `...megatron.learner` -> `learner`."""
     parts = module.split(".")
     if len(parts) < 3 or parts[1] != "megatron":
@@ -115,7 +115,8 @@ def megatron_upward_imports(g: dict[str, set[str]],
 
 def package_units(g: dict[str, set[str]]) -> dict[str, set[str]]:
     """The graph with every sub-package of a top-level package collapsed to one node
-    (`megatron_gspo.megatron.io.export` -> `megatron_gspo.megatron.io`; a plain module such as
+    (`megatron_gspo.megatron.io.weight_export` -> `megatron_gspo.megatron.io`; a plain module such
+    as
     `megatron_gspo.megatron.learner` stays itself): its circles are circles between
     sub-packages, which the module graph can miss (a -> b.x, b.y -> a.z)."""
     def unit(m: str) -> str:

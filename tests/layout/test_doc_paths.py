@@ -47,10 +47,12 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_typed_module_paths_work():
     r = _run("-m", "megatron_gspo.cli", "--version")
     assert r.returncode == 0, r.stderr
-    r = _run("-m", "megatron_gspo.rollout.standin_server", "--help")
+    r = _run("-m", "megatron_gspo.rollout.standin.server", "--help")
     assert r.returncode == 0 and "--model-path" in r.stdout, r.stderr
-    assert r.stderr.strip().splitlines() == [
-        "note: megatron_gspo.rollout.standin_server moved to megatron_gspo.rollout.standin.server"]
+    r = _run("-m", "megatron_gspo.rollout.standin_server", "--help")  # an old command line
+    assert r.returncode != 0
+    assert ("moved to megatron_gspo.rollout.standin.server: import that instead"
+            in r.stderr.strip().splitlines()[-1]), r.stderr
     r = _run("-c", "import megatron_gspo.rollout.standin_router")
     assert r.returncode != 0
     assert "moved to megatron_gspo.rollout.standin.router" in r.stderr.strip().splitlines()[-1]

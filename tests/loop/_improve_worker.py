@@ -4,7 +4,7 @@ torch.distributed): prints the advantage-weighted change of the batch's mean tok
 import json
 
 from megatron_gspo.loop import build, phases
-from megatron_gspo.loop import sync as sync_phase
+from megatron_gspo.loop import weight_sync_phase as sync_phase
 from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.config import load_config
 

@@ -11,8 +11,8 @@ import tempfile
 import torch
 
 from megatron_gspo.loop import build, phases
-from megatron_gspo.loop import sync as sync_phase
-from megatron_gspo.run.checkpoint import Checkpointer
+from megatron_gspo.loop import weight_sync_phase as sync_phase
+from megatron_gspo.runtime.run_checkpoint import Checkpointer
 from megatron_gspo.config import load_config
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from megatron_gspo.run.checkpoint import Checkpointer, verify  # noqa: E402
+from megatron_gspo.runtime.run_checkpoint import Checkpointer, verify  # noqa: E402
 
 CONFIG = ROOT / "examples" / "tiny" / "config.yaml"
 STEPS = 6

@@ -13,7 +13,7 @@ its batch or a restart: every row is compared there too. `repeat` makes rank 1 d
 step in every round: the job must stop with one line naming the step. The `async_` kinds save
 asynchronously (checkpoint.async_save) and kill inside a save: right after its `.tmp_step_*`
 folder appears, while the forked writers write or before the save is finalized. The `sync_`
-kinds kill inside a weight sync, targeted (`kill_rank<R>_in_sync@V#N`, run/faults.py): once the
+kinds kill inside a weight sync, targeted (`kill_rank<R>_in_sync@V#N`, runtime/faults.py): once the
 first of the stream's buckets (1 MiB each) reached the engine, so the engine holds part of the
 update; `servers_sync_` the same with the stand-in servers, which then hold a mix of two weight
 versions and must not outlive their group (the restarted group starts and fully syncs new ones).
@@ -169,7 +169,7 @@ def _no_counters(rows: dict[int, dict]) -> dict[int, dict]:
 
 
 def failures(run: Path) -> list[dict]:
-    """The automatic restarts recorded by the run (run/restarts.py)."""
+    """The automatic restarts recorded by the run (runtime/restarts.py)."""
     try:
         return json.loads((run / "restarts.json").read_text()).get("failures", [])
     except (OSError, ValueError):

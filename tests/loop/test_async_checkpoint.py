@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_gspo.run.checkpoint import Checkpointer, verify
+from megatron_gspo.runtime.run_checkpoint import Checkpointer, verify
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tiny" / "config.yaml"

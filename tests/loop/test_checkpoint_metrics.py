@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from megatron_gspo.run.checkpoint import Checkpointer
-from megatron_gspo.run.metrics import MetricsLogger, read_metrics
+from megatron_gspo.runtime.run_checkpoint import Checkpointer
+from megatron_gspo.runtime.metrics import MetricsLogger, read_metrics
 
 
 class FileLearner:
@@ -72,7 +72,7 @@ def test_kill_9_during_save_leaves_previous_checkpoint(tmp_path):
     root = tmp_path / "ck"
     code = f"""
 import os, signal, torch
-from megatron_gspo.run.checkpoint import Checkpointer
+from megatron_gspo.runtime.run_checkpoint import Checkpointer
 class L:
     def save_checkpoint(self, path):
         os.makedirs(path, exist_ok=True)

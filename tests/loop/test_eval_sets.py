@@ -16,7 +16,7 @@ from megatron_gspo.loop import build, phases
 from megatron_gspo.config import ConfigError, load_config
 from megatron_gspo.data.datasets import PromptItem
 from megatron_gspo.loop.evaluation import default_ks, pass_at_k, set_metrics
-from megatron_gspo.rollout.base import RolloutEngine, SamplingParams, make_sample
+from megatron_gspo.rollout.engine import RolloutEngine, SamplingParams, make_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tiny" / "config.yaml"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.run.checkpoint import Checkpointer, verify
-from megatron_gspo.run.metrics import read_metrics
+from megatron_gspo.runtime.run_checkpoint import Checkpointer, verify
+from megatron_gspo.runtime.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.cli import main
-from megatron_gspo.run import device_ledger
+from megatron_gspo.runtime import device_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"

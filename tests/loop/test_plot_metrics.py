@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_gspo.run.metrics import MetricsLogger
+from megatron_gspo.runtime.metrics import MetricsLogger
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "plot_metrics.py"
 

@@ -1,11 +1,11 @@
-"""run/restarts.py: what a torchrun-restarted round records and when it stops the job."""
+"""runtime/restarts.py: what a torchrun-restarted round records and when it stops the job."""
 
 import json
 
 import pytest
 
-from megatron_gspo.run import restarts
-from megatron_gspo.run.restarts import RepeatedFailure, RestartRecord
+from megatron_gspo.runtime import restarts
+from megatron_gspo.runtime.restarts import RepeatedFailure, RestartRecord
 
 
 def _round(monkeypatch, n: int, max_restarts: int = 5) -> None:
@@ -101,7 +101,7 @@ def test_without_torchrun_nothing_is_written(tmp_path, monkeypatch):
 
 
 def test_a_fault_with_a_round_fires_only_in_that_round(monkeypatch):
-    from megatron_gspo.run import faults
+    from megatron_gspo.runtime import faults
 
     monkeypatch.setenv(faults.ENV, "kill_rank1_in_sync@3#0,kill_at_step@2")
     _round(monkeypatch, 0)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.config import ConfigError, load_config
-from megatron_gspo.run import restarts
-from megatron_gspo.run.rundir import RunError
+from megatron_gspo.runtime import restarts
+from megatron_gspo.runtime.rundir import RunError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tiny" / "config.yaml"

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megatron_gspo.config import ConfigError, config_from_dict
-from megatron_gspo.run.checkpoint import Checkpointer
+from megatron_gspo.runtime.run_checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "examples" / "tiny" / "config.yaml")
@@ -43,7 +43,7 @@ def _one_line(out) -> str:
 
 def test_a_second_run_on_the_same_checkpoint_dir_is_refused(random_tiny_model, tmp_path):
     ck, first, second = tmp_path / "ck", tmp_path / "first", tmp_path / "second"
-    code = ("import time\nfrom megatron_gspo.run.rundir import RunDirLock\n"
+    code = ("import time\nfrom megatron_gspo.runtime.rundir import RunDirLock\n"
             f"RunDirLock({str(first)!r}, {str(ck)!r}).acquire()\n"
             "print('held', flush=True)\ntime.sleep(120)")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,

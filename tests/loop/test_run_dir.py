@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gspo.run.checkpoint import Checkpointer
+from megatron_gspo.runtime.run_checkpoint import Checkpointer
 from megatron_gspo.config import ConfigError, config_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def test_damaged_newest_falls_back_to_previous_complete(tmp_path, damage):
 
 
 def test_damaged_explicit_checkpoint_is_a_clear_error(tmp_path):
-    from megatron_gspo.run.checkpoint import CheckpointError
+    from megatron_gspo.runtime.run_checkpoint import CheckpointError
 
     ck = _two_checkpoints(tmp_path / "ck")
     _flip_byte(tmp_path / "ck" / "step_00000002" / "model" / "w.pt")
@@ -87,7 +87,7 @@ def test_damaged_explicit_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_missing_rng_file_is_an_error(tmp_path):
-    from megatron_gspo.run.checkpoint import CheckpointError
+    from megatron_gspo.runtime.run_checkpoint import CheckpointError
 
     ck = _two_checkpoints(tmp_path / "ck")
     (tmp_path / "ck" / "step_00000002" / "rng_rank0.pt").unlink()
@@ -110,7 +110,7 @@ def test_run_checkpoints_load_without_pickle(tmp_path, monkeypatch):
 
 
 def test_checkpoint_of_nonfinite_weights_is_refused(tmp_path):
-    from megatron_gspo.run.checkpoint import CheckpointError
+    from megatron_gspo.runtime.run_checkpoint import CheckpointError
 
     ck = _two_checkpoints(tmp_path / "ck")
     with pytest.raises(CheckpointError, match="non-finite"):
@@ -131,7 +131,7 @@ def test_config_bounds_rule_out_nan():
 
 
 def _holder(run_dir: Path):
-    code = ("import sys, time; from megatron_gspo.run.rundir import RunDirLock; "
+    code = ("import sys, time; from megatron_gspo.runtime.rundir import RunDirLock; "
             f"lock = RunDirLock({str(run_dir)!r}); lock.acquire(); print('held', flush=True); "
             "time.sleep(120)")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
@@ -141,7 +141,7 @@ def _holder(run_dir: Path):
 
 
 def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
-    from megatron_gspo.run.rundir import RunDirLock, RunError
+    from megatron_gspo.runtime.rundir import RunDirLock, RunError
 
     run = tmp_path / "run"
     p = _holder(run)
@@ -163,10 +163,10 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
 def test_a_child_forked_by_the_writer_does_not_keep_the_lock(tmp_path):
     """A killed trainer's forked children (checkpoint writer, multiprocessing manager) may
     outlive it for a moment; the run dir must be free as soon as the trainer itself is gone."""
-    from megatron_gspo.run.rundir import RunDirLock, RunError
+    from megatron_gspo.runtime.rundir import RunDirLock, RunError
 
     run = tmp_path / "run"
-    code = ("import os, sys, time; from megatron_gspo.run.rundir import RunDirLock; "
+    code = ("import os, sys, time; from megatron_gspo.runtime.rundir import RunDirLock; "
             f"lock = RunDirLock({str(run)!r}); lock.acquire(); "
             "child = os.fork()\n"
             "if child == 0:\n    time.sleep(120); os._exit(0)\n"

@@ -1,4 +1,5 @@
-"""The weight sync's finiteness check of every exported bucket (`loop.sync._finite`): a NaN or
+"""The weight sync's finiteness check of every exported bucket
+(`loop.weight_sync_phase._finite`): a NaN or
 an infinity anywhere stops the run naming the tensor; large finite weights pass; and the check
 reads each weight once, allocating nothing of a weight's size (it runs on every sync)."""
 
@@ -7,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gspo.loop.sync import _finite
-from megatron_gspo.run.rundir import RunError
+from megatron_gspo.loop.weight_sync_phase import _finite
+from megatron_gspo.runtime.rundir import RunError
 from tests.megatron.test_logprob_passes import BigAllocations
 
 N = 10_007

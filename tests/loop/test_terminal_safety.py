@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.loop import phases
-from megatron_gspo.run.metrics import MetricsLogger, printable
+from megatron_gspo.runtime.metrics import MetricsLogger, printable
 
 ATTACKS = {
     "window title (OSC 0)": "\x1b]0;pwned\x07",

@@ -38,7 +38,7 @@ def test_killed_rank_is_restarted_by_torchrun_and_the_run_matches(tmp_path):
 
 def test_workers_die_with_a_killed_agent(tmp_path):
     """kill -9 of the torchrun agent itself (a crashed agent, a lost node's agent): its workers
-    end too (run/restarts.py `die_with_agent`), so nothing holds the ports or the run dir."""
+    end too (runtime/restarts.py `die_with_agent`), so nothing holds the ports or the run dir."""
     import os
     import signal
 

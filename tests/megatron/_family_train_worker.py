@@ -41,7 +41,7 @@ def _learner(hf, mode="none", lr=1e-3):
 def _load_hf(learner, hf_dir):
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
-    from megatron_gspo.megatron.io import checkpoint as cio
+    from megatron_gspo.megatron.io import dist_checkpoint as cio
 
     reader = HFCheckpointReader(hf_dir)
     cfg = cio.normalize_hf_config(reader.config)
@@ -51,7 +51,7 @@ def _load_hf(learner, hf_dir):
 
 
 def _generate(engine, vocab, seed):
-    from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+    from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     reqs = [GenerateRequest(prompt_ids=torch.randint(2, vocab, (int(3 + i % 3),),
@@ -72,7 +72,7 @@ def _lp_err(learner, samples) -> float:
 
 
 def _sync(learner, engine, cfg, version):
-    from megatron_gspo.megatron.io.export import export_hf_weights
+    from megatron_gspo.megatron.io.weight_export import export_hf_weights
 
     return engine.load_buckets(export_hf_weights(learner.model, cfg, bucket_bytes=1 << 20),
                                version)
@@ -87,7 +87,7 @@ def case_train(arch: str, outdir: Path, chk: Checker, info: dict):
     hf_dir = outdir / "hf"
     make_family_model(arch, hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text())
-    from megatron_gspo.convert.base import num_routed_experts
+    from megatron_gspo.convert.param_map import num_routed_experts
 
     moe = num_routed_experts(cfg) > 0
     engine = EmbeddedEngine(hf_dir, seed=1, return_routing=moe)
@@ -227,7 +227,7 @@ def case_ref(arch: str, outdir: Path, chk: Checker, info: dict):
 
 def case_par(arch: str, outdir: Path, chk: Checker, info: dict):
     """TP2 (+SP for MoE), PP2 and EP2 give the single process's loss and gradients (1e-5)."""
-    from megatron_gspo.convert.base import num_routed_experts
+    from megatron_gspo.convert.param_map import num_routed_experts
     from megatron_gspo.megatron.parallel import ParallelLayout as PL
 
     ref = torch.load(outdir / "ref_grads.pt")

@@ -47,7 +47,7 @@ def _learner(layout=None, *, kl=True, seed=7):
 
 
 def _entropy_check(chk: Checker, group, rank: int, size: int, tag: str):
-    from megatron_gspo.megatron.logprobs import vocab_parallel_entropy
+    from megatron_gspo.megatron.tp_logprobs import vocab_parallel_entropy
 
     g = torch.Generator().manual_seed(5)
     full = torch.randn(13, 128, generator=g, dtype=torch.float64) * 2

@@ -150,7 +150,7 @@ def _hf(model: str, state: dict):
 
 
 def _export(L, model, **kw) -> dict:
-    from megatron_gspo.megatron.io.export import export_hf_weights
+    from megatron_gspo.megatron.io.weight_export import export_hf_weights
 
     return {n: t.clone() for b in export_hf_weights(L.chunks, MODELS[model],
                                                     bucket_bytes=1 << 30, **kw) for n, t in b}
@@ -161,7 +161,7 @@ def _sync_and_peft(chk: Checker, samples, outdir: Path, info: dict):
     from peft import PeftModel
 
     from megatron_gspo.convert.registry import get_adapter
-    from megatron_gspo.megatron.io.checkpoint import normalize_hf_config
+    from megatron_gspo.megatron.io.dist_checkpoint import normalize_hf_config
     from megatron_gspo.megatron.lora import adapters as lora
     from megatron_gspo.megatron.lora.io import write_peft_adapter
 
@@ -265,7 +265,7 @@ def _probe_sync(chk: Checker, samples, outdir: Path, info: dict):
     after a single expert's adapter changed; every probe passes and the served weights then
     equal the learner's merged export bit for bit."""
     from megatron_gspo.config import load_config
-    from megatron_gspo.loop.sync import sync_weights
+    from megatron_gspo.loop.weight_sync_phase import sync_weights
     from megatron_gspo.rollout.embedded import EmbeddedEngine
     from megatron_gspo.rollout.sglang.client import SGLangEngine
     from megatron_gspo.rollout.standin.server import StandinServer
@@ -314,7 +314,7 @@ def _fuse(state: dict) -> dict:
 
 def _shared_refusal(chk: Checker, full: dict, outdir: Path, info: dict):
     from megatron_gspo.convert.registry import get_adapter
-    from megatron_gspo.megatron.io.checkpoint import normalize_hf_config
+    from megatron_gspo.megatron.io.dist_checkpoint import normalize_hf_config
     from megatron_gspo.megatron.lora.adapters import LoraSettings
     from megatron_gspo.megatron.lora.io import PeftExportError, write_peft_adapter
 

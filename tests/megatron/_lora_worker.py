@@ -201,7 +201,7 @@ def _hf_logprobs(hf, samples) -> list[list[float]]:
 
 
 def _export(L, **kw) -> dict:
-    from megatron_gspo.megatron.io.export import export_hf_weights
+    from megatron_gspo.megatron.io.weight_export import export_hf_weights
 
     return {n: t.clone() for b in export_hf_weights(L.chunks, DENSE, bucket_bytes=1 << 30, **kw)
             for n, t in b}
@@ -283,7 +283,7 @@ def _checkpoint_check(chk: Checker, samples, outdir: Path, info: dict):
     base_keys = [k for k in keys if k.endswith(".weight") or "embedding" in k]
     if base_keys or not any("lora_a" in k for k in keys):
         chk.failures.append(f"LoRA checkpoint keys: base {base_keys[:3]}, all {sorted(keys)[:3]}")
-    from megatron_gspo.megatron.io import checkpoint as checkpoint_io
+    from megatron_gspo.megatron.io import dist_checkpoint as checkpoint_io
 
     B = _learner("dense", lora=False, seed=78)  # a base Megatron checkpoint (model.load_checkpoint)
     B.load_full_state_dict(base)
@@ -310,7 +310,7 @@ def _peft_check(chk: Checker, L, samples, outdir: Path, info: dict):
 
     from megatron_gspo.convert.registry import get_adapter
     from megatron_gspo.megatron.lora import adapters as lora
-    from megatron_gspo.megatron.io.checkpoint import normalize_hf_config
+    from megatron_gspo.megatron.io.dist_checkpoint import normalize_hf_config
     from megatron_gspo.megatron.lora.io import write_peft_adapter
 
     dims = get_adapter(DENSE).dims(normalize_hf_config(DENSE))

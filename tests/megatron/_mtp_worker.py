@@ -102,8 +102,8 @@ def learner_gspo_with_and_without_mtp(hf_dir: Path) -> dict:
 def main(work: Path) -> None:
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
-    from megatron_gspo.megatron.io import checkpoint as cio
-    from megatron_gspo.megatron.models.mtp import mtp_logits
+    from megatron_gspo.megatron.io import dist_checkpoint as cio
+    from megatron_gspo.megatron.models.mtp_block import mtp_logits
     from megatron_gspo.megatron.parallel import ParallelLayout, initialize
     from tests.convert.tiny_mtp import make_mtp_checkpoint
 
@@ -128,7 +128,7 @@ def main(work: Path) -> None:
             lp.sum().backward()
             grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
             if not with_mtp:  # the config declares the MTP layer, the model has none
-                from megatron_gspo.megatron.io.export import export_hf_weights
+                from megatron_gspo.megatron.io.weight_export import export_hf_weights
 
                 p = f"model.layers.{cfg['num_hidden_layers']}."
                 names = {k for b in export_hf_weights([model], cfg, bucket_bytes=1 << 20)
@@ -144,7 +144,7 @@ def main(work: Path) -> None:
         res["logprobs_equal"] = bool(torch.equal(lp0, lp1))
         res["grad_names_equal"] = sorted(g0) == sorted(g1)
         res["grads_equal"] = res["grad_names_equal"] and all(torch.equal(g0[k], g1[k]) for k in g0)
-        from megatron_gspo.megatron.io.export import export_hf_weights
+        from megatron_gspo.megatron.io.weight_export import export_hf_weights
 
         sent = {k: t for b in export_hf_weights([model], cfg, bucket_bytes=1 << 20) for k, t in b}
         res["export_names_equal_checkpoint"] = sorted(sent) == sorted(reader.keys())

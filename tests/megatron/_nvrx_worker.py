@@ -32,7 +32,7 @@ def save_and_close(out: Path) -> dict:
     from megatron_gspo.megatron.io.async_save import AsyncSaves
     from megatron_gspo.megatron.learner import BatchSettings, Learner
     from megatron_gspo.megatron.optimizer import OptimSettings
-    from megatron_gspo.run.checkpoint import Checkpointer, verify
+    from megatron_gspo.runtime.run_checkpoint import Checkpointer, verify
 
     learner = Learner(DENSE, optim=OptimSettings(lr=1e-3),
                       batching=BatchSettings(num_microbatches=1), seed=7)

@@ -23,7 +23,7 @@ def _logprob_sum(logits, tokens, vocab):
 def main(work: Path) -> None:
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
-    from megatron_gspo.megatron.io import checkpoint as cio
+    from megatron_gspo.megatron.io import dist_checkpoint as cio
     from megatron_gspo.megatron.parallel import ParallelLayout, initialize
     from tests.convert.tiny_models import make_tiny_model
 

@@ -191,7 +191,7 @@ def _dev():
 
 def check_vocab_parallel(chk: Checker, group, rank: int, size: int):
     from megatron_gspo.algo.logprobs import token_logprobs
-    from megatron_gspo.megatron.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.megatron.tp_logprobs import vocab_parallel_logprobs
 
     g = torch.Generator().manual_seed(3)
     full = torch.randn(37, 128, generator=g, dtype=torch.float64).float() * 3
@@ -220,7 +220,7 @@ def check_context_parallel(chk: Checker, group, rank: int, size: int):
 
     from megatron_gspo.data.batch import pack_microbatch
     from megatron_gspo.megatron import step
-    from megatron_gspo.megatron.logprobs import sequence_sums
+    from megatron_gspo.megatron.tp_logprobs import sequence_sums
 
     samples = make_samples(6, seed=5)
     old = old_logprobs([[-4.6] * len(s.response_ids) for s in samples], scale=0.3)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_gspo.convert import get_adapter
-from megatron_gspo.convert.base import from_te_name, num_routed_experts
-from megatron_gspo.megatron.io.export import bucketize
+from megatron_gspo.convert.param_map import from_te_name, num_routed_experts
+from megatron_gspo.megatron.io.weight_export import bucketize
 from megatron_gspo.megatron.models.builder import ModelConfigError, build_model_config
 from megatron_gspo.megatron.moe.routing_exchange import all_layer_rows, moe_layer_indices
 from tests.convert.tiny_families import DEEPSEEK_V3

@@ -51,7 +51,7 @@ def test_delta_sync_costs_in_the_plan(config, shape, fits):
 
 def test_deltas_keep_the_servers_weights():
     from megatron_gspo.config import load_config
-    from megatron_gspo.loop.sync import released_after_rollout
+    from megatron_gspo.loop.weight_sync_phase import released_after_rollout
 
     cfg = load_config(GPU / "qwen3_8b_1node.yaml", [])
     assert released_after_rollout(cfg) is None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_gspo.convert import get_adapter
-from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.param_map import ConversionError
 from megatron_gspo.megatron.models.builder import ModelConfigError, build_model_config
 from tests.convert.tiny_families import GEMMA3
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_gspo.convert import get_adapter
-from megatron_gspo.convert.base import ConversionError, to_hf_tensors, to_mcore_tensor
+from megatron_gspo.convert.param_map import ConversionError, to_hf_tensors, to_mcore_tensor
 from megatron_gspo.megatron.models.builder import ModelConfigError, build_model_config
 from megatron_gspo.megatron.parallel import ParallelLayout, ParallelLayoutError, check_layout
 from tests.convert.tiny_families import GPT_OSS

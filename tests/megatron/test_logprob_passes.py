@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megatron_gspo.megatron import step
-from megatron_gspo.megatron.logprobs import vocab_parallel_logprobs
+from megatron_gspo.megatron.tp_logprobs import vocab_parallel_logprobs
 
 N, V, REAL = 13, 96, 80  # 16 padded vocabulary columns
 

@@ -1,4 +1,5 @@
-"""The learner's multi-token-prediction layers (issue 55, item 2; `megatron/models/mtp.py`), on
+"""The learner's multi-token-prediction layers (issue 55, item 2;
+`megatron/models/mtp_block.py`), on
 tiny DeepSeek-V3 and GLM-4.5 checkpoints with their MTP layer (tests/convert/tiny_mtp.py):
 
 - Megatron-Core's `MultiTokenPredictionBlock`, loaded from the HF tensors, gives the logits of

@@ -301,8 +301,8 @@ def case_engine(outdir: Path, chk: Checker, info: dict):
 
     from megatron_gspo.convert.hf_io import HFCheckpointReader
     from megatron_gspo.convert.registry import get_adapter
-    from megatron_gspo.megatron.io import checkpoint as checkpoint_io
-    from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+    from megatron_gspo.megatron.io import dist_checkpoint as checkpoint_io
+    from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
     from megatron_gspo.rollout.embedded import EmbeddedEngine, RoutingCapture, moe_routers
 
     hf = json.loads((BASE / "config.json").read_text())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_gspo.data.sample import Sample, SampleError
-from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine, RoutingCapture, fused_expert_slice
 
 BASE = Path(__file__).resolve().parents[2] / "examples" / "moe" / "base"

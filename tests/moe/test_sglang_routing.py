@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine, RoutingCapture, moe_routers
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.sglang.protocol import decode_routed_experts

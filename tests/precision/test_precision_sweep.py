@@ -67,7 +67,7 @@ def _random_model_dir(tmp_path):
 
 def test_real_engine_fp32_matches_and_bf16_mismatch_shrinks_with_length(tmp_path):
     from megatron_gspo.algo.logprobs import token_logprobs
-    from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+    from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
     learner = _random_model_dir(tmp_path)

@@ -161,7 +161,7 @@ def test_a_reward_failing_on_one_sample_fails_that_sample_only():
 
 
 def test_group_sampling_drops_the_group_of_a_failed_reward_and_goes_on():
-    from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+    from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
     from megatron_gspo.rollout.groups import GroupSampler
 
     class Echo:

@@ -1,11 +1,13 @@
 """One of two learner processes (gloo): a colocated delta sync (`rollout.weight_sync_delta`)
 into two tp_size=1 stand-in servers with the delta loader, server i's only TP rank on the GPU
 of learner rank i. The stand-ins record where each received tensor's memory lives
-(`standin.weights.origins`): host shared memory names the process that shared it, as a CUDA
+(`standin.weight_sync_server.origins`): host shared memory names the process that shared it, as a
+CUDA
 IPC handle names its GPU. Prints one JSON line for test_delta_placement.py.
 
 Modes: "stream" calls `stream_buckets` with the plan [[0], [1]]; "loop" calls the weight-sync
-phase of the RL loop (`loop.sync.sync_weights`, the learner's export replaced by the same
+phase of the RL loop (`loop.weight_sync_phase.sync_weights`, the learner's export replaced by the
+same
 buckets), where learner rank i reports GPU i (`colocated.local_gpu`, as
 `torch.cuda.current_device()` does on a node of GPUs) and the plan comes from
 `colocated.entry_ranks`.
@@ -33,15 +35,15 @@ LOOP = ["rollout.engine=sglang", "rollout.colocate=true", "rollout.num_servers=2
 
 def syncer(mode: str, rank: int, eng):
     """(named tensors, version) -> None: one sync by `mode`, collective."""
-    from megatron_gspo.megatron.io import export
-    from megatron_gspo.megatron.io.export import bucketize
+    from megatron_gspo.megatron.io import weight_export as export
+    from megatron_gspo.megatron.io.weight_export import bucketize
     from megatron_gspo.rollout.multinode import colocated
 
     if mode == "stream":
         return lambda named, v: colocated.stream_buckets(
             bucketize(iter(named), 4096), eng, v, [[0], [1]], 2, 1)
     from megatron_gspo.config import load_config
-    from megatron_gspo.loop.sync import sync_weights
+    from megatron_gspo.loop.weight_sync_phase import sync_weights
 
     cfg = load_config(ROOT / "examples" / "tiny" / "config.yaml", LOOP)
     colocated.local_gpu = lambda: rank  # learner rank i on GPU i, as on a node of GPUs
@@ -68,7 +70,7 @@ def main(rank: int, port: int, loader: str, mode: str) -> None:
     if rank == 0:
         from megatron_gspo.rollout.delta.sender import DeltaSender
         from megatron_gspo.rollout.sglang.client import SGLangEngine
-        from megatron_gspo.rollout.sglang.delta_sync import LOADER
+        from megatron_gspo.rollout.sglang.weight_sync_delta import LOADER
         from megatron_gspo.rollout.standin.server import StandinServer
 
         torch.manual_seed(0)
@@ -77,7 +79,7 @@ def main(rank: int, port: int, loader: str, mode: str) -> None:
         srvs = [StandinServer(EmbeddedEngine(d), custom_weight_loaders=[LOADER]).start_in_thread()
                 for _ in range(2)]
         eng = SGLangEngine(server_urls=[s.url for s in srvs], backoff_s=0.01)
-        if mode == "stream":  # the loop makes its own (loop.sync.delta_sender)
+        if mode == "stream":  # the loop makes its own (loop.weight_sync_phase.delta_sender)
             eng.delta = DeltaSender("on")
     out: dict = {"rank": rank, "pids": pids}
     sync = syncer(mode, rank, eng)

@@ -34,7 +34,7 @@ def main(work: str, overrides: list[str], tamper: int | None, resume: int | None
     from megatron_gspo.config import load_config
     from megatron_gspo.loop import train
     from megatron_gspo.rollout.embedded import EmbeddedEngine
-    from megatron_gspo.rollout.sglang.delta_sync import LOADER, loader_dir
+    from megatron_gspo.rollout.sglang.weight_sync_delta import LOADER, loader_dir
     from megatron_gspo.rollout.standin.server import StandinServer
 
     if os.environ.get("SGLANG_SERVER_MODULE"):  # launched by the run (servers.sglang_engine)

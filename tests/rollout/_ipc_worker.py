@@ -17,8 +17,8 @@ TINY = dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_siz
 
 
 def main(rank: int, port: int, mode: str) -> None:
-    from megatron_gspo.megatron.io.export import bucketize
-    from megatron_gspo.rollout.base import RolloutError
+    from megatron_gspo.megatron.io.weight_export import bucketize
+    from megatron_gspo.rollout.engine import RolloutError
     from megatron_gspo.rollout.multinode.colocated import stream_buckets
     from megatron_gspo.rollout.embedded import EmbeddedEngine, build_hf_model
 

@@ -22,10 +22,10 @@ def main(model: str, run_dir: str, out_dir: str, base_port: int, extra: list[str
     import torch.distributed as dist
 
     from megatron_gspo.loop import build, phases, train
-    from megatron_gspo.loop import sync as sync_phase
+    from megatron_gspo.loop import weight_sync_phase as sync_phase
     from megatron_gspo.config import load_config
-    from megatron_gspo.megatron.io.export import export_hf_weights
-    from megatron_gspo.rollout.multinode.servers import gather_layout, node_engine
+    from megatron_gspo.megatron.io.weight_export import export_hf_weights
+    from megatron_gspo.rollout.multinode.node_servers import gather_layout, node_engine
     from megatron_gspo.rollout.standin.server import weights_digest
 
     records: list[dict] = []

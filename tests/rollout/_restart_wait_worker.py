@@ -15,8 +15,8 @@ import sys
 import time
 
 from megatron_gspo.rollout.sglang.launch import ServerProcess
-from megatron_gspo.run import server_record
-from megatron_gspo.run.rundir import RunError
+from megatron_gspo.runtime import server_record
+from megatron_gspo.runtime.rundir import RunError
 
 OLD = """
 import ctypes, os, signal, sys, time

@@ -42,7 +42,7 @@ def main() -> None:
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
-    from megatron_gspo.rollout import weight_sync as ws
+    from megatron_gspo.rollout import weight_sync_payloads as ws
 
     g = torch.Generator().manual_seed(0)
     named = [("w.bf16", torch.randn(5, 3, generator=g).bfloat16()),

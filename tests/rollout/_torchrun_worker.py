@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from megatron_gspo.rollout.base import GenerateRequest, SamplingParams  # noqa: E402
+from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
 from megatron_gspo.rollout.sglang.client import SGLangEngine  # noqa: E402
 from megatron_gspo.rollout.sglang.launch import LaunchSpec  # noqa: E402
 

@@ -4,7 +4,7 @@ step) on one colocated server launched by rank 0, kill -9 of rank 1 or rank 0, a
 acts. Kinds: `kill_rank1/0` once or twice, each at a random point after the first or second
 checkpoint the current round completed (in the rollout, the training or the next save; a second
 kill waits for the restarted round to begin), `sync_kill_rank1/0` inside a weight sync (the
-fault `kill_rank<R>_in_sync@V#N` of run/faults.py: once the first 1 MiB bucket reached the
+fault `kill_rank<R>_in_sync@V#N` of runtime/faults.py: once the first 1 MiB bucket reached the
 server, which then holds a mix of two weight versions). Checked per job: exit code
 0; one automatic restart per injection and the resume in events.log; a metrics row for every
 step, each after the last resume with its sync verified by the probe

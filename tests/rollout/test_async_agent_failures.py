@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.rollout.engine import RolloutError
 from tests.rollout.test_async_producer import ScriptedEngine, producer, train
 
 

@@ -15,7 +15,7 @@ from megatron_gspo.data.datasets import PromptIterator
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rollout.asynchronous.producer import AsyncProducer
 from megatron_gspo.rollout.asynchronous.stats import step_report
-from megatron_gspo.rollout.base import (
+from megatron_gspo.rollout.engine import (
     GenerateRequest,
     RolloutEngine,
     RolloutError,

@@ -103,7 +103,7 @@ def test_each_tp_rank_entry_comes_from_its_learner_rank():
 
 
 def test_entry_rank_plan_follows_gpus_of_the_first_node():
-    from megatron_gspo.rollout.base import RolloutError
+    from megatron_gspo.rollout.engine import RolloutError
     from megatron_gspo.rollout.multinode.colocated import plan_entry_ranks
 
     infos = [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0), ("b", 1)]

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.rollout.engine import RolloutError
 from megatron_gspo.rollout.delta.sender import DeltaSender
-from megatron_gspo.rollout.sglang import delta_sync
+from megatron_gspo.rollout.sglang import weight_sync_delta as delta_sync
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.standin.server import StandinServer
 
@@ -73,7 +73,7 @@ def test_deepseek_down_projections_reach_the_server_in_one_delta_sync(tmp_path, 
     """The RL loop's delta sync of a DeepSeek-V3: one changed attention down-projection goes
     with its unchanged partner (SGLang fuses the two per load_weights call and drops a lone
     one without a word; issue 53 defect 5)."""
-    from megatron_gspo.megatron.io.export import bucket_together, bucketize
+    from megatron_gspo.megatron.io.weight_export import bucket_together, bucketize
     from megatron_gspo.rollout.embedded import EmbeddedEngine
     from tests.convert.tiny_families import DEEPSEEK_V3, make_family_model
 
@@ -111,13 +111,14 @@ def test_deepseek_down_projections_reach_the_server_in_one_delta_sync(tmp_path, 
 
 
 def _sync_phase(monkeypatch, buckets, overrides):
-    """The RL loop's weight-sync phase (`loop.sync.sync_weights`) with the learner's export
+    """The RL loop's weight-sync phase (`loop.weight_sync_phase.sync_weights`) with the learner's
+    export
     replaced by `buckets()`."""
     from types import SimpleNamespace
 
     from megatron_gspo.config import load_config
-    from megatron_gspo.loop.sync import sync_weights
-    from megatron_gspo.megatron.io import export
+    from megatron_gspo.loop.weight_sync_phase import sync_weights
+    from megatron_gspo.megatron.io import weight_export as export
 
     monkeypatch.setattr(export, "export_hf_weights", lambda *a, **k: buckets())
     cfg = load_config(ROOT / "examples" / "tiny" / "config.yaml", [

@@ -52,7 +52,7 @@ def test_colocated_deltas_on_launched_servers(tmp_path, dtype, offload):
     off), deltas on, the sync probe at every step. It crashed at the first sync: a segfault when the
     offloaded learner came back (the full encoding handed a live parameter's host storage to
     shared memory) and, with the learner not offloaded, a KeyError on the stream's stats."""
-    from megatron_gspo.rollout.sglang.weights import PROBE_TOLERANCE
+    from megatron_gspo.rollout.sglang.weight_sync_endpoints import PROBE_TOLERANCE
 
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
            "SGLANG_SERVER_MODULE": "megatron_gspo.rollout.standin.server"}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_gspo.rollout.delta.sender import DeltaSender
-from megatron_gspo.rollout.sglang import delta_sync
+from megatron_gspo.rollout.sglang import weight_sync_delta as delta_sync
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.standin.server import StandinServer
 
@@ -108,7 +108,7 @@ def test_restart_and_release_force_a_full_sync(engine, tiny_model_dir, loader_pa
 
 def test_a_delta_on_a_base_the_server_lacks_ends_it(engine, tiny_model_dir, loader_path,
                                                      monkeypatch):
-    from megatron_gspo.rollout.base import RolloutError
+    from megatron_gspo.rollout.engine import RolloutError
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
     srv = _server(engine)

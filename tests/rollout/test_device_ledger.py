@@ -1,4 +1,4 @@
-"""The device-memory ledger's model of one GPU (run/device_ledger.py): torch's caching
+"""The device-memory ledger's model of one GPU (runtime/device_ledger.py): torch's caching
 allocator (freed bytes stay with the process until empty_cache), torch_memory_saver's release
 and resume of SGLang's regions (fresh memory on resume, content only with a CPU backup, exit(1)
 when cuMemCreate fails), SGLang's KV sizing from the driver's free memory at launch; and its
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.run.device_ledger import (DeviceLedger, DeviceOutOfMemory, LedgerSpec,
+from megatron_gspo.runtime.device_ledger import (DeviceLedger, DeviceOutOfMemory, LedgerSpec,
                                              sglang_kv_tokens)
 
 G = 2**30

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine, filter_logits, sequence_logprobs
 
 

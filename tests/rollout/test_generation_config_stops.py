@@ -14,7 +14,7 @@ import pytest
 
 from megatron_gspo.config import ConfigError, load_config
 from megatron_gspo.loop import build
-from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
 from megatron_gspo.rollout.generation_config import generation_stop_ids
 
 ROOT = Path(__file__).resolve().parents[2]

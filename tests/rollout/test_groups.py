@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
 from megatron_gspo.rollout.groups import GroupSampler, has_zero_variance, split_groups
 
 

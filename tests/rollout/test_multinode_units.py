@@ -9,15 +9,15 @@ import socket
 
 import pytest
 
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
-from megatron_gspo.rollout.multinode.servers import (
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams
+from megatron_gspo.rollout.multinode.node_servers import (
     ClusterClient,
     advertised,
     layout_from,
     node_spec,
     nodes_in_job,
 )
-from megatron_gspo.rollout.multinode.sync import node_plan
+from megatron_gspo.rollout.multinode.weight_sync_nodes import node_plan
 from megatron_gspo.rollout.sglang.launch import LaunchSpec
 
 
@@ -93,8 +93,8 @@ def test_sync_probe_covers_every_nodes_servers(engine, tiny_model_dir):
     """`rollout.verify_sync_interval` on a multi-node colocated job: rank 0's engine probes
     every node's servers and the learner's recompute checks them."""
     from megatron_gspo.config import load_config
-    from megatron_gspo.loop.sync import verify_sync
-    from megatron_gspo.rollout.multinode.servers import MultiNodeEngine
+    from megatron_gspo.loop.weight_sync_phase import verify_sync
+    from megatron_gspo.rollout.multinode.node_servers import MultiNodeEngine
     from megatron_gspo.rollout.standin.server import StandinServer
     from tests.rollout._sglang_real import RecomputeLearner
 

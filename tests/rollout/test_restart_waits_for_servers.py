@@ -1,5 +1,5 @@
 """After a torchrun restart, the new round's first server starts only once the dead round's
-servers are gone and their GPU memory is back (`run.server_record`, issue 53 defect 7). The
+servers are gone and their GPU memory is back (`runtime.server_record`, issue 53 defect 7). The
 rounds are real processes with the same parent (the agent); the dead round's server is a
 stand-in that takes 8 s to end once its guard is gone."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.run import server_record
-from megatron_gspo.run.rundir import RunError
+from megatron_gspo.runtime import server_record
+from megatron_gspo.runtime.rundir import RunError
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = [sys.executable, "-m", "tests.rollout._restart_wait_worker"]

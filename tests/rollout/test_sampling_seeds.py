@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from megatron_gspo.rollout.base import GenerateRequest, SampleSeeds, SamplingParams, sample_seed
+from megatron_gspo.rollout.engine import GenerateRequest, SampleSeeds, SamplingParams, sample_seed
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.sglang.launch import LaunchSpec, server_argv
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.embedded import build_hf_model, sequence_logprobs
 from megatron_gspo.rollout.sglang.client import SGLangEngine, parse_generate_output
 

@@ -1,4 +1,4 @@
-"""SGLang version differences (megatron_gspo/rollout/sglang/compat.py), against the stand-in
+"""SGLang version differences (megatron_gspo/rollout/sglang/versions.py), against the stand-in
 acting as each supported release: a CPU-engine server of SGLang 0.5.23 ends on
 /release_memory_occupation (weight_updater.py:379 under torch 2.14.1), so the client sends
 memory calls to no CPU-engine server and keeps its released-region bookkeeping; GPU servers
@@ -9,8 +9,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
-from megatron_gspo.rollout.sglang import compat
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams
+from megatron_gspo.rollout.sglang import versions as compat
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.standin.server import StandinServer
 from tests.rollout.test_sglang_real_findings import _post

@@ -20,11 +20,11 @@ import aiohttp
 import pytest
 import torch
 
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.sglang.launch import LaunchSpec, server_argv
 from megatron_gspo.rollout.standin.server import StandinServer
-from megatron_gspo.rollout.weight_sync import tensor_update_payloads
+from megatron_gspo.rollout.weight_sync_payloads import tensor_update_payloads
 
 TINY_BASE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny", "base")
 
@@ -52,7 +52,7 @@ def test_server_dtype_always_explicit():
 
 
 def test_cpu_engine_launch(tmp_path):
-    from megatron_gspo.loop.servers import sglang_engine
+    from megatron_gspo.loop.server_setup import sglang_engine
     from megatron_gspo.rollout.sglang.launch import cpu_server_env
     from megatron_gspo.config import ConfigError, load_config
 
@@ -104,7 +104,7 @@ class Foreign:  # a class outside SGLang's unpickler allow-list
 
 
 def test_payloads_that_would_end_the_server_are_not_sent(engine, tiny_model_dir):
-    from megatron_gspo.rollout.weight_sync import payload_error
+    from megatron_gspo.rollout.weight_sync_payloads import payload_error
 
 
     good = tensor_update_payloads([("model.norm.weight", torch.ones(32))], 1)[0][0]
@@ -160,7 +160,7 @@ def test_unreachable_master_refused_and_blocks_the_standin(standin, monkeypatch)
 
 def test_sync_probe_catches_a_sync_that_changed_nothing(engine, tiny_model_dir):
     from megatron_gspo.config import load_config
-    from megatron_gspo.loop.sync import verify_sync
+    from megatron_gspo.loop.weight_sync_phase import verify_sync
     from megatron_gspo.rollout.embedded import EmbeddedEngine
     from tests.rollout._sglang_real import RecomputeLearner
 
@@ -243,7 +243,7 @@ def test_standin_answers_as_sglang(engine):
 def test_shm_manager_started_away_from_the_clients_stderr():
     code = (
         "import os, torch\n"
-        "from megatron_gspo.rollout.weight_sync import serialize\n"
+        "from megatron_gspo.rollout.weight_sync_payloads import serialize\n"
         "serialize({'t': torch.ones(4)})\n"
         "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
         "    try:\n"

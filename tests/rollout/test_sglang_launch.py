@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.sglang import launch
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.sglang.launch import (DIST_PORT_RANGE, LaunchSpec, check_local_gpus,

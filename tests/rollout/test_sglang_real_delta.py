@@ -21,12 +21,12 @@ from tests.rollout.test_delta_sync_standin import _step as sparse_step
 tier.require_tier()
 pytestmark = pytest.mark.sglang_real
 
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams  # noqa: E402
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams  # noqa: E402
 from megatron_gspo.rollout.delta.sender import DeltaSender  # noqa: E402
-from megatron_gspo.rollout.sglang import delta_sync  # noqa: E402
+from megatron_gspo.rollout.sglang import weight_sync_delta as delta_sync  # noqa: E402
 from megatron_gspo.rollout.sglang.client import SGLangEngine  # noqa: E402
 from megatron_gspo.rollout.sglang.launch import LaunchSpec  # noqa: E402
-from megatron_gspo.rollout.sglang.weights import (  # noqa: E402
+from megatron_gspo.rollout.sglang.weight_sync_endpoints import (  # noqa: E402
     PROBE_PROMPT,
     PROBE_TOLERANCE,
     check_sync_probe,

@@ -18,9 +18,9 @@ from tests.rollout import _sglang_real as tier
 tier.require_tier()
 pytestmark = pytest.mark.sglang_real
 
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams  # noqa: E402
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams  # noqa: E402
 from megatron_gspo.rollout.sglang.client import SGLangEngine  # noqa: E402
-from megatron_gspo.rollout.sglang.weights import (  # noqa: E402
+from megatron_gspo.rollout.sglang.weight_sync_endpoints import (  # noqa: E402
     PROBE_PROMPT,
     PROBE_TOKENS,
     PROBE_TOLERANCE,

@@ -17,12 +17,12 @@ import aiohttp
 import pytest
 import torch
 
-from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.rollout.engine import RolloutError
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.standin.generate import ABORTED, WAITING_ABORTED
 from megatron_gspo.rollout.standin.server import StandinServer
-from megatron_gspo.rollout.weight_sync import tensor_update_payloads
+from megatron_gspo.rollout.weight_sync_payloads import tensor_update_payloads
 
 TINY_BASE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny", "base")
 

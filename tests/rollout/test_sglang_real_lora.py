@@ -14,9 +14,9 @@ from tests.rollout import _sglang_real as tier
 tier.require_tier()
 pytestmark = pytest.mark.sglang_real
 
-from megatron_gspo.rollout.base import RolloutError  # noqa: E402
+from megatron_gspo.rollout.engine import RolloutError  # noqa: E402
 from megatron_gspo.rollout.sglang.client import SGLangEngine  # noqa: E402
-from megatron_gspo.rollout.sglang.weights import (  # noqa: E402
+from megatron_gspo.rollout.sglang.weight_sync_endpoints import (  # noqa: E402
     PROBE_PROMPT,
     PROBE_TOLERANCE,
     check_sync_probe,

@@ -3,7 +3,7 @@ issue 45): `python -m torch.distributed.run --standalone --nproc_per_node=2 --ma
 of the tiny demo (TP2, a checkpoint every step), rank 0 launching one colocated real server.
 Rank 1 is killed with -9 inside the weight sync of version 2 (round 0) and rank 0 inside the
 sync of version 3 (round 1), each once the first 1 MiB bucket reached the server (the fault
-`kill_rank<R>_in_sync@V#N`, run/faults.py), so the server holds a mix of two weight versions.
+`kill_rank<R>_in_sync@V#N`, runtime/faults.py), so the server holds a mix of two weight versions.
 With no person acting the job ends 0: two automatic restarts and resumes in events.log, a
 metrics row for every step, the syncs after the last resume verified by the probe
 (`rollout.verify_sync_interval=1`) on the new server each round launched (a new pid), every

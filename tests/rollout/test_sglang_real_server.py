@@ -24,9 +24,9 @@ from tests.rollout import _sglang_real as tier
 tier.require_tier()
 pytestmark = pytest.mark.sglang_real
 
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams  # noqa: E402
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams  # noqa: E402
 from megatron_gspo.rollout.sglang.client import SGLangEngine  # noqa: E402
-from megatron_gspo.rollout.sglang.weights import (  # noqa: E402
+from megatron_gspo.rollout.sglang.weight_sync_endpoints import (  # noqa: E402
     PROBE_PROMPT,
     PROBE_TOLERANCE,
     check_sync_probe,
@@ -264,7 +264,7 @@ def test_standin_answers_like_the_real_server(fp32, model_dir):
     tok = __import__("transformers").AutoTokenizer.from_pretrained(str(model_dir))
     hdr = {"Authorization": f"Bearer {tier.API_KEY}"}
     net = tier.hf_model(model_dir)
-    from megatron_gspo.rollout.weight_sync import tensor_update_payloads
+    from megatron_gspo.rollout.weight_sync_payloads import tensor_update_payloads
 
     async def answers(url):
         out = {}

@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.sglang.protocol import parse_generate_output
 from megatron_gspo.rollout.standin.router import StandinRouter

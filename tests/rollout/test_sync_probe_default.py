@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_gspo.config import Config, load_config
-from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.rollout.engine import RolloutError
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.standin.server import StandinServer
 
@@ -22,11 +22,12 @@ def test_probe_is_on_by_default():
 
 def test_a_sync_that_changed_nothing_fails_under_the_default_config(engine, tiny_model_dir,
                                                                      monkeypatch):
-    """`loop.sync.sync_weights` with the default settings: the learner's (shifted) weights go
+    """`loop.weight_sync_phase.sync_weights` with the default settings: the learner's (shifted)
+    weights go
     out under names the server does not know, which SGLang answers 200 "Success" and ignores;
     the probe after the sync names it."""
-    from megatron_gspo.loop import sync as sync_mod
-    from megatron_gspo.megatron.io import export
+    from megatron_gspo.loop import weight_sync_phase as sync_mod
+    from megatron_gspo.megatron.io import weight_export as export
     from megatron_gspo.rollout.embedded import EmbeddedEngine
     from tests.rollout._sglang_real import RecomputeLearner
 
@@ -60,7 +61,7 @@ def test_probe_over_every_node_leaves_out_a_server_that_is_gone(engine, tiny_mod
     by the probe it made the default. With none answering the probe fails."""
     import socket
 
-    from megatron_gspo.rollout.multinode.servers import ClusterClient
+    from megatron_gspo.rollout.multinode.node_servers import ClusterClient
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
-from megatron_gspo.rollout.sglang import launch, servers
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams
+from megatron_gspo.rollout.sglang import launch, lifecycle as servers
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.sglang.launch import LaunchSpec, PortHold, pick_ports, server_argv
 

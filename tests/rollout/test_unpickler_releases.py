@@ -10,11 +10,11 @@ import base64
 import pytest
 import torch
 
-from megatron_gspo.rollout.base import RolloutError
-from megatron_gspo.rollout.sglang import compat
+from megatron_gspo.rollout.engine import RolloutError
+from megatron_gspo.rollout.sglang import versions as compat
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.standin.server import StandinServer
-from megatron_gspo.rollout.weight_sync import payload_error, tensor_update_payloads
+from megatron_gspo.rollout.weight_sync_payloads import payload_error, tensor_update_payloads
 
 
 def _global(module: str, name: str) -> str:

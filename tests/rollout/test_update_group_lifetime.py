@@ -10,7 +10,7 @@ import pytest
 
 from megatron_gspo.megatron.parallel import free_port
 from megatron_gspo.rollout.sglang.client import SGLangEngine
-from megatron_gspo.rollout.weight_sync import init_learner_update_group
+from megatron_gspo.rollout.weight_sync_payloads import init_learner_update_group
 
 
 def _engine_with_a_group() -> SGLangEngine:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_gspo.config import ConfigError, load_config
-from megatron_gspo.rollout.multinode import servers as multinode
-from megatron_gspo.rollout.base import SamplingParams
+from megatron_gspo.rollout.multinode import node_servers as multinode
+from megatron_gspo.rollout.engine import SamplingParams
 
 
 def test_local_servers_keep_master_addr():
@@ -35,7 +35,7 @@ def test_route_address_of_this_host():
 
 
 def test_built_engine_uses_the_routable_address(monkeypatch, tmp_path):
-    from megatron_gspo.loop.servers import sglang_engine
+    from megatron_gspo.loop.server_setup import sglang_engine
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setattr(multinode, "_route_address", lambda h: "10.0.0.5")

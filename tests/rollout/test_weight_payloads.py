@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from megatron_gspo.rollout import weight_sync
-from megatron_gspo.rollout.weight_sync import (
+from megatron_gspo.rollout import weight_sync_payloads as weight_sync
+from megatron_gspo.rollout.weight_sync_payloads import (
     decode_tensor_update,
     deserialize,
     dtype_name,
@@ -157,7 +157,7 @@ def test_plain_named_tensors_and_errors():
 def test_tensor_above_bucket_bound_travels_alone():
     """A tensor bigger than rollout.bucket_bytes (Qwen3-1.7B's embedding vs 512 MiB) gets a
     bucket of its own instead of failing the sync."""
-    from megatron_gspo.megatron.io.export import bucketize
+    from megatron_gspo.megatron.io.weight_export import bucketize
 
     t = {n: torch.zeros(k, dtype=torch.uint8) for n, k in
          [("a", 30), ("b", 30), ("big", 250), ("c", 60), ("d", 50)]}

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.sglang.client import SGLangEngine
-from megatron_gspo.rollout.weight_sync import sglang_importable, tensor_update_payloads
+from megatron_gspo.rollout.weight_sync_payloads import sglang_importable, tensor_update_payloads
 
 GREEDY = [GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=8, temperature=0.0,
                                                     ignore_eos=True))]
@@ -107,7 +107,7 @@ def test_tensor_sync_decided_by_where_the_tensors_are(engine, tiny_model_dir, mo
     CUDA tensors without sglang fail the sync with one error before any payload is sent."""
     from aiohttp import web
 
-    from megatron_gspo.loop.servers import sglang_engine
+    from megatron_gspo.loop.server_setup import sglang_engine
     from megatron_gspo.config import load_config
     from megatron_gspo.rollout.standin.server import StandinServer
 
@@ -122,7 +122,8 @@ def test_tensor_sync_decided_by_where_the_tensors_are(engine, tiny_model_dir, mo
     try:
         eng.update_weights([_weights(engine)[:2]], version=1)
         assert srv.stats["weight_updates"] == 1 and srv.weight_version == "1"
-        import megatron_gspo.rollout.weight_sync as ws  # CUDA payloads: checked without a GPU
+        # CUDA payloads: checked without a GPU
+        import megatron_gspo.rollout.weight_sync_payloads as ws
 
         monkeypatch.setattr(ws, "_has_cuda_tensor", lambda obj: True)
         with pytest.raises(RolloutError, match="version 2: tensor weight sync of CUDA tensors "

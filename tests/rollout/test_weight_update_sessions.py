@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
-from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.rollout.engine import RolloutError
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.standin.server import StandinServer
-from megatron_gspo.rollout.weight_sync import tensor_update_payloads
+from megatron_gspo.rollout.weight_sync_payloads import tensor_update_payloads
 from tests.rollout.test_sglang_real_findings import _post
 
 

@@ -33,10 +33,10 @@ def _adv(s) -> float:
 
 def main() -> None:
     from megatron_gspo.loop import build, phases
-    from megatron_gspo.loop import sync as sync_phase
+    from megatron_gspo.loop import weight_sync_phase as sync_phase
     from megatron_gspo.config import load_config
     from megatron_gspo.megatron.step import LossSettings
-    from megatron_gspo.rollout.base import GenerateRequest, SamplingParams
+    from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
     d = tiny_model_dir()

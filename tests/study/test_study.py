@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.config import ConfigError
-from megatron_gspo.run.metrics import MetricsLogger, read_metrics
+from megatron_gspo.runtime.metrics import MetricsLogger, read_metrics
 from megatron_gspo.study import arm_configs, load_study
-from megatron_gspo.study.report import plot_study, summarize
+from megatron_gspo.study.study_report import plot_study, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny" / "config.yaml"

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from megatron_gspo.study import runner as study_mod
-from megatron_gspo.run.rundir import RunError
+from megatron_gspo.study import arms as study_mod
+from megatron_gspo.runtime.rundir import RunError
 from megatron_gspo.study import arm_configs, load_study, run_study
 from tests.study.test_study import ROOT, _cli, _env, _fake_arm, _study
 
@@ -26,7 +26,8 @@ def test_two_studies_into_one_out_are_refused(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     holder = subprocess.Popen([sys.executable, "-c",
-                               "import sys, time; from megatron_gspo.run.rundir import RunDirLock; "
+                               "import sys, time\n"
+                               "from megatron_gspo.runtime.rundir import RunDirLock\n"
                                f"RunDirLock({str(out)!r}).acquire(); print('held', flush=True); "
                                "time.sleep(120)"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                               text=True)

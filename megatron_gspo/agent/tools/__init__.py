@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_gspo.agent.tools.base import Tool, ToolError, ToolResult, ToolSet, tool_schema
+from megatron_gspo.agent.tools.toolset import Tool, ToolError, ToolResult, ToolSet, tool_schema
 from megatron_gspo.agent.tools.calculator import Calculator
 from megatron_gspo.agent.tools.python_sandbox import PythonSandbox
 from megatron_gspo.config.tool_limits import check_python_limits

@@ -12,7 +12,7 @@ import math
 import operator
 from typing import Any, ClassVar
 
-from megatron_gspo.agent.tools.base import ToolError
+from megatron_gspo.agent.tools.toolset import ToolError
 
 _BINOPS = {
     ast.Add: operator.add,

@@ -77,7 +77,7 @@ import megatron_gspo.agent.tools.sandbox_cgroup as sandbox_cgroup
 import megatron_gspo.agent.tools.sandbox_mounts as sandbox_mounts
 import megatron_gspo.agent.tools.sandbox_os as sandbox_os
 import megatron_gspo.agent.tools.sandbox_seccomp as sandbox_seccomp
-from megatron_gspo.agent.tools.base import ToolError, truncate_output
+from megatron_gspo.agent.tools.toolset import ToolError, truncate_output
 from megatron_gspo.agent.tools.sandbox_boot import BOOTSTRAP, INIT, LAUNCH
 from megatron_gspo.agent.tools.sandbox_os import PIDS_ROOT as _PIDS_ROOT, isolation_prefix
 from megatron_gspo.agent.tools.sandbox_stage import INIT_NEW_ROOT, STAGE

@@ -28,7 +28,7 @@ import threading
 from contextlib import contextmanager
 from multiprocessing.managers import SyncManager
 
-from megatron_gspo.run.exec_with_parent import die_with_parent
+from megatron_gspo.runtime.exec_with_parent import die_with_parent
 
 _state: dict = {"manager": None, "pid": None, "fork_hook": False}
 _fork: dict = {"from_main": False, "parent": 0, "background": False}  # set before each fork

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.convert import get_adapter
-from megatron_gspo.convert.base import ConversionError, num_routed_experts
+from megatron_gspo.convert.param_map import ConversionError, num_routed_experts
 from megatron_gspo.convert.guards import (
     check_config_against_shapes,
     check_out_disjoint,
@@ -138,7 +138,7 @@ def hf_to_mcore(
         force: replace `out` if it exists.
         progress: show a progress bar on rank 0.
     """
-    from megatron_gspo.megatron.io import checkpoint as cio
+    from megatron_gspo.megatron.io import dist_checkpoint as cio
     from megatron_gspo.megatron.parallel import initialize, shutdown
 
     reader = HFCheckpointReader(hf_dir)
@@ -222,7 +222,7 @@ def check_mcore_to_hf(ckpt: str, hf_config_dir: str | None, out: str, force: boo
     if Path(out).exists() and not force:
         raise ConversionError(f"output directory {out} exists (pass --force to overwrite)")
     adapter = get_adapter(cfg)
-    from megatron_gspo.megatron.io.checkpoint import normalize_hf_config
+    from megatron_gspo.megatron.io.dist_checkpoint import normalize_hf_config
 
     adapter.dims(normalize_hf_config(cfg))
     check_conversion_layout(*layout, cfg)
@@ -289,8 +289,8 @@ def mcore_to_hf(
         force: replace `out` if it exists.
         progress: progress bar on rank 0.
     """
-    from megatron_gspo.megatron.io import checkpoint as cio
-    from megatron_gspo.megatron.io.export import export_hf_weights
+    from megatron_gspo.megatron.io import dist_checkpoint as cio
+    from megatron_gspo.megatron.io.weight_export import export_hf_weights
     from megatron_gspo.megatron.parallel import initialize, shutdown
 
     cfg = cio.normalize_hf_config(hf_config)
@@ -346,7 +346,7 @@ def _body(fn: Callable, kwargs: dict, rank: int = 0) -> None:
     A failed save reports every rank's write error on rank 0 (the coordinator) only; another
     rank whose error says nothing of a full disk waits a moment, so that the launcher, which
     reports the first process to fail, reports rank 0's error."""
-    from megatron_gspo.run.diskfull import disk_full
+    from megatron_gspo.runtime.diskfull import disk_full
 
     try:
         fn(**kwargs)

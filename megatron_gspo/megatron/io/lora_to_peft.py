@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_gspo.convert.base import ConversionError
+from megatron_gspo.convert.param_map import ConversionError
 
 
 def check_lora_to_peft(ckpt: str, base: str | None, out: str, merged: str | None,
@@ -77,10 +77,10 @@ def lora_to_peft(ckpt: str, base: str, info: dict, hf_config: dict, out: str | N
     from megatron_gspo.convert.hf_io import (HFCheckpointReader, commit_output_dir,
                                              prepare_output_dir, save_hf_checkpoint)
     from megatron_gspo.convert.registry import get_adapter
-    from megatron_gspo.megatron.io import checkpoint as cio
+    from megatron_gspo.megatron.io import dist_checkpoint as cio
     from megatron_gspo.megatron.lora import adapters as lora
-    from megatron_gspo.megatron.models import weights
-    from megatron_gspo.megatron.io.export import export_hf_weights
+    from megatron_gspo.megatron.models import shards as weights
+    from megatron_gspo.megatron.io.weight_export import export_hf_weights
     from megatron_gspo.megatron.lora.io import write_peft_adapter
     from megatron_gspo.megatron.parallel import ParallelLayout, initialize, shutdown
 

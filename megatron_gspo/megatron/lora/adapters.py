@@ -163,7 +163,7 @@ def attach(chunks: list, settings: LoraSettings, seed: int = 1234) -> int:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    from megatron_gspo.megatron.models import weights
+    from megatron_gspo.megatron.models import shards as weights
 
     if "experts" in settings.targets and any(
             target_of(n) == "experts.grouped" for c in chunks for n, _ in c.named_modules()):
@@ -310,7 +310,7 @@ def sharded_state_dict(chunks: list) -> dict:
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
-    from megatron_gspo.megatron.models import weights
+    from megatron_gspo.megatron.models import shards as weights
 
     out = {}
     for vp, chunk in enumerate(chunks):
@@ -342,7 +342,7 @@ def sharded_state_dict(chunks: list) -> dict:
 def load_sharded(chunks: list, loaded: dict) -> None:
     """Copy what `dist_checkpointing.load` returned for `sharded_state_dict` into the
     adapters (KeyError naming a missing factor)."""
-    from megatron_gspo.megatron.models import weights
+    from megatron_gspo.megatron.models import shards as weights
 
     for vp, chunk in enumerate(chunks):
         lo, eo = weights._offsets(chunk, vp if len(chunks) > 1 else None)

@@ -124,7 +124,7 @@ def _fused_experts(full: dict[str, torch.Tensor], out: dict[str, torch.Tensor], 
 def peft_refusal(targets, hf_config: dict, dropout: float = 0.0) -> str | None:
     """Why peft cannot load an adapter of these targets on this HF model (None: it can); the
     cheap check before any weight is read (`peft_state_dict` refuses the same by name)."""
-    from megatron_gspo.convert.base import num_routed_experts
+    from megatron_gspo.convert.param_map import num_routed_experts
 
     arch = (hf_config.get("architectures") or [""])[0]
     moe = num_routed_experts(hf_config) > 0
@@ -156,7 +156,7 @@ def peft_state_dict(full: dict[str, torch.Tensor], dims, arch: str | None = None
     Returns:
         {PEFT name: tensor}; PeftExportError when peft cannot load the adapter.
     """
-    from megatron_gspo.convert.base import _qkv_to_hf
+    from megatron_gspo.convert.param_map import _qkv_to_hf
 
     out: dict[str, torch.Tensor] = {}
     pre = "base_model.model.model.layers"

@@ -38,8 +38,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from megatron_gspo.convert.base import num_routed_experts
-from megatron_gspo.run.device_ledger import sglang_kv_tokens  # noqa: F401 - SGLang's KV sizing
+from megatron_gspo.convert.param_map import num_routed_experts
+from megatron_gspo.runtime.device_ledger import sglang_kv_tokens  # noqa: F401 - SGLang's KV sizing
 
 GiB = 2**30
 

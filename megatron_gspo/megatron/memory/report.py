@@ -267,10 +267,10 @@ def _main_shard_numels(x: PlanInputs) -> list[int]:
 
 
 def ledger_spec(plan: Plan, x: PlanInputs, name: str, tolerance: float = 0.05):
-    """The device-memory ledger's spec (`run.device_ledger`) for one GPU of this plan: part
+    """The device-memory ledger's spec (`runtime.device_ledger`) for one GPU of this plan: part
     sizes, the plan's figure per moment (training: the larger of forward/backward and the
     optimizer step) and SGLang's KV sizing inputs."""
-    from megatron_gspo.run.device_ledger import LedgerSpec
+    from megatron_gspo.runtime.device_ledger import LedgerSpec
 
     moments = {n: b for n, b, _ in plan.moments}
     train = [b for n, b, _ in plan.moments if n in ("training", "forward/backward",

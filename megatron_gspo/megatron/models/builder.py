@@ -65,7 +65,7 @@ from megatron_gspo.megatron.models import glm4_moe
 from megatron_gspo.megatron.models import glm_moe_dsa
 from megatron_gspo.megatron.models import gpt_oss
 from megatron_gspo.megatron.models import qwen3_next
-from megatron_gspo.megatron.models import mtp as mtp_models
+from megatron_gspo.megatron.models import mtp_block as mtp_models
 from megatron_gspo.megatron.compat import submodules
 from megatron_gspo.megatron.fallbacks import bind_missing_te_names, te_available
 from megatron_gspo.megatron.models.local_layers import (PackedDotProductAttention,
@@ -346,7 +346,7 @@ def build_gpt_model(
         max_sequence_length: rotary table size (default max_position_embeddings).
         vocab_multiple: pad the vocabulary to a multiple of lcm(this, TP).
         mtp: also build the config's ``num_nextn_predict_layers`` multi-token-prediction
-            layers, frozen, as ``model.mtp`` (`models.mtp.attach_mtp`; the policy forward
+            layers, frozen, as ``model.mtp`` (`models.mtp_block.attach_mtp`; the policy forward
             does not run them).
     Returns:
         GPTModel (unwrapped, fp32/bf16 params as configured).

@@ -39,7 +39,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.convert.base import num_routed_experts
+from megatron_gspo.convert.param_map import num_routed_experts
 from megatron_gspo.data.batch import MicroBatch, cp_local_index
 from megatron_gspo.megatron.compat import sorted_topk_indices
 from megatron_gspo.megatron.moe.routing_exchange import (

@@ -48,7 +48,7 @@ import torch
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.rollout.asynchronous.gate import GatedEngine, UpdateGate
 from megatron_gspo.rollout.asynchronous.stats import step_report
-from megatron_gspo.rollout.base import GenerateRequest, RolloutError, SamplingParams
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from megatron_gspo.rollout.groups import (
     has_zero_variance,
     mark_failed_if_every_episode_failed,

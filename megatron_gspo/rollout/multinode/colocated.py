@@ -30,11 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.rollout.base import RolloutError
-from megatron_gspo.run import device_ledger
-from megatron_gspo.rollout.sglang.weights import LiveBytes
-from megatron_gspo.rollout.weight_sync import FLATTENED_BUCKET, flatten_bucket, group_by_dtype, \
-    serialize
+from megatron_gspo.rollout.engine import RolloutError
+from megatron_gspo.runtime import device_ledger
+from megatron_gspo.rollout.sglang.weight_sync_endpoints import LiveBytes
+from megatron_gspo.rollout.weight_sync_payloads import (FLATTENED_BUCKET, flatten_bucket,
+                                                        group_by_dtype, serialize)
 
 RESUME_FIRST = ("weights",)
 RESUME_AFTER = ("kv_cache", "cuda_graph")
@@ -204,12 +204,12 @@ def _stream_deltas(
     buckets: Iterable[list], engine: Any, version: int, plan: list[list[int]] | None, rank: int,
     senders: set[int], num_servers: int, tp_size: int,
 ) -> None:
-    """`stream_buckets` with the delta sync (`sglang.delta_sync`): rank 0 encodes each bucket
+    """`stream_buckets` with the delta sync (`sglang.weight_sync_delta`): rank 0 encodes each bucket
     against its base; with a plan the encoded pairs are broadcast and every rank of the plan
     serializes its servers' entries from its own device, as for a full bucket."""
     import time
 
-    from megatron_gspo.rollout.sglang import delta_sync
+    from megatron_gspo.rollout.sglang import weight_sync_delta as delta_sync
 
     sender = getattr(engine, "delta", None)
     live = LiveBytes()

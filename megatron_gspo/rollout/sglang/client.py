@@ -48,7 +48,7 @@ from typing import Any
 import aiohttp
 
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.rollout.base import (
+from megatron_gspo.rollout.engine import (
     MEMORY_TAGS,
     GenerateRequest,
     RolloutEngine,
@@ -58,12 +58,12 @@ from megatron_gspo.rollout.base import (
     make_sample,
     plan_slots,
 )
-from megatron_gspo.rollout.sglang import compat
+from megatron_gspo.rollout.sglang import versions as compat
 from megatron_gspo.rollout.sglang.launch import LaunchSpec, ServerProcess
 from megatron_gspo.rollout.sglang.protocol import (decode_json, decode_routed_experts, http_error,
                                                     parse_generate_output, prompt_ids_error)
-from megatron_gspo.rollout.sglang.servers import RETRYABLE, SGLangServers
-from megatron_gspo.rollout.sglang.weights import SGLangWeightSync
+from megatron_gspo.rollout.sglang.lifecycle import RETRYABLE, SGLangServers
+from megatron_gspo.rollout.sglang.weight_sync_endpoints import SGLangWeightSync
 
 log = logging.getLogger(__name__)
 

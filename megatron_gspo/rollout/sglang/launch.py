@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron_gspo.run import exec_with_parent, server_record
+from megatron_gspo.runtime import exec_with_parent, server_record
 from megatron_gspo.rollout.sglang.ports import TOKEN_FLAG, PortHold, new_run_token
 from megatron_gspo.rollout.sglang.protocol import HEALTH_GENERATION_ENV, MAX_SERVER_PORT
 
@@ -350,7 +350,7 @@ def argv_gpus(argv: Sequence[str]) -> list[int]:
 class ServerProcess:
     """One launched server (or router) process, in its own session so it can be stopped with
     everything it spawned. In a torchrun round after a restart, the first one starts once the
-    dead round's servers are gone and their GPU memory is back (`run.server_record`)."""
+    dead round's servers are gone and their GPU memory is back (`runtime.server_record`)."""
 
     def __init__(self, argv: list[str], name: str, env: dict[str, str] | None = None,
                  log_path: str | None = None) -> None:

@@ -31,7 +31,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_gspo.rollout.base import RolloutError
+from megatron_gspo.rollout.engine import RolloutError
 
 #: Highest server port SGLang accepts: port + 10000 must stay a valid port (see module doc).
 MAX_SERVER_PORT = 55535

@@ -1,4 +1,4 @@
-"""The information and control side of the stand-in SGLang server (`standin_server.StandinServer`
+"""The information and control side of the stand-in SGLang server (`standin.server.StandinServer`
 mixes it in next to `generate.GenerationEndpoints`): `/health`, `/health_generate`,
 `/model_info`, `/server_info`, `/release_memory_occupation` (refused while busy; ends a CPU
 server acting as SGLang 0.5.23),
@@ -13,7 +13,7 @@ import uuid
 
 from aiohttp import web
 
-from megatron_gspo.rollout.base import SamplingParams
+from megatron_gspo.rollout.engine import SamplingParams
 from megatron_gspo.rollout.standin.generate import MISSING_BODY, _bad
 
 
@@ -74,7 +74,7 @@ class ControlEndpoints:
         (managers/scheduler_update_weights_mixin.py) and the failed assertion ends it. A CPU
         server acting as 0.5.23 (`weight_update_sessions`) always ends: its release's closing
         `torch.get_device_module().synchronize()` is torch.cuda under torch 2.14.1
-        (managers/scheduler_components/weight_updater.py; `sglang.compat`)."""
+        (managers/scheduler_components/weight_updater.py; `sglang.versions`)."""
         if self.in_flight or self._queue:
             return await self.die(request, "AssertionError: release_memory_occupation should "
                                   f"be called only when server is idle ({self.in_flight} "

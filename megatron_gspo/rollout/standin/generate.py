@@ -1,4 +1,4 @@
-"""The generation side of the stand-in SGLang server (`standin_server.StandinServer` mixes it
+"""The generation side of the stand-in SGLang server (`standin.server.StandinServer` mixes it
 in; `control.ControlEndpoints` has /health, /model_info, /server_info and the control calls):
 `/generate` (micro-batched into one embedded-engine batch), switchable faults and the
 `--api-key` check.
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megatron_gspo.rollout.base import SamplingParams
+from megatron_gspo.rollout.engine import SamplingParams
 from megatron_gspo.rollout.sglang.protocol import (
     HEALTH_CHECK_TIMEOUT_ENV,
     HEALTH_CHECK_TIMEOUT_S,

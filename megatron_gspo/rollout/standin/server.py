@@ -32,7 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
-from megatron_gspo.rollout.base import SamplingParams
+from megatron_gspo.rollout.engine import SamplingParams
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.sglang.protocol import grpc_port_error, served_dtype
 from megatron_gspo.rollout.standin.control import ControlEndpoints
@@ -42,7 +42,7 @@ from megatron_gspo.rollout.standin.generate import (
     api_key_middleware,
     json_not_found,
 )
-from megatron_gspo.rollout.standin.weights import (  # noqa: F401
+from megatron_gspo.rollout.standin.weight_sync_server import (  # noqa: F401
     ServedModel,
     WeightEndpoints,
     weights_digest,

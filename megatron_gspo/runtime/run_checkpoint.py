@@ -41,11 +41,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.run import faults
-from megatron_gspo.run.diskfull import disk_full
-from megatron_gspo.run.durable import being_read, hold_for_reading  # noqa: F401 - API here
-from megatron_gspo.run.durable import fsync_path, manifest, sha256_file
-from megatron_gspo.run.rundir import RunError
+from megatron_gspo.runtime import faults
+from megatron_gspo.runtime.diskfull import disk_full
+from megatron_gspo.runtime.durable import being_read, hold_for_reading  # noqa: F401 - API here
+from megatron_gspo.runtime.durable import fsync_path, manifest, sha256_file
+from megatron_gspo.runtime.rundir import RunError
 
 __all__ = ["Checkpointer", "CheckpointError", "ResumePoint", "rng_state", "set_rng_state"]
 

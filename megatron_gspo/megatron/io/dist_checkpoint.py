@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.convert.base import (
+from megatron_gspo.convert.param_map import (
     ConversionError,
     ModelDims,
     VOCAB_KINDS,
@@ -50,7 +50,7 @@ def normalize_hf_config(cfg: Mapping) -> dict:
     out = dict(cfg)
     if out.get("num_experts") is None and out.get("num_local_experts") is not None:
         out["num_experts"] = out["num_local_experts"]  # (DeepSeek's n_routed_experts is read
-        # by `convert.base.num_routed_experts` where it matters)
+        # by `convert.param_map.num_routed_experts` where it matters)
     return out
 
 
@@ -343,7 +343,7 @@ def build_rank_models(
         hf_config: parsed config.json.
         params_dtype: parameter dtype.
         use_te: force the TE / local spec (None: TE when importable).
-        mtp: also build the config's multi-token-prediction layers (`models.mtp`).
+        mtp: also build the config's multi-token-prediction layers (`models.mtp_block`).
         config_kwargs: extra `build_model_config` arguments (layout sizes are read from
             parallel_state).
     Returns:

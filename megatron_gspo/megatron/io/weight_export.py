@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.convert import get_adapter
-from megatron_gspo.convert.base import ConversionError, to_hf_tensors
+from megatron_gspo.convert.param_map import ConversionError, to_hf_tensors
 from megatron_gspo.convert.fused_experts import SLICE_KINDS, ExpertSlices
 from megatron_gspo.convert.mtp import is_mtp
 from megatron_gspo.convert.sharding import expert_index, rename_indices, tp_unshard
-from megatron_gspo.megatron.io.checkpoint import (
+from megatron_gspo.megatron.io.dist_checkpoint import (
     ParamEntry,
     model_param_entries,
     normalize_hf_config,

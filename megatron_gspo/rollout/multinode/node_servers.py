@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.rollout.base import GenerateRequest, RolloutEngine, RolloutError
+from megatron_gspo.rollout.engine import GenerateRequest, RolloutEngine, RolloutError
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.sglang.launch import (
     LaunchSpec,

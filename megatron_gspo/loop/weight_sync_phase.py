@@ -11,10 +11,10 @@ import torch
 
 from megatron_gspo.config import Config
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.loop import servers
+from megatron_gspo.loop import server_setup as servers
 from megatron_gspo.loop.build import DTYPES
-from megatron_gspo.rollout.base import RolloutError
-from megatron_gspo.run import device_ledger, faults
+from megatron_gspo.rollout.engine import RolloutError
+from megatron_gspo.runtime import device_ledger, faults
 
 def colocated_sglang(cfg: Config) -> bool:
     return cfg.rollout.engine == "sglang" and cfg.rollout.colocate
@@ -52,7 +52,7 @@ def delta_sender(engine, cfg: Config, hf_config: dict):
     if engine is None or r.engine != "sglang" or r.weight_sync_delta == "off":
         return None
     if getattr(engine, "delta", None) is None:
-        from megatron_gspo.megatron.io.export import bucket_together
+        from megatron_gspo.megatron.io.weight_export import bucket_together
         from megatron_gspo.rollout.delta.sender import DeltaSender
 
         engine.delta = DeltaSender(r.weight_sync_delta, r.weight_sync_delta_threshold,
@@ -67,7 +67,7 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
     streamed one bucket at a time (`rollout.bucket_bytes`). Colocated SGLang follows SGLang's
     memory order (see `rollout.colocated_sync`).
 
-    With `rollout.weight_sync_delta` the servers get only what changed (`sglang.delta_sync`);
+    With `rollout.weight_sync_delta` the servers get only what changed (`sglang.weight_sync_delta`);
     a delta sync whose probe fails is followed at once by a full sync of the same version
     (`retry`), probed again, in the room a normal sync gets (`_sync_room`).
 
@@ -78,7 +78,7 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
     Returns:
         `weight_sync/*` metrics (rank 0 of an SGLang engine; {} otherwise).
     """
-    from megatron_gspo.megatron.io.export import export_hf_weights
+    from megatron_gspo.megatron.io.weight_export import export_hf_weights
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
     r = cfg.rollout
@@ -120,8 +120,8 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
             _send(engine, buckets, version)
         if engine is not None:  # the stream's counts, as the full colocated sync reports them
             st.update(engine.sync_stats)
-    elif _tensor_sync(cfg):  # on every node (no deltas there: loop.servers), all at once
-        from megatron_gspo.rollout.multinode.sync import multinode_sync
+    elif _tensor_sync(cfg):  # on every node (no deltas there: loop.server_setup), all at once
+        from megatron_gspo.rollout.multinode.weight_sync_nodes import multinode_sync
 
         st = multinode_sync(buckets, engine, version, num_servers=r.num_servers,
                             tp_size=r.tp_size)
@@ -185,7 +185,7 @@ def verify_sync(learner, engine, cfg: Config, version: int) -> float:
     `PROBE_TOLERANCE` of the served dtype is one RolloutError naming the sync. Returns the
     largest difference (rank 0; 0.0 elsewhere). An offloaded learner is brought back for the
     recompute (its weights only) the way a checkpoint brings it back (`colocated.learner_room`)."""
-    from megatron_gspo.rollout.sglang.weights import (PROBE_PROMPT, PROBE_TOLERANCE,
+    from megatron_gspo.rollout.sglang.weight_sync_endpoints import (PROBE_PROMPT, PROBE_TOLERANCE,
                                                       check_sync_probe)
 
     from megatron_gspo.megatron.learner import broadcast_samples
@@ -280,7 +280,7 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
 def _finite(buckets, version: int):
     """The exported buckets, checked on the way: a non-finite weight stops the run naming the
     tensor and the update that made it (every rank sees the same gathered tensors)."""
-    from megatron_gspo.run.rundir import RunError
+    from megatron_gspo.runtime.rundir import RunError
 
     for i, bucket in enumerate(buckets):
         floats = [(name, t) for name, t in bucket if t.is_floating_point()]

@@ -27,10 +27,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from megatron_gspo.rollout.base import Bucket, RolloutError
+from megatron_gspo.rollout.engine import Bucket, RolloutError
 from megatron_gspo.rollout.delta.codec import file_pairs, write_file
 from megatron_gspo.rollout.delta.sender import DeltaSender
-from megatron_gspo.rollout.weight_sync import bucket_payloads, dtype_name
+from megatron_gspo.rollout.weight_sync_payloads import bucket_payloads, dtype_name
 
 #: The loader's module.function as servers import it (`loader_dir` puts it on their path).
 LOADER = "gspo_delta_loader.load"

@@ -30,7 +30,7 @@ from megatron_gspo.rollout.multinode.colocated import (
     free_learner_cache,
     ranks_on_server_gpus,
 )
-from megatron_gspo.rollout.multinode.servers import (
+from megatron_gspo.rollout.multinode.node_servers import (
     MultiNodeEngine,
     NodeLayout,
     advertised,
@@ -39,9 +39,9 @@ from megatron_gspo.rollout.multinode.servers import (
     gather_urls,
     node_engine,
 )
-from megatron_gspo.rollout.sglang.weights import LiveBytes
-from megatron_gspo.run import device_ledger
-from megatron_gspo.rollout.weight_sync import (
+from megatron_gspo.rollout.sglang.weight_sync_endpoints import LiveBytes
+from megatron_gspo.runtime import device_ledger
+from megatron_gspo.rollout.weight_sync_payloads import (
     FLATTENED_BUCKET,
     flatten_bucket,
     group_by_dtype,

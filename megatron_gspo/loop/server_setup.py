@@ -20,7 +20,7 @@ def colocated_on_every_node(cfg: Config) -> bool:
     """True when every node launches its own colocated SGLang servers (`rollout.multinode`):
     launched (no server_urls), colocated, tensor weight sync, on a job of several nodes. Then
     `rollout_engine` is called on every rank (collective)."""
-    from megatron_gspo.rollout.multinode.servers import nodes_in_job
+    from megatron_gspo.rollout.multinode.node_servers import nodes_in_job
 
     r = cfg.rollout
     return (r.engine == "sglang" and r.colocate and not r.server_urls
@@ -48,7 +48,7 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
     # SGLANG_SERVER_MODULE replaces sglang.launch_server (as in docker/launch/*.sh).
     module = os.environ.get("SGLANG_SERVER_MODULE") or "sglang.launch_server"
     if sync == "tensor" and torch.cuda.is_available():  # CUDA payloads: SGLang's reduction
-        from megatron_gspo.rollout.weight_sync import sglang_importable
+        from megatron_gspo.rollout.weight_sync_payloads import sglang_importable
 
         if not sglang_importable():  # CPU tensors travel as shared memory without it
             raise ConfigError("rollout.weight_sync: tensor sync of the learner's CUDA tensors "
@@ -64,7 +64,7 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
             master = (host, int(port))
         else:
             from megatron_gspo.megatron.parallel import free_port
-            from megatron_gspo.rollout.multinode.servers import update_master_address
+            from megatron_gspo.rollout.multinode.node_servers import update_master_address
 
             try:  # MASTER_ADDR, or this node's routable address for servers on other hosts
                 host = update_master_address(list(r.server_urls) + (
@@ -79,7 +79,7 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
         if r.weight_sync_delta != "off" and colocated_on_every_node(cfg):
             raise ConfigError("rollout.weight_sync_delta: off with servers on every node")
         runtime = _server_runtime(r)
-        from megatron_gspo.rollout.multinode.servers import bind_host
+        from megatron_gspo.rollout.multinode.node_servers import bind_host
 
         try:
             host = bind_host(r.host)
@@ -101,7 +101,7 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if launch is not None and colocated_on_every_node(cfg):  # each node launches its own
-        from megatron_gspo.rollout.multinode.servers import start_node_servers
+        from megatron_gspo.rollout.multinode.node_servers import start_node_servers
 
         if r.launch_router or r.router_url:
             raise ConfigError("rollout.launch_router/router_url: not used with colocated "
@@ -130,7 +130,7 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
 def _server_runtime(r) -> dict:
     """LaunchSpec fields of `rollout.sglang_python` / `rollout.sglang_device` (the CPU
     engine's environment: `sglang_launch.cpu_server_env`)."""
-    from megatron_gspo.rollout.sglang.delta_sync import launch_extras
+    from megatron_gspo.rollout.sglang.weight_sync_delta import launch_extras
     from megatron_gspo.rollout.sglang.launch import cpu_server_env
 
     python = r.sglang_python or sys.executable

@@ -16,8 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from megatron_gspo.rollout.base import MEMORY_TAGS
-from megatron_gspo.rollout.weight_sync import (
+from megatron_gspo.rollout.engine import MEMORY_TAGS
+from megatron_gspo.rollout.weight_sync_payloads import (
     decode_tensor_update,
     init_learner_update_group,
 )

@@ -174,7 +174,7 @@ DENIED_GLOBALS = frozenset({
 
 def prefix_refusal(module: str, name: str) -> str | None:
     """Why SGLang 0.5.12's `SafeUnpickler` refuses the global `module.name` (outside its module
-    prefixes, or denied), or None when it loads it. 0.5.23's exact list: `sglang.compat`."""
+    prefixes, or denied), or None when it loads it. 0.5.23's exact list: `sglang.versions`."""
     if (module, name) not in DENIED_GLOBALS and (module + ".").startswith(
             ALLOWED_MODULE_PREFIXES):
         return None
@@ -207,7 +207,7 @@ def payload_error(entry: str, refusal=prefix_refusal) -> str | None:
     Args:
         entry: one `serialized_named_tensors` entry.
         refusal: (module, name) -> why the served release refuses that global, or None
-            (`sglang.compat.unpickler_refusal`; default 0.5.12's module prefixes).
+            (`sglang.versions.unpickler_refusal`; default 0.5.12's module prefixes).
     """
     try:
         data = base64.b64decode(entry, validate=True)

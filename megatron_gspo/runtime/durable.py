@@ -1,5 +1,5 @@
 """Checkpoint files made durable and listed: fsync of files and folders, the sha256 manifest
-that a COMPLETE marker holds (run/checkpoint.py), and the shared lock a reader holds on a
+that a COMPLETE marker holds (runtime/run_checkpoint.py), and the shared lock a reader holds on a
 complete checkpoint so that rotation leaves it alone."""
 
 from __future__ import annotations

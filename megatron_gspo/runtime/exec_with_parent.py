@@ -1,6 +1,6 @@
 """Run a command that ends, with everything it started, when the process that launched it dies.
 
-`python -m megatron_gspo.run.exec_with_parent PARENT_PID -- ARGV...` asks Linux for
+`python -m megatron_gspo.runtime.exec_with_parent PARENT_PID -- ARGV...` asks Linux for
 `PR_SET_PDEATHSIG` on the launcher's death, checks that the launcher is still alive, then runs
 ARGV as its child and stays beside it as a guard:
 
@@ -59,7 +59,7 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
 
 def wrap(argv: list[str]) -> list[str]:
     """`argv` run through this module on behalf of the calling process."""
-    return [sys.executable, "-m", "megatron_gspo.run.exec_with_parent", str(os.getpid()), "--",
+    return [sys.executable, "-m", "megatron_gspo.runtime.exec_with_parent", str(os.getpid()), "--",
             *argv]
 
 
@@ -147,7 +147,7 @@ def guard(parent_pid: int, argv: list[str]) -> int:
 
 def main(args: list[str]) -> None:
     if len(args) < 3 or args[1] != "--" or not args[0].isdigit():
-        sys.exit("usage: python -m megatron_gspo.run.exec_with_parent PARENT_PID -- ARGV...")
+        sys.exit("usage: python -m megatron_gspo.runtime.exec_with_parent PARENT_PID -- ARGV...")
     if not sys.platform.startswith("linux"):
         os.execvp(args[2], args[2:])
     sys.exit(guard(int(args[0]), args[2:]))

@@ -22,9 +22,9 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from megatron_gspo.rollout.base import Bucket, RolloutError
-from megatron_gspo.rollout.sglang import compat
-from megatron_gspo.rollout.weight_sync import (
+from megatron_gspo.rollout.engine import Bucket, RolloutError
+from megatron_gspo.rollout.sglang import versions as compat
+from megatron_gspo.rollout.weight_sync_payloads import (
     bucket_payloads,
     dtype_name,
     init_learner_update_group,
@@ -162,10 +162,10 @@ class SGLangWeightSync:
 
     async def aupdate_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Update all servers by the configured `weight_sync` path (deltas when a
-        `rollout.delta` sender is attached as `self.delta`: `sglang.delta_sync`)."""
+        `rollout.delta` sender is attached as `self.delta`: `sglang.weight_sync_delta`)."""
         delta = getattr(self, "delta", None)
         if delta is not None and delta.enabled:
-            from megatron_gspo.rollout.sglang.delta_sync import aupdate_delta
+            from megatron_gspo.rollout.sglang.weight_sync_delta import aupdate_delta
 
             await aupdate_delta(self, delta, buckets, version)
             return

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from megatron_gspo.config import Config, ConfigError, load_config
 from megatron_gspo.config.schema import from_dict, option
-from megatron_gspo.run.rundir import RunError
+from megatron_gspo.runtime.rundir import RunError
 from megatron_gspo.config.yaml_strict import StrictYAMLError, strict_load
 
 __all__ = ["StudySpec", "load_study", "arm_configs", "run_study", "LOCKED"]
@@ -143,7 +143,7 @@ def _run_arm(base: Path, ovr: list[str], arm_dir: Path) -> int:
     """Train one arm in its own process (output in DIR/<arm>/train.log); returns its exit code.
     The kernel ends the arm's trainer when the study dies (kill -9 too), so a killed study
     leaves no arm training on its own."""
-    from megatron_gspo.run.exec_with_parent import wrap
+    from megatron_gspo.runtime.exec_with_parent import wrap
 
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", str(base), "--run-dir",
            str(arm_dir), *ovr]
@@ -156,7 +156,7 @@ def _run_arm(base: Path, ovr: list[str], arm_dir: Path) -> int:
 def _finished(cfg: Config, arm_dir: Path) -> bool:
     """The arm's run holds a complete checkpoint of its last step (it finished, though the
     study that ran it died before marking it done)."""
-    from megatron_gspo.run.checkpoint import Checkpointer
+    from megatron_gspo.runtime.run_checkpoint import Checkpointer
 
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else arm_dir / "checkpoints"
     done = Checkpointer(root).complete() if root.is_dir() else []
@@ -166,7 +166,7 @@ def _finished(cfg: Config, arm_dir: Path) -> bool:
 def _check_not_running(name: str, arm_dir: Path) -> None:
     """An arm whose run dir is locked by a live trainer (started by an earlier study) is not
     started again beside it."""
-    from megatron_gspo.run.rundir import RunDirLock
+    from megatron_gspo.runtime.rundir import RunDirLock
 
     try:
         RunDirLock(arm_dir).acquire().release()
@@ -192,7 +192,7 @@ def run_study(path: str | Path, out: str | Path | None = None, log=None,
     arms = arm_configs(spec, base, path, overrides)
     out = Path(out) if out else Path("runs") / f"study-{Path(path).stem}"
     out.mkdir(parents=True, exist_ok=True)
-    from megatron_gspo.run.rundir import RunDirLock
+    from megatron_gspo.runtime.rundir import RunDirLock
 
     lock = RunDirLock(out).acquire()  # one study per --out (RunError naming the holder)
     try:
@@ -203,7 +203,7 @@ def run_study(path: str | Path, out: str | Path | None = None, log=None,
 
 def _run_arms(path, spec: StudySpec, base: Path, arms: dict, out: Path, log) -> Path:
     """The arms in order, then the summary (see `run_study`)."""
-    from megatron_gspo.study.report import plot_study, summarize
+    from megatron_gspo.study.study_report import plot_study, summarize
 
     failed: list[str] = []
     for name, (ovr, cfg) in arms.items():

@@ -23,8 +23,8 @@ from typing import Any
 
 import aiohttp
 
-from megatron_gspo.rollout.base import RolloutError
-from megatron_gspo.rollout.sglang import compat
+from megatron_gspo.rollout.engine import RolloutError
+from megatron_gspo.rollout.sglang import versions as compat
 from megatron_gspo.rollout.sglang.launch import (
     LaunchSpec,
     ServerProcess,

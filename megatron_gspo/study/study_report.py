@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from megatron_gspo.run.metrics import read_metrics
+from megatron_gspo.runtime.metrics import read_metrics
 
 __all__ = ["summarize", "plot_study", "PANELS"]
 

@@ -36,8 +36,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from megatron_gspo.run.exec_with_parent import session_members
-from megatron_gspo.run.rundir import RunError
+from megatron_gspo.runtime.exec_with_parent import session_members
+from megatron_gspo.runtime.rundir import RunError
 
 __all__ = ["WAIT_S", "record_path", "before_launch", "add", "forget", "wait_for_earlier_rounds",
            "available_bytes"]

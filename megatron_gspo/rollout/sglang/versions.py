@@ -49,7 +49,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from megatron_gspo.rollout.weight_sync import prefix_refusal
+from megatron_gspo.rollout.weight_sync_payloads import prefix_refusal
 
 #: Oldest and newest SGLang release tested (README "Supported versions"; the sglang_real tier
 #: runs against both, scripts/sglang_cpu/lock-<version>.txt).
@@ -88,7 +88,7 @@ def version_warning(server_info: dict) -> str | None:
     if low <= got <= high:
         return None
     return (f"SGLang {server_info['version']} is outside the tested range {SUPPORTED[0]} to "
-            f"{SUPPORTED[1]} (megatron_gspo/rollout/sglang/compat.py)")
+            f"{SUPPORTED[1]} (megatron_gspo/rollout/sglang/versions.py)")
 
 
 #: First release whose `SafeUnpickler` loads an exact list of globals (`EXACT_GLOBALS`).

@@ -29,8 +29,8 @@ import os
 import time
 from pathlib import Path
 
-from megatron_gspo.run.exec_with_parent import die_with_parent
-from megatron_gspo.run.rundir import RunError
+from megatron_gspo.runtime.exec_with_parent import die_with_parent
+from megatron_gspo.runtime.rundir import RunError
 
 __all__ = ["SAME_STEP_FAILURES", "RepeatedFailure", "RestartRecord", "restart_round",
            "max_restarts", "check_checkpoint_interval", "note_error", "die_with_agent"]

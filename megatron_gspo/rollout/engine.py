@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from megatron_gspo.data.sample import Sample
-from megatron_gspo.run import device_ledger
+from megatron_gspo.runtime import device_ledger
 
 T = TypeVar("T")
 
