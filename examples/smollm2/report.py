@@ -86,8 +86,8 @@ def write_page(summary: dict, page: Path, run_root: Path) -> None:
         body += _run_block("Calculator agent, examples/smollm2/agent.yaml "
                            "(agent.chat_template: tokenizer)", summary["agent"])
     text = "\n".join(head + body).replace("{cpus}", str(m["cpus"]))
-    notes = page.with_suffix(".notes.md")
-    if notes.is_file():  # hand-written discussion kept next to the generated numbers
+    notes = Path(__file__).with_name("report_notes.md")
+    if notes.is_file():  # hand-written discussion, appended to the generated numbers
         text += "\n" + notes.read_text()
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text(text)
