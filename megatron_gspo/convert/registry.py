@@ -15,6 +15,7 @@ from megatron_gspo.convert.llama import LlamaAdapter
 from megatron_gspo.convert.qwen2 import Qwen2Adapter
 from megatron_gspo.convert.qwen3 import Qwen3Adapter
 from megatron_gspo.convert.qwen3_moe import Qwen3MoeAdapter
+from megatron_gspo.convert.qwen3_5 import Qwen3_5Adapter, Qwen3_5MoeAdapter
 from megatron_gspo.convert.qwen3_next import Qwen3NextAdapter
 
 _ADAPTERS: tuple[type[StateDictAdapter], ...] = (
@@ -29,6 +30,8 @@ _ADAPTERS: tuple[type[StateDictAdapter], ...] = (
     GlmMoeDsaAdapter,
     GptOssAdapter,
     Qwen3NextAdapter,
+    Qwen3_5Adapter,
+    Qwen3_5MoeAdapter,
 )
 
 
@@ -54,6 +57,9 @@ def get_adapter(cfg: Mapping) -> StateDictAdapter:
         return by_arch[archs[0]]()
     if not archs and cfg.get("model_type") in by_type:
         return by_type[cfg["model_type"]]()
+    refused = {a: why for cls in _ADAPTERS for a, why in getattr(cls, "refused", {}).items()}
+    if archs and archs[0] in refused:  # a known checkpoint the learner cannot take as it is
+        raise ConversionError(refused[archs[0]])
     got = archs[0] if archs else cfg.get("model_type")
     raise ConversionError(
         f"unsupported architecture '{got}'; supported: {', '.join(supported_architectures())}"

@@ -26,13 +26,13 @@ from tests.convert._convert_worker import (  # noqa: E402
 )
 
 
-def _layout(name: str, moe: bool, expert_bias: bool):
+def _layout(name: str, sp: bool, expert_bias: bool):
     from megatron_gspo.megatron.parallel import ParallelLayout
 
     return {
         "single": ParallelLayout(),
         # (experts with biases, gpt-oss: Megatron-Core needs expert-TP 1)
-        "tp2": ParallelLayout(tensor=2, sequence_parallel=moe, expert=2 if expert_bias else 1,
+        "tp2": ParallelLayout(tensor=2, sequence_parallel=sp, expert=2 if expert_bias else 1,
                               expert_tensor=1 if expert_bias else None),
         "pp2": ParallelLayout(pipeline=2),
         "ep2": ParallelLayout(expert=2, expert_tensor=1),
@@ -85,7 +85,9 @@ def run(hf_dir: str, refs_path: str, work: str, layouts: list[str], tag: str) ->
         for name in layouts:
             if name == "ep2" and not moe:
                 continue
-            layout = _layout(name, moe, cfg.get("architectures") == ["GptOssForCausalLM"])
+            # (SP also for gated delta-net hybrids: Qwen3-Next / Qwen3.5 refuse TP without it)
+            sp = moe or bool(cfg.get("linear_num_key_heads"))
+            layout = _layout(name, sp, cfg.get("architectures") == ["GptOssForCausalLM"])
             initialize(layout, hf_config=cfg)
             build = partial(cio.build_rank_models, cfg, perform_initialization=False,
                             sequence_parallel=layout.sequence_parallel)

@@ -90,14 +90,14 @@ def test_unsupported_architecture_is_one_line(capsys, tmp_path, random_tiny_mode
     model = tmp_path / "model"
     shutil.copytree(random_tiny_model, model)
     hc = json.loads((model / "config.json").read_text())
-    # (Qwen3.5 MoE: no adapter yet, see docs/model-families.md)
-    hc.update(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe",
-              num_experts=8, linear_num_value_heads=4, linear_key_head_dim=8)
+    # (Mixtral: no adapter, see docs/model-families.md)
+    hc.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+              num_local_experts=8, num_experts_per_tok=2)
     (model / "config.json").write_text(json.dumps(hc))
     rc, lines, err = _train(capsys, tmp_path / "run", model)
     assert rc == 2 and len(lines) == 1, err[-2000:]
     assert f"config error: model.path: {model}: config.json architectures=" \
-           "['Qwen3_5MoeForCausalLM'] is not supported" in lines[0]
+           "['MixtralForCausalLM'] is not supported" in lines[0]
 
 
 def test_a_supported_family_with_a_missing_field_is_one_line(capsys, tmp_path,

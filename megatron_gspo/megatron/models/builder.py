@@ -64,6 +64,7 @@ from megatron_gspo.megatron.models import gemma3
 from megatron_gspo.megatron.models import glm4_moe
 from megatron_gspo.megatron.models import glm_moe_dsa
 from megatron_gspo.megatron.models import gpt_oss
+from megatron_gspo.megatron.models import qwen3_5
 from megatron_gspo.megatron.models import qwen3_next
 from megatron_gspo.megatron.models import mtp_block as mtp_models
 from megatron_gspo.megatron.compat import submodules
@@ -87,10 +88,14 @@ SUPPORTED_ARCHITECTURES = (
     glm_moe_dsa.ARCHITECTURE,
     gpt_oss.ARCHITECTURE,
     qwen3_next.ARCHITECTURE,
+    *qwen3_5.ARCHITECTURES,
 )
 # families whose config fields and layer specs live in a module of their own
-_FAMILIES = {m.ARCHITECTURE: m for m in (deepseek_v3, deepseek_v32, gemma3, glm4_moe,
-                                         glm_moe_dsa, gpt_oss, qwen3_next)}
+_FAMILIES = {a: m for m in (deepseek_v3, deepseek_v32, gemma3, glm4_moe, glm_moe_dsa, gpt_oss,
+                            qwen3_next, qwen3_5)
+             for a in getattr(m, "ARCHITECTURES", (m.ARCHITECTURE,))}
+# known architectures a family refuses with its own one-line reason
+_REFUSED = {a: why for m in set(_FAMILIES.values()) for a, why in getattr(m, "REFUSED", {}).items()}
 
 
 def _resolve_te(hf_config: dict, use_te: bool | None) -> bool:
@@ -111,6 +116,8 @@ class ModelConfigError(ValueError):
 def architecture_of(hf_config: dict) -> str:
     """The single supported architecture named in `hf_config['architectures']`."""
     archs = hf_config.get("architectures") or []
+    if len(archs) == 1 and archs[0] in _REFUSED:
+        raise ModelConfigError(_REFUSED[archs[0]])
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ModelConfigError(
             f"config.json architectures={archs!r} is not supported; supported: "
