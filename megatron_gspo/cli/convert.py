@@ -4,6 +4,7 @@
   mcore-to-hf --ckpt DIR [--hf-config DIR] --out DIR [--dtype ...] [--max-shard-size GB]
               [--tp N --pp N --ep N] [--force]
   lora-to-peft --ckpt DIR [--base DIR] [--out DIR] [--merged DIR] [--dtype ...] [--force]
+  hf-to-fp8 SRC DST [--keep-bf16-layers N] [--force]
 
 Without torchrun the needed local processes are started here; under torchrun the launcher's
 ranks are used (WORLD_SIZE must be a multiple of what the layout needs). Exit code 0 on
@@ -57,6 +58,15 @@ def _parser(prog: str | None = "megatron-gspo convert") -> argparse.ArgumentPars
                    "(base + scale * B A)")
     c.add_argument("--dtype", default=None, help="output dtype (default fp32)")
     c.add_argument("--force", action="store_true", help="replace existing output directories")
+    f = sub.add_parser("hf-to-fp8", help="HF safetensors -> block-wise FP8 HF checkpoint (e4m3, "
+                       "128x128 blocks, fp32 weight_scale_inv; the DeepSeek-V3 / Qwen3-FP8 format "
+                       "SGLang's fp8 method loads)")
+    f.add_argument("src", metavar="SRC", help="HF model directory (BF16 / FP32 safetensors)")
+    f.add_argument("dst", metavar="DST", help="FP8 HF directory to create")
+    f.add_argument("--keep-bf16-layers", type=int, default=0, metavar="N",
+                   help="keep the first and last N decoder layers unquantized (default 0); "
+                   "embeddings, lm_head, norms and routers always are")
+    f.add_argument("--force", action="store_true", help="replace an existing DST")
     for s in (a, b):
         s.add_argument("--tp", type=int, default=1, help="tensor parallel size")
         s.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
@@ -107,6 +117,8 @@ def main(argv: list[str] | None = None, prog: str | None = "megatron-gspo conver
     try:
         if args.cmd == "lora-to-peft":
             return _lora_to_peft(args)
+        if args.cmd == "hf-to-fp8":
+            return _hf_to_fp8(args)
         check_out_writable(args.out)  # before anything is read or loaded
         from megatron_gspo.megatron.io import conversion as conv
 
@@ -176,4 +188,26 @@ def _lora_to_peft(args) -> int:
         conv.launch(lora_to_peft, 1, **plan, out=args.out, merged=args.merged,
                     dtype=conv.parse_dtype(args.dtype), force=args.force)
     print(f"convert_checkpoint: wrote {', '.join(p for p in (args.out, args.merged) if p)}")
+    return 0
+
+
+def _hf_to_fp8(args) -> int:
+    """`convert hf-to-fp8`: written into a temp directory beside DST, renamed into place."""
+    import shutil
+
+    from megatron_gspo.convert.guards import check_out_disjoint, check_out_writable
+    from megatron_gspo.convert.hf_io import commit_output_dir, prepare_output_dir
+    from megatron_gspo.quant.fp8_checkpoint import write_fp8_checkpoint
+
+    check_out_writable(args.dst)
+    check_out_disjoint(args.dst, {"SRC": args.src}, out_flag="DST")
+    tmp = prepare_output_dir(args.dst, args.force)
+    try:
+        qc = write_fp8_checkpoint(args.src, tmp, args.keep_bf16_layers)
+        commit_output_dir(tmp, args.dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"convert_checkpoint: wrote {args.dst} (block FP8 e4m3 128x128; "
+          f"{len(qc['modules_to_not_convert'])} modules kept unquantized)")
     return 0

@@ -58,6 +58,7 @@ def graph() -> dict[str, set[str]]:
 RANKS = {
     "megatron_gspo": 0,  # the package's __init__ (version only)
     "algo": 0, "data": 0, "config": 0, "runtime": 0,
+    "quant": 0,  # block FP8 weights (pure torch) and the HF checkpoint converter built on it
     "convert": 1, "rollout": 1,  # rollout/'s top: engine interface, embedded engine, groups
     "rollout.delta": 1,  # the delta weight-sync codec, sender and the servers' loader (pure torch)
     "megatron": 2, "rewards": 2, "agent": 2, "rollout.sglang": 2, "rollout.asynchronous": 2,
