@@ -8,6 +8,7 @@ apart); and the launch variables a command sets are ones docker/launch/ reads.""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -271,3 +272,47 @@ def test_rendezvous_table_names_variables_the_scripts_read():
     table = re.findall(r"^\| `([A-Z_]+)` \|", text, re.M)
     assert "NODE_RANK" in table
     assert sorted(set(table) - _launch_reads()) == []
+
+
+# ---- pasted plan output ----------------------------------------------------------------------
+
+PLAN_PAGES = ("quickstart-by-hardware.md", "multinode.md")
+
+
+def pasted_plans(text: str) -> list[tuple[list[str], list[str]]]:
+    """(argv after `megatron-gspo`, the lines pasted under it but '...') of each `$ megatron-gspo
+    plan ...` in a code block of `text`."""
+    out = []
+    for block in re.findall(r"```text\n(.*?)```", text, re.S):
+        block = re.sub(r"\s*\\\n\s*", " ", block)
+        lines = block.splitlines()
+        if not lines or not lines[0].startswith("$ megatron-gspo plan "):
+            continue
+        shown = [ln.rstrip() for ln in lines[1:] if ln.strip() and ln.strip() != "..."]
+        out.append((lines[0][len("$ megatron-gspo "):].split(), shown))
+    return out
+
+
+def test_pasted_plans_are_what_plan_prints():
+    """Every `megatron-gspo plan` output the pages paste (shortened with '...') is, line for
+    line, in what the command prints today."""
+    import contextlib
+    import io
+
+    from megatron_gspo.cli import main
+
+    cases = [(page, argv, shown) for page in PLAN_PAGES
+             for argv, shown in pasted_plans((DOCS / page).read_text())]
+    assert len(cases) >= 5
+    bad = []
+    for page, argv, shown in cases:
+        buf, cwd = io.StringIO(), os.getcwd()
+        os.chdir(ROOT)
+        try:
+            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+                main(argv)
+        finally:
+            os.chdir(cwd)
+        printed = {ln.rstrip() for ln in buf.getvalue().splitlines()}
+        bad += [f"{page}: {' '.join(argv)}: {ln}" for ln in shown if ln not in printed]
+    assert bad == []
