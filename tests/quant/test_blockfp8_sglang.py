@@ -2,7 +2,8 @@
 SGLang's own functions, run in the SGLang CPU venvs (scripts/sglang_cpu.sh) in a subprocess:
 bytes of the FP8 weights and fp32 scales equal to SGLang's `bf16_to_block_fp8_128` (where the
 release has it), and SGLang's `block_quant_dequant` of our (weight, scale_inv) equal to our
-`dequantize`. Tier `sglang_real` (about 40 s per release: SGLang's import); skipped (one line)
+`dequantize`; SGLang's Fp8Config reads our quantization_config and skips exactly the modules
+we keep. Tier `sglang_real` (about 40 s per release: SGLang's import); skipped (one line)
 where a venv is not installed."""
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ WORKER = Path(__file__).with_name("_sglang_fp8_worker.py")
 INSTALLS = {"0.5.23": ROOT / ".sglang-cpu-0.5.23", "0.5.12": ROOT / ".sglang-cpu"}
 SHAPES = {"square": (256, 256), "partial": (300, 200), "tiny": (5, 7), "tall": (129, 1),
           "zero_block": (256, 256)}
+
+
+# a 12-layer Qwen3-MoE's 2-D weights (HF names) and SGLang's module prefixes (fused q/k/v and
+# gate/up, FusedMoE) -> whether our rule keeps them unquantized with keep_bf16_layers=1
+MOE = {"model.embed_tokens.weight": (1000, 256), "lm_head.weight": (1000, 256),
+       **{f"model.layers.{i}.{m}.weight": (256, 256) for i in range(12) for m in (
+           "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate", "mlp.experts.0.gate_proj", "mlp.experts.0.up_proj",
+           "mlp.experts.0.down_proj", "mlp.experts.1.down_proj")}}
+PREFIXES = {**{f"model.layers.{i}.{m}": i in (0, 11) or m == "mlp.gate" for i in (0, 1, 10, 11)
+               for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate", "mlp.experts")},
+            "lm_head": True}
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -46,7 +59,9 @@ def sglang_run(request, tmp_path_factory):
     weights = _weights()
     ours = {k: bf.quantize(w, k) for k, w in weights.items()}
     d = tmp_path_factory.mktemp(f"sglang_{release}")
-    torch.save({"weights": weights, "ours": ours}, d / "in.pt")
+    qc = bf.quantization_config(bf.modules_to_not_convert(MOE, 12, keep_bf16_layers=1))
+    torch.save({"weights": weights, "ours": ours, "qc": qc, "prefixes": sorted(PREFIXES)},
+               d / "in.pt")
     env = {"PATH": "/usr/bin:/bin", **cpu_server_env(str(py), {})}
     r = subprocess.run([str(py), str(WORKER), str(d / "in.pt"), str(d / "out.pt")], env=env,
                        capture_output=True, text=True, timeout=600)
@@ -85,3 +100,12 @@ def test_sglang_dequant_equals_ours(sglang_run):
         rel = ((out["dequant"][k]["torch.float32"] - weights[k].float()).abs()
                / weights[k].float().abs().clamp(min=1e-3)).max()
         assert rel < 2.0 ** -4 + 1e-6, f"{k}: round trip through SGLang off by {rel:.3g}"
+
+
+def test_sglang_reads_our_quantization_config(sglang_run):
+    release, out, _, _ = sglang_run
+    if isinstance(out["config"], str):
+        pytest.skip(f"SGLang {release}: Fp8Config does not import ({out['config']})")
+    assert out["config"]["serialized"] is True and out["config"]["block"] == [128, 128]
+    assert out["config"]["activation_scheme"] == "dynamic"
+    assert out["config"]["skipped"] == PREFIXES
