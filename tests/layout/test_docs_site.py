@@ -81,11 +81,13 @@ def test_commands_named_in_the_docs_exist():
     sub = next(a for a in _parser()._actions if hasattr(a, "choices") and a.choices)
     commands = set(sub.choices)
     named = {m.group(1) for p in _pages()
-             for m in re.finditer(r"megatron-gspo ([a-z][a-z-]*)", p.read_text())}
-    convert = {"hf-to-mcore", "mcore-to-hf", "lora-to-peft"}
+             for m in re.finditer(r"megatron-gspo ([a-z][a-z0-9-]*)", p.read_text())}
+    convert = set(next(a for a in convert_parser()._actions
+                       if hasattr(a, "choices") and a.choices).choices)
+    assert {"hf-to-mcore", "mcore-to-hf", "lora-to-peft", "hf-to-fp8"} <= convert
     assert sorted(named - commands) == []
     for p in _pages():
-        for m in re.finditer(r"megatron-gspo convert ([a-z][a-z-]*)", p.read_text()):
+        for m in re.finditer(r"megatron-gspo convert ([a-z][a-z0-9-]*)", p.read_text()):
             assert m.group(1) in convert, f"{p.relative_to(ROOT)}: convert {m.group(1)}"
 
 
@@ -95,7 +97,7 @@ def test_generated_reference_holds_every_field_and_command():
     assert all(f"| `{n}` |" in ref for n in names)
     cli = cli_reference(_parser(), convert_parser())
     for cmd in ("train", "config", "plan", "fields", "study", "convert", "hf-to-mcore",
-                "mcore-to-hf", "lora-to-peft"):
+                "mcore-to-hf", "lora-to-peft", "hf-to-fp8", "--keep-bf16-layers"):
         assert cmd in cli
 
 
