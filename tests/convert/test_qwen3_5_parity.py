@@ -9,12 +9,15 @@ stands."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.convert.test_qwen3_next_parity import TOL, _launch
+from tests.convert.test_qwen3_next_parity import PACKED, ROOT, TOL, _launch
 from tests.convert.tiny_qwen3_5 import (
     DENSE,
     MOE,
@@ -59,6 +62,25 @@ def test_tp2_pp2_ep2_logits_match_transformers(tmp_path, kind):
     want = {"tp2", "pp2", "single", "single_from_tp2_ckpt"}
     assert set(errs) == (want | {"ep2", "single_from_ep2_ckpt"} if moe else want), errs
     assert max(errs.values()) <= TOL, errs
+
+
+def test_packed_rows_match_transformers_per_sequence(tmp_path):
+    """Qwen3.5-MoE on the learner's packed rows (THD, Qwen3-Next's worker): no delta-net state
+    crosses a sequence boundary."""
+    model = make_qwen3_5(tmp_path / "hf", True)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, QWEN3_5["vocab_size"], (n,), generator=g) for n in (30, 45)]
+    with torch.no_grad():
+        logits = [model(s.unsqueeze(0)).logits[0] for s in seqs]
+    torch.save({"seqs": seqs, "logits": logits}, tmp_path / "packed_refs.pt")
+    out = tmp_path / "packed.json"
+    p = subprocess.run([sys.executable, "-W", "ignore", str(PACKED), str(tmp_path / "hf"),
+                        str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-4000:]
+    errs = json.loads(out.read_text())["errors"]
+    print(f"\npacked Qwen3.5-MoE, max |logits - transformers| per sequence: {errs}")
+    assert max(errs) <= TOL, errs
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

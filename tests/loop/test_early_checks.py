@@ -100,6 +100,21 @@ def test_unsupported_architecture_is_one_line(capsys, tmp_path, random_tiny_mode
            "['MixtralForCausalLM'] is not supported" in lines[0]
 
 
+def test_released_qwen3_5_checkpoint_is_one_line(capsys, tmp_path, random_tiny_model, no_learner):
+    """A released Qwen3.5 (vision-language) checkpoint: one line naming the text-checkpoint
+    command (convert/qwen3_5.py)."""
+    model = tmp_path / "model"
+    shutil.copytree(random_tiny_model, model)
+    hc = json.loads((model / "config.json").read_text())
+    vl = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+          "text_config": {**hc, "model_type": "qwen3_5_moe_text"}, "vision_config": {}}
+    (model / "config.json").write_text(json.dumps(vl))
+    rc, lines, err = _train(capsys, tmp_path / "run", model)
+    assert rc == 2 and len(lines) == 1, err[-2000:]
+    assert "vision-language checkpoint" in lines[0], lines[0]
+    assert "python -m megatron_gspo.convert.qwen3_5 SRC DST" in lines[0], lines[0]
+
+
 def test_a_supported_family_with_a_missing_field_is_one_line(capsys, tmp_path,
                                                               random_tiny_model, no_learner):
     model = tmp_path / "model"
