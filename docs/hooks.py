@@ -1,5 +1,6 @@
 """mkdocs hook: pages generated at build time from what they document, so the site cannot drift:
-the configuration fields and the commands' help (`megatron_gspo/cli/reference.py`), and the
+the configuration fields, the metrics a run logs and the commands' help
+(`megatron_gspo/cli/reference.py`), and the
 Docker image's page, which is docker/README.md with its links made to work from the site."""
 
 import re
@@ -9,7 +10,7 @@ from mkdocs.structure.files import File
 
 from megatron_gspo.cli import _parser
 from megatron_gspo.cli.convert import _parser as convert_parser
-from megatron_gspo.cli.reference import cli_reference, config_reference
+from megatron_gspo.cli.reference import cli_reference, config_reference, metrics_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +32,7 @@ def docker_page() -> str:
 
 
 PAGES = {"reference/config.md": config_reference,
+         "reference/metrics.md": metrics_reference,
          "reference/cli.md": lambda: cli_reference(_parser(), convert_parser()),
          "docker.md": docker_page}
 

@@ -1,7 +1,7 @@
 """The reference pages of the documentation site, generated from the code they describe: every
-config field (`config.describe`, the same rows as `megatron-gspo fields`) and every command's
-`--help`. `docs/hooks.py` adds them to the site at build time, so they cannot drift;
-`megatron-gspo fields --markdown` prints the first."""
+config field (`config.describe`, the same rows as `megatron-gspo fields`), every metric a run
+logs (`loop/metric_keys.py`) and every command's `--help`. `docs/hooks.py` adds them to the
+site at build time, so they cannot drift; `megatron-gspo fields --markdown` prints the first."""
 
 from __future__ import annotations
 
@@ -31,6 +31,28 @@ def config_reference() -> str:
         for name, tp, default, doc in rows:
             if name.split(".")[0] == section:
                 out.append(f"| `{name}` | {_cell(tp)} | `{_cell(repr(default))}` | {_cell(doc)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def metrics_reference() -> str:
+    """Markdown: one table per metric family of `loop/metric_keys.py` (key, unit, meaning)."""
+    from megatron_gspo.loop.metric_keys import GROUPS
+
+    out = ["# Metrics reference", "",
+           "Every key a training run writes to `RUN_DIR/metrics.jsonl` (one JSON object per "
+           "step; the same keys go to tensorboard and Weights & Biases), generated from "
+           "`megatron_gspo/loop/metric_keys.py`. A test runs tiny CPU runs (synchronous with "
+           "evaluation and the audit, KL and corrections, asynchronous, agent, MoE) and fails "
+           "on a key this page lacks.", "",
+           "In a key, `<name>` stands for one path segment, `<name...>` for one or more, and "
+           "`[...]` for an optional part: `eval/[<set>/]mean@<n>` is `eval/mean@4` for "
+           "`data.eval_path` and `eval/gsm8k/mean@4` for an eval set named gsm8k. "
+           "`python tools/plot_metrics.py RUN_DIR` plots them.", ""]
+    for g in GROUPS:
+        out += [f"## {g.title}", "", f"Logged: {g.when}.", "",
+                "| key | unit | meaning |", "|---|---|---|"]
+        out += [f"| `{_cell(k)}` | {_cell(u)} | {_cell(m)} |" for k, u, m in g.rows]
         out.append("")
     return "\n".join(out)
 
