@@ -8,7 +8,8 @@ from megatron_gspo.quant.blockfp8 import (
     modules_to_not_convert,
     quantization_config,
     quantize,
+    quantized_names,
 )
 
 __all__ = ["dequantize", "is_quantized", "modules_to_not_convert", "quantization_config",
-           "quantize"]
+           "quantize", "quantized_names"]

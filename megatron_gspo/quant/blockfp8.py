@@ -13,10 +13,14 @@ changes no amax, and crops the result):
   q_b         = round-to-nearest-even(W_b / scale_inv_b) as e4m3
 and dequantization is q_b * scale_inv_b. Pure torch; leading batch dims ([E, N, K]) are allowed.
 
-Which tensors are quantized (`is_quantized`): the 2-D linear weights (`*proj*`) of the attention
-and MLP / expert blocks of decoder layers. Embeddings, lm_head, norms, routers / gates, biases,
-fused 3-D expert tensors and the first / last `keep_bf16_layers` layers stay in their dtype; the
-module paths of the 2-D weights that stay are the `modules_to_not_convert` SGLang reads.
+Which tensors are quantized (`quantized_names`): the 2-D linear weights (`*proj*`) of the
+attention and MLP / expert blocks of decoder layers (`is_quantized`). Embeddings, lm_head, norms,
+routers / gates, biases, fused 3-D expert tensors and the first / last `keep_bf16_layers` layers
+stay in their dtype, and so does a module SGLang fuses (q/k/v -> qkv_proj, gate/up ->
+gate_up_proj, a layer's experts -> FusedMoE) when a fused part has rows that are not a multiple
+of 128 (SGLang's block FP8 needs whole blocks per part: fp8.py `validate_block_quant_shapes`,
+`Fp8MoEMethod.create_weights`), all its parts together. The module paths of the 2-D weights that
+stay are the `modules_to_not_convert` SGLang reads.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ QUANTIZATION_CONFIG = {
 }
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERTS = re.compile(r"^(.*\.experts)\.\d+\.")
+# SGLang's fused linears (quantization/utils.py _FALLBACK_FUSED_SHARDS): part -> fused module
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 # leaves never quantized although they may look like projections: DSA indexer's head weights
 _KEEP_LEAVES = {"weights_proj"}
 
@@ -147,25 +155,49 @@ def is_quantized(name: str, shape: Iterable[int], num_layers: int,
     return i < num_layers and i not in kept_layers(num_layers, keep_bf16_layers)
 
 
-def modules_to_not_convert(shapes: Mapping[str, Iterable[int]], num_layers: int,
-                           keep_bf16_layers: int = 0) -> list[str]:
-    """Module paths (no `.weight`) of the 2-D weights that stay BF16: what SGLang's Fp8Config
-    reads as `modules_to_not_convert` / `ignored_layers` (lm_head, embeddings, routers, the
-    projections of kept layers), sorted.
+def fused_module(name: str) -> str | None:
+    """The module SGLang loads weight `name` into when it fuses it with others, None if not:
+    `...self_attn.k_proj.weight` -> `...self_attn.qkv_proj`, `...mlp.experts.3.down_proj.weight`
+    -> `...mlp.experts`."""
+    m = _EXPERTS.match(name)
+    if m:
+        return m.group(1)
+    module, _, leaf = name.removesuffix(".weight").rpartition(".")
+    return f"{module}.{_FUSED[leaf]}" if leaf in _FUSED and module else None
+
+
+def quantized_names(shapes: Mapping[str, Iterable[int]], num_layers: int,
+                    keep_bf16_layers: int = 0) -> set[str]:
+    """The parameters of a checkpoint stored as block FP8: `is_quantized`, less every fused
+    module (`fused_module`) with a q/k/v or gate/up part whose rows are not a multiple of 128.
 
     Args:
         shapes: parameter name -> shape of the whole checkpoint.
         num_layers, keep_bf16_layers: as for `is_quantized`.
     """
-    out = set()
-    for name, shape in shapes.items():
-        if (name.endswith(".weight") and len(tuple(shape)) == 2
-                and not is_quantized(name, shape, num_layers, keep_bf16_layers)):
-            out.add(name[: -len(".weight")])
-    return sorted(out)
+    chosen = {n for n, s in shapes.items() if is_quantized(n, s, num_layers, keep_bf16_layers)}
+    misfit = {fused_module(n) for n in chosen
+              if n.removesuffix(".weight").rpartition(".")[2] in _FUSED
+              and tuple(shapes[n])[0] % BLOCK}
+    return {n for n in chosen if fused_module(n) is None or fused_module(n) not in misfit}
+
+
+def modules_to_not_convert(shapes: Mapping[str, Iterable[int]], num_layers: int,
+                           keep_bf16_layers: int = 0) -> list[str]:
+    """Module paths (no `.weight`) of the 2-D weights that stay BF16: what SGLang's Fp8Config
+    reads as `modules_to_not_convert` / `ignored_layers` (lm_head, embeddings, routers, the
+    projections of kept layers and of fused modules that do not fit whole blocks), sorted.
+
+    Args:
+        shapes: parameter name -> shape of the whole checkpoint.
+        num_layers, keep_bf16_layers: as for `is_quantized`.
+    """
+    quantized = quantized_names(shapes, num_layers, keep_bf16_layers)
+    return sorted(n.removesuffix(".weight") for n, s in shapes.items()
+                  if n.endswith(".weight") and len(tuple(s)) == 2 and n not in quantized)
 
 
 def quantization_config(not_converted: list[str]) -> dict:
     """The `quantization_config` of config.json for a block-FP8 checkpoint."""
-    return {**QUANTIZATION_CONFIG, "weight_block_size": [BLOCK, BLOCK],
+    return {**QUANTIZATION_CONFIG, "weight_block_size": [BLOCK, BLOCK],  # a fresh list
             "modules_to_not_convert": list(not_converted)}

@@ -2,7 +2,7 @@
 e4m3 weights, 128 x 128 blocks, fp32 `weight_scale_inv`), as Qwen3-FP8 / DeepSeek-V3 ship it and
 SGLang's "fp8" quant method loads it:
 
-  - every tensor `blockfp8.is_quantized` selects: `<module>.weight` float8_e4m3fn [N, K] plus
+  - every tensor `blockfp8.quantized_names` selects: `<module>.weight` float8_e4m3fn [N, K] plus
     `<module>.weight_scale_inv` float32 [ceil(N/128), ceil(K/128)] in the same shard;
   - everything else unchanged (dtype and values);
   - config.json gains `quantization_config` {"quant_method": "fp8", "fmt": "e4m3",
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.quant.blockfp8 import (
-    is_quantized,
     modules_to_not_convert,
     quantization_config,
     quantize,
+    quantized_names,
     scale_name,
 )
 
@@ -99,13 +99,13 @@ def _shapes(src: Path, shards: dict[str, list[str]]) -> dict[str, tuple[int, ...
     return out
 
 
-def convert_shard(tensors: dict[str, torch.Tensor], num_layers: int,
-                  keep_bf16_layers: int = 0) -> dict[str, torch.Tensor]:
+def convert_shard(tensors: dict[str, torch.Tensor],
+                  quantized: set[str]) -> dict[str, torch.Tensor]:
     """One shard's tensors with the selected weights replaced by (FP8 weight, scale_inv).
 
     Args:
         tensors: HF name -> tensor.
-        num_layers, keep_bf16_layers: as for `blockfp8.is_quantized`.
+        quantized: the names to quantize (`blockfp8.quantized_names` of the checkpoint).
     Returns:
         a new dict: unquantized tensors as given, quantized ones plus their `*_scale_inv`.
     """
@@ -114,7 +114,7 @@ def convert_shard(tensors: dict[str, torch.Tensor], num_layers: int,
         if t.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv"):
             raise ValueError(f"{name}: already an FP8 tensor / scale ({t.dtype}); convert a "
                              "BF16 / FP32 checkpoint")
-        if is_quantized(name, t.shape, num_layers, keep_bf16_layers):
+        if name in quantized:
             out[name], out[scale_name(name)] = quantize(t, name)
         else:
             out[name] = t
@@ -144,12 +144,13 @@ def write_fp8_checkpoint(src: str | os.PathLike, out: str | os.PathLike,
     out.mkdir(parents=True, exist_ok=True)
     if any(not p.name.startswith(".") for p in out.iterdir()):  # hidden: owner records
         raise ValueError(f"{out}: output directory is not empty")
-    qc = quantization_config(modules_to_not_convert(_shapes(src, shards), layers,
-                                                    keep_bf16_layers))
+    shapes = _shapes(src, shards)
+    quantized = quantized_names(shapes, layers, keep_bf16_layers)
+    qc = quantization_config(modules_to_not_convert(shapes, layers, keep_bf16_layers))
     weight_map: dict[str, str] = {}
     total = 0
     for f in sorted(shards):
-        tensors = convert_shard(load_file(str(src / f)), layers, keep_bf16_layers)
+        tensors = convert_shard(load_file(str(src / f)), quantized)
         save_file(tensors, str(out / f), metadata={"format": "pt"})
         weight_map.update({n: f for n in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())

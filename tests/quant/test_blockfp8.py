@@ -156,3 +156,28 @@ def test_kept_layers_and_modules_to_not_convert():
                   "weight_block_size": [128, 128], "modules_to_not_convert": keep}
     with pytest.raises(ValueError, match="keep_bf16_layers must be >= 0"):
         bf.kept_layers(4, -1)
+
+
+def test_fused_modules_quantize_whole_or_not_at_all():
+    assert bf.fused_module("model.layers.3.self_attn.k_proj.weight") == \
+        "model.layers.3.self_attn.qkv_proj"
+    assert bf.fused_module("model.layers.3.mlp.up_proj.weight") == "model.layers.3.mlp.gate_up_proj"
+    assert bf.fused_module("model.layers.3.mlp.experts.7.down_proj.weight") == \
+        "model.layers.3.mlp.experts"
+    assert bf.fused_module("model.layers.3.self_attn.o_proj.weight") is None
+    assert bf.quantized_names(QWEN3_MOE, 4) == {n for n, s in QWEN3_MOE.items()
+                                                if bf.is_quantized(n, s, 4)}
+    shapes = dict(QWEN3_MOE)
+    shapes["model.layers.1.self_attn.k_proj.weight"] = (64, 256)  # half a block of rows
+    shapes["model.layers.2.mlp.experts.0.up_proj.weight"] = (96, 256)  # moe_intermediate 96
+    shapes["model.layers.2.mlp.experts.0.down_proj.weight"] = (256, 96)
+    q = bf.quantized_names(shapes, 4)
+    keep = bf.modules_to_not_convert(shapes, 4)
+    for m in ("q_proj", "k_proj", "v_proj"):
+        assert f"model.layers.1.self_attn.{m}.weight" not in q
+        assert f"model.layers.1.self_attn.{m}" in keep
+        assert f"model.layers.0.self_attn.{m}.weight" in q
+    assert "model.layers.1.self_attn.o_proj.weight" in q
+    assert not any(".layers.2.mlp.experts." in n for n in q)
+    assert "model.layers.2.mlp.experts.0.down_proj" in keep
+    assert "model.layers.3.mlp.experts.0.down_proj.weight" in q

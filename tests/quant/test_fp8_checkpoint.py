@@ -31,7 +31,9 @@ def _tensors(d):
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen3")
-    model = make_tiny_model("Qwen3ForCausalLM", d / "src", tie_word_embeddings=False)
+    # q / k / v, gate / up parts of whole 128-row blocks (SGLang fuses them); o / down partial
+    model = make_tiny_model("Qwen3ForCausalLM", d / "src", tie_word_embeddings=False,
+                            hidden_size=96, head_dim=64, intermediate_size=256)
     (d / "src" / "tokenizer.json").write_text("{}\n")  # a stand-in tokenizer file to copy
     return d, model
 
@@ -66,6 +68,17 @@ def test_qwen3_to_fp8(qwen3):
     assert (d / "fp8" / "tokenizer_config.json").is_file()
 
 
+def test_fused_parts_off_the_block_grid_stay_unquantized(tmp_path):
+    make_tiny_model("Qwen3ForCausalLM", tmp_path / "src")  # q 64, k / v 32, gate / up 48 rows
+    qc = write_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8")
+    out = _tensors(tmp_path / "fp8")
+    for i in range(4):
+        for m in PROJ:
+            fused = m.rsplit(".", 1)[1] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+            assert (f"model.layers.{i}.{m}" in qc["modules_to_not_convert"]) == fused
+            assert (f"model.layers.{i}.{m}.weight_scale_inv" in out) == (not fused)
+
+
 def test_dequantized_model_tracks_the_original(qwen3, tmp_path):
     import transformers
 
@@ -86,7 +99,8 @@ def test_dequantized_model_tracks_the_original(qwen3, tmp_path):
 
 
 def test_sharded_source_keeps_its_shards(tmp_path):
-    model = make_tiny_model("Qwen3MoeForCausalLM", tmp_path / "src")
+    model = make_tiny_model("Qwen3MoeForCausalLM", tmp_path / "src", head_dim=64,
+                            moe_intermediate_size=128)
     model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
     src_index = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())
     assert len(set(src_index["weight_map"].values())) > 2
@@ -127,8 +141,8 @@ def test_refusals_are_one_line(qwen3, tmp_path):
 
     w = torch.randn(8, 8)
     w[1, 1] = float("nan")
-    save_file({"model.layers.1.mlp.up_proj.weight": w}, str(bad / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"^model\.layers\.1\.mlp\.up_proj\.weight: 1 "
+    save_file({"model.layers.1.mlp.down_proj.weight": w}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"^model\.layers\.1\.mlp\.down_proj\.weight: 1 "
                        r"non-finite values \(1 nan, 0 inf\)"):
         write_fp8_checkpoint(bad, tmp_path / "z")
 
