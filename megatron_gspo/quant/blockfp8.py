@@ -78,15 +78,18 @@ def quantize(weight: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, 
     if weight.dim() < 2 or not weight.is_floating_point() or weight.dtype == FP8_DTYPE:
         raise ValueError(f"{name}: block FP8 needs a floating tensor of >= 2 dims, got "
                          f"{weight.dtype} of shape {tuple(weight.shape)}")
-    check_finite(weight, name)
     *lead, n, k = weight.shape
     nb, kb = _blocks(n), _blocks(k)
-    x = weight.reshape(-1, n, k).to(torch.float32)  # [B, N, K]
-    xp = torch.zeros((x.shape[0], nb * BLOCK, kb * BLOCK), dtype=torch.float32, device=x.device)
-    xp[:, :n, :k] = x
-    xv = xp.view(x.shape[0], nb, BLOCK, kb, BLOCK)  # [B, nb, 128, kb, 128]
-    amax = xv.abs().amax(dim=(2, 4), keepdim=True).clamp(min=AMAX_FLOOR)  # [B, nb, 1, kb, 1]
-    sf = amax / FP8_MAX
+    x = weight.reshape(-1, n, k).to(torch.float32).contiguous()  # [B, N, K]
+    if (n, k) != (nb * BLOCK, kb * BLOCK):  # partial edge blocks: zero padding, cropped below
+        xp = x.new_zeros((x.shape[0], nb * BLOCK, kb * BLOCK))
+        xp[:, :n, :k] = x
+        x = xp
+    xv = x.view(x.shape[0], nb, BLOCK, kb, BLOCK)  # [B, nb, 128, kb, 128]
+    amax = xv.abs().amax(dim=(2, 4), keepdim=True)  # [B, nb, 1, kb, 1]; nan / inf propagate
+    if not bool(torch.isfinite(amax).all()):
+        check_finite(weight, name)
+    sf = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
     q = (xv / sf).to(FP8_DTYPE).view(x.shape[0], nb * BLOCK, kb * BLOCK)[:, :n, :k]
     return (q.reshape(*lead, n, k).contiguous(),
             sf.reshape(*lead, nb, kb).contiguous())

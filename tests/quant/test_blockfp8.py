@@ -78,6 +78,14 @@ def test_round_trip_error_within_half_a_step():
           f"mean abs err {err.mean():.3g}")
 
 
+def test_non_contiguous_input_and_input_left_unchanged():
+    w = torch.randn(256, 384).t()  # [384, 256], non-contiguous, fp32 (no copy by .to)
+    before = w.clone()
+    q, s = bf.quantize(w)
+    ref_q, ref_s = reference_quantize(w.contiguous())
+    assert torch.equal(_bits(q), ref_q) and torch.equal(s, ref_s) and torch.equal(w, before)
+
+
 def test_batched_leading_dims_match_per_matrix():
     w = torch.randn(3, 200, 130)
     q, s = bf.quantize(w)
