@@ -95,7 +95,7 @@ def test_dequantized_model_tracks_the_original(qwen3, tmp_path):
     diff = (a - b).abs()
     print(f"\nlog-prob diff original vs FP8-dequantized: max {diff.max():.3g} "
           f"mean {diff.mean():.3g}")
-    assert 0 < diff.max() < 0.05  # the quantization error shows, and is small
+    assert 0 < diff.max() < 0.2 and diff.mean() < 0.03  # the quantization error shows, small
 
 
 def test_sharded_source_keeps_its_shards(tmp_path):
