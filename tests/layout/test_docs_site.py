@@ -20,10 +20,13 @@ from megatron_gspo.config import Config, describe
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-GENERATED = {"reference/config.md", "reference/cli.md", "docker.md"}  # docs/hooks.py PAGES
+GENERATED = {"reference/config.md", "reference/metrics.md", "reference/cli.md",
+             "docker.md"}  # docs/hooks.py PAGES
 FREE_FORM = ("agent.env_kwargs.", "reward.kwargs.")  # dict-valued fields: keys are the user's
 NOT_FIELDS = {"model.lora.rnak",  # configuration.md's example of an unknown-key error
-              "model.load_weights"}  # SGLang's model method (weight-sync.md)
+              "model.load_weights",  # SGLang's model method (weight-sync.md)
+              # tensor-name prefixes of released Qwen3.5 checkpoints (model-families.md)
+              "model.language_model", "model.visual"}
 README_MAX_LINES = 120
 
 
