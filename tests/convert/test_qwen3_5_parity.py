@@ -186,3 +186,32 @@ def test_exported_names_are_known_to_sglang(kind):
         text = "\n".join((src / f).read_text() for f in ("qwen3_5.py", "qwen2_moe.py"))
         missing = sorted(p for p in parts if not re.search(rf"\b{re.escape(p)}\b", text))
         assert not missing, f"names {src} never mentions: {missing}"
+
+
+@pytest.mark.parametrize("name", ["Qwen3_5MoeConfig", "Qwen3_5Config"])
+def test_full_size_released_configs_build(name):
+    """transformers' default Qwen3.5 vision-language configs (the MoE one is Qwen3.5-35B-A3B's
+    shape) -> `text_config` -> adapter dims and TransformerConfig, no weights."""
+    import transformers
+
+    from megatron_gspo.convert import get_adapter
+    from megatron_gspo.convert.qwen3_5 import text_config
+    from megatron_gspo.megatron.models.builder import build_model_config
+
+    vl = getattr(transformers, name)().to_dict()
+    vl["architectures"] = [name.replace("Config", "ForConditionalGeneration")]
+    cfg = text_config(vl)
+    dims = get_adapter(cfg).dims(cfg)
+    config = build_model_config(cfg, use_te=False)
+    n = cfg["num_hidden_layers"]
+    assert dims.linear == tuple((i + 1) % 4 != 0 for i in range(n))
+    assert config.linear_attention_freq == [int(x) for x in dims.linear]
+    assert (config.linear_num_key_heads, config.linear_num_value_heads) == (16, 32)
+    if name == "Qwen3_5MoeConfig":
+        assert all(dims.moe) and dims.num_experts == 256
+        assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size,
+                config.moe_shared_expert_intermediate_size) == (256, 8, 512, 512)
+        assert config.moe_router_pre_softmax is False  # top-k renormalised
+    else:
+        assert not any(dims.moe) and config.num_moe_experts is None
+        assert config.ffn_hidden_size == cfg["intermediate_size"] == 12288
