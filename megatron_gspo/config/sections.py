@@ -167,6 +167,13 @@ class RolloutConfig:
     weight_sync_delta_base: str = option("copy", "copy: a CPU copy of the sent weights (deltas); "
                                          "hash: a digest per tensor (unchanged ones are skipped)",
                                          choices=("copy", "hash"))
+    weight_precision: str = option(
+        "bf16", "weights the rollout engine computes with: bf16 (the learner's) or fp8 (block "
+        "FP8: e4m3, 128x128 blocks, fp32 scales; launched servers start from an FP8 copy of "
+        "model.path in RUN_DIR/fp8_model, every sync quantizes on the learner, the embedded "
+        "engine dequantizes: W8A16; docs/precision.md)", choices=("bf16", "fp8"))
+    fp8_bf16_layers: int = option(0, "weight_precision fp8: the first and last this many "
+                                  "decoder layers stay BF16", ge=0)
     bucket_bytes: int = option(512 * 2**20, "size bound of one weight-sync bucket (a larger "
                                "tensor travels alone in its own bucket)", ge=1)
     mode: str = option("sync", "sync: generate, then train; async: a producer keeps generating "

@@ -211,10 +211,12 @@ def tokenizer(cfg: Config):
 STANDIN_MODULE = "megatron_gspo.rollout.standin.server"
 
 
-def rollout_engine(cfg: Config, hf_config: dict, tok):
+def rollout_engine(cfg: Config, hf_config: dict, tok, served_path: str | None = None):
     """The embedded engine (in-process) or SGLang servers (launched or attached). With
     colocated servers on several nodes (`colocated_on_every_node`): collective, rank 0 gets the
-    engine over all nodes, the other node leaders their node's servers, other ranks None."""
+    engine over all nodes, the other node leaders their node's servers, other ranks None.
+    `served_path`: the folder launched servers load (default model.path; FP8 rollouts: the
+    FP8 copy)."""
     from megatron_gspo.rollout.engine import SamplingParams
 
     r = cfg.rollout
@@ -226,7 +228,7 @@ def rollout_engine(cfg: Config, hf_config: dict, tok):
         return EmbeddedEngine(dict(hf_config), dtype=r.dtype, device=device, seed=cfg.train.seed,
                               default_sampling=sampling,
                               return_routing=cfg.moe.engine_routing and is_moe(hf_config))
-    return sglang_engine(cfg, sampling, hf_config=hf_config)
+    return sglang_engine(cfg, sampling, hf_config=hf_config, model_path=served_path)
 
 
 def async_producer(cfg: Config, engine, prompts, score, tok, start_step: int):

@@ -291,6 +291,8 @@ GROUPS: tuple[MetricGroup, ...] = (
         ("weight_sync/buckets", "count", "buckets streamed"),
         ("weight_sync/requests", "count", "update requests sent to the servers"),
         ("weight_sync/bytes", "bytes", "bytes sent"),
+        ("weight_sync/fp8_tensors", "count", "`rollout.weight_precision: fp8` (any engine): "
+                                             "weights sent as block FP8 with their scales"),
         ("weight_sync/max_bucket_bytes", "bytes", "largest bucket (bound: "
                                                   "`rollout.bucket_bytes`)"),
         ("weight_sync/peak_live_bucket_bytes", "bytes", "most bucket bytes alive at once"),

@@ -28,10 +28,11 @@ def colocated_on_every_node(cfg: Config) -> bool:
 
 
 def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
-                  hf_config: dict | None = None):
+                  hf_config: dict | None = None, model_path: str | None = None):
     """SGLang servers from `rollout.*`: attached by URL, or launched (colocated or not).
     `hf_config` (the learner's model config) gives the vocabulary size and the context length
-    used when the servers do not report one."""
+    used when the servers do not report one; `model_path` is the folder launched servers load
+    (default model.path)."""
     from megatron_gspo.rollout.sglang.client import SGLangEngine
     from megatron_gspo.rollout.sglang.launch import LaunchSpec
     from megatron_gspo.rollout.sglang.protocol import context_length_of
@@ -85,7 +86,8 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
             host = bind_host(r.host)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        launch = LaunchSpec(model_path=str(cfg.model.path), num_servers=r.num_servers,
+        launch = LaunchSpec(model_path=model_path or str(cfg.model.path),
+                            num_servers=r.num_servers,
                             tp_size=r.tp_size, host=host, base_port=r.base_port,
                             mem_fraction_static=r.mem_fraction, colocated=r.colocate,
                             seed=cfg.train.seed, dtype=cfg.model.dtype,

@@ -11,6 +11,7 @@ import torch
 
 from megatron_gspo.config import Config
 from megatron_gspo.data.sample import Sample
+from megatron_gspo.loop import fp8_rollout
 from megatron_gspo.loop import server_setup as servers
 from megatron_gspo.loop.build import DTYPES
 from megatron_gspo.rollout.engine import RolloutError
@@ -95,6 +96,11 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
     only = getattr(learner, "lora", None) is not None and getattr(learner, "synced_base", False)
     buckets = _finite(export_hf_weights(learner.chunks, hf_config, bucket_bytes=r.bucket_bytes,
                                         dtype=dtype, only_changed=only), version)
+    fp8 = {} if fp8_rollout.enabled(cfg) else None  # the servers hold block FP8: quantized here
+    if fp8 is not None:
+        from megatron_gspo.quant.fp8_stream import quantize_buckets
+
+        buckets = quantize_buckets(buckets, fp8_rollout.modules_kept(cfg, hf_config), fp8)
     if offload:
         buckets = offload_after_stream(learner, buckets)
     delta = delta_sender(engine, cfg, hf_config)
@@ -145,6 +151,8 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
                 engine.resume_memory()  # no-op unless released after the rollout
             send()
     device_ledger.note("sglang_weights_sent", not only)
+    if fp8:
+        st["fp8_tensors"] = fp8["fp8_tensors"]
     if delta is not None:
         st.update(delta.stats.metrics())
         if event is not None and not delta.stats.delta:
@@ -213,7 +221,8 @@ def verify_sync(learner, engine, cfg: Config, version: int) -> float:
         mine = learner.forward_logprobs(samples, temperature=cfg.rollout.temperature)
     if not lead:
         return 0.0
-    return check_sync_probe(version, probes, mine, PROBE_TOLERANCE[cfg.model.dtype])
+    return check_sync_probe(version, probes, mine,
+                            fp8_rollout.probe_tolerance(cfg, PROBE_TOLERANCE))
 
 
 def _sync_room(engine, cfg: Config) -> None:

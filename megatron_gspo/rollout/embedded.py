@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from megatron_gspo.data.sample import Sample
+from megatron_gspo.quant.fp8_stream import dequantize_named, has_fp8
+from megatron_gspo.rollout.fp8_model import fp8_model, is_block_fp8_dir
 from megatron_gspo.rollout.embedded_moe import (  # noqa: F401  (names used by callers)
     RoutingCapture,
     fused_expert_slice,
@@ -79,6 +81,8 @@ def build_hf_model(
         if attn_implementation == "sdpa" and not _supports_sdpa(
                 transformers.AutoConfig.from_pretrained(path).architectures):
             attn_implementation = "eager"
+        if is_block_fp8_dir(path):  # W8A16: the FP8 weights dequantized, computed in `dtype`
+            return fp8_model(path, torch_dtype, attn_implementation).to(device=device).eval()
         net = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, attn_implementation=attn_implementation
         )
@@ -200,6 +204,9 @@ class EmbeddedEngine(RolloutEngine):
         n = 0
         with self._lock, torch.no_grad():
             for bucket in buckets:
+                bucket = list(bucket)
+                if has_fp8(bucket):  # block-FP8 weights and scales (W8A16: dequantized here)
+                    bucket = dequantize_named(bucket, torch.float32)
                 for name, tensor in bucket:
                     param = self._params.get(name)
                     if param is None:

@@ -30,9 +30,13 @@ import threading
 import time
 from typing import Any
 
+import torch
 from aiohttp import web
 
+from megatron_gspo.quant.fp8_stream import Fp8Receiver
 from megatron_gspo.rollout.engine import SamplingParams
+from megatron_gspo.rollout.fp8_model import is_block_fp8_dir
+from megatron_gspo.rollout.served_shapes import checkpoint_shapes
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.sglang.protocol import grpc_port_error, served_dtype
 from megatron_gspo.rollout.standin.control import ControlEndpoints
@@ -99,6 +103,12 @@ class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
         self.served_model = ServedModel(self)  # what SGLang's runner calls `model`
         self.engine, self.host, self.port, self.tp_size = engine, host, port, tp_size
         self.model_path, self.exit_on_crash = model_path, exit_on_crash
+        # a block-FP8 checkpoint served as SGLang's fp8 method would hold it: each FP8 weight
+        # and its weight_scale_inv are parameters (dequantized here once both arrived: W8A16)
+        self.fp8_rx = (Fp8Receiver(torch.float32) if model_path and is_block_fp8_dir(model_path)
+                       else None)
+        self.fp8_scales = {n: s for n, s in (checkpoint_shapes(model_path) or {}).items()
+                           if n.endswith("_scale_inv")} if self.fp8_rx is not None else {}
         self.faults = Faults()
         self.weight_version = "default"
         self.stats = {"generate_calls": 0, "samples": 0, "weight_updates": 0, "flushes": 0}

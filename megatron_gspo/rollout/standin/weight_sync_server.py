@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from megatron_gspo.quant.blockfp8 import FP8_DTYPE
 from megatron_gspo.rollout.engine import MEMORY_TAGS
 from megatron_gspo.rollout.weight_sync_payloads import (
     decode_tensor_update,
@@ -32,6 +33,14 @@ UNCHECKED_STACKED = ("Qwen3ForCausalLM",)
 class WeightEndpoints:
     """Weight and memory endpoints; the server provides `engine`, `stats`, `released_tags`,
     `lost_weights`, `weight_version` and `weights_cpu_backup`."""
+
+    def served_shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape of the served parameter `name` (None: the model has none): an FP8 model's
+        `weight_scale_inv` parameters are its checkpoint's (fp8.py create_weights)."""
+        shape = self.engine.param_shape(name)
+        if shape is None and getattr(self, "fp8_rx", None) is not None:
+            shape = self.fp8_scales.get(name)
+        return shape
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         self.stats["flushes"] += 1
@@ -92,7 +101,7 @@ class WeightEndpoints:
                     raise ValueError(f"TP rank {k}'s entry holds other tensors than rank 0's")
         except Exception as e:
             return await self.die(request, f"/update_weights_from_tensor: {e}")
-        shapes = {n: self.engine.param_shape(n) for n, _ in ranks[0]}
+        shapes = {n: self.served_shape(n) for n, _ in ranks[0]}
         unknown = next((n for n in shapes if shapes[n] is None and stacked_part(n)), None)
         if unknown is not None and self.architecture() in UNCHECKED_STACKED:
             fused = unknown.replace(stacked_part(unknown), ".qkv_proj." if stacked_part(
@@ -279,6 +288,11 @@ class ServedModel:
 
     def load_weights(self, weights: Any) -> None:
         engine = self.server.engine
+        rx = getattr(self.server, "fp8_rx", None)
+        if rx is not None:  # an FP8 model: weights and their scales are its parameters
+            weights = rx.take(weights)
+        else:  # a BF16 model given FP8 bytes: default_weight_loader's copy_ casts them unscaled
+            weights = [(n, t.float() if t.dtype == FP8_DTYPE else t) for n, t in weights]
         named = [(n, t) for n, t in weights if engine.param_shape(n) is not None]
         if type(engine.model).__name__ in FUSED_A_PROJ and getattr(
                 engine.model.config, "q_lora_rank", None) is not None:

@@ -1,0 +1,132 @@
+"""FP8 rollouts (`rollout.weight_precision: fp8`): the rollout engines hold block-FP8 weights
+(DeepSeek-V3's format, arXiv 2412.19437: e4m3, 128 x 128 blocks, fp32 inverse scales;
+`quant.blockfp8`) while the learner trains in BF16.
+
+- Launched SGLang servers start from an FP8 copy of `model.path`, written once per node into
+  `RUN_DIR/fp8_model/node<N>` by the quantizer of `megatron-gspo convert hf-to-fp8`
+  (`served_checkpoint`), and reused by a resumed or restarted run.
+- Every sync sends what that checkpoint holds: each weight of an FP8 module quantized on the
+  learner side, with its scale (`modules_kept` names the modules that stay BF16, the same list
+  the checkpoint's config carries), on every path (`loop/weight_sync_phase.py`).
+- The sync probe compares the servers' log-probs with the learner's BF16 recompute, so its
+  tolerance grows by the quantization error (`probe_tolerance`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+from pathlib import Path
+
+from megatron_gspo.config import Config, ConfigError
+
+#: The probe's largest per-token |log-prob| difference between an FP8 engine and the BF16
+#: learner that still counts as a match. The tiny demo model's FP8 copy differs from it by up to
+#: 0.41 per token (mean 0.018) on random sequences, more than one optimizer step moves it (0.19):
+#: under FP8 the probe catches a wrong sync (FP8 bytes without their scales, a scale of the
+#: wrong tensor, weights of another model) but not a sync missed by one step
+#: (tests/loop/test_fp8_rollout.py).
+FP8_PROBE_TOLERANCE = 1.0
+
+
+def enabled(cfg: Config) -> bool:
+    return cfg.rollout.weight_precision == "fp8"
+
+
+def num_layers(hf_config: dict) -> int:
+    """Decoder layers of a (text) model config."""
+    text = hf_config.get("text_config") or hf_config
+    if "num_hidden_layers" not in text:
+        raise ConfigError("rollout.weight_precision: fp8 needs num_hidden_layers in the model's "
+                          "config.json")
+    return int(text["num_hidden_layers"])
+
+
+def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of every tensor in `model_path`'s safetensors (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"rollout.weight_precision: fp8 needs model.path's weights as "
+                          f"safetensors; {model_path} has none")
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+    return shapes
+
+
+@functools.lru_cache(maxsize=4)
+def _kept(model_path: str, layers: int, keep_layers: int) -> frozenset[str]:
+    from megatron_gspo.quant.blockfp8 import modules_to_not_convert
+
+    return frozenset(modules_to_not_convert(_checkpoint_shapes(model_path), layers, keep_layers))
+
+
+def modules_kept(cfg: Config, hf_config: dict) -> frozenset[str]:
+    """The modules whose weights stay BF16 on the servers (the served checkpoint's
+    `modules_to_not_convert`): embeddings, lm_head, routers, the first and last
+    `rollout.fp8_bf16_layers` layers, and fused modules that do not fit whole blocks."""
+    return _kept(str(cfg.model.path), num_layers(hf_config), cfg.rollout.fp8_bf16_layers)
+
+
+def probe_tolerance(cfg: Config, tolerances: dict[str, float]) -> float:
+    """The sync probe's tolerance: the learner dtype's, or FP8's when the servers hold FP8."""
+    base = tolerances[cfg.model.dtype]
+    return max(base, FP8_PROBE_TOLERANCE) if enabled(cfg) else base
+
+
+def _source_record(cfg: Config) -> dict:
+    src = Path(cfg.model.path)
+    stamp = {f.name: [f.stat().st_size, int(f.stat().st_mtime)]
+             for f in sorted(src.glob("*.safetensors"))}
+    return {"source": str(src.resolve()), "files": stamp,
+            "keep_bf16_layers": cfg.rollout.fp8_bf16_layers}
+
+
+def this_node() -> int:
+    """This process's node index under torchrun (global rank // ranks per node; 0 alone)."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return int(os.environ.get("RANK", "0") or 0) // local
+
+
+def served_checkpoint(cfg: Config, run_dir: str | os.PathLike, node: int) -> str:
+    """The FP8 folder launched servers on node `node` start from: `model.path` itself when it
+    already is one, else `RUN_DIR/fp8_model/node<node>`, written (atomically: a temporary
+    folder renamed) unless a complete copy of the same source and settings is there.
+
+    Returns:
+        the folder's path.
+    """
+    from megatron_gspo.quant.fp8_checkpoint import write_fp8_checkpoint
+    from megatron_gspo.rollout.fp8_model import is_block_fp8_dir
+
+    if is_block_fp8_dir(cfg.model.path):
+        raise ConfigError(f"model.path: {cfg.model.path} holds FP8 weights; the learner trains "
+                          "from the BF16 checkpoint (rollout.weight_precision: fp8 makes the "
+                          "servers' FP8 copy)")
+    out = Path(run_dir) / "fp8_model" / f"node{node}"
+    record = _source_record(cfg)
+    done = out / "fp8_source.json"
+    if done.is_file():
+        try:
+            if json.loads(done.read_text()) == record:
+                return str(out)
+        except ValueError:
+            pass
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write_fp8_checkpoint(cfg.model.path, tmp, cfg.rollout.fp8_bf16_layers)
+    except (OSError, ValueError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"rollout.weight_precision: fp8: writing the servers' FP8 copy of "
+                          f"{cfg.model.path} failed: {e}") from None
+    (tmp / "fp8_source.json").write_text(json.dumps(record))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return str(out)
