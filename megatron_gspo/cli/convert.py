@@ -4,7 +4,7 @@
   mcore-to-hf --ckpt DIR [--hf-config DIR] --out DIR [--dtype ...] [--max-shard-size GB]
               [--tp N --pp N --ep N] [--force]
   lora-to-peft --ckpt DIR [--base DIR] [--out DIR] [--merged DIR] [--dtype ...] [--force]
-  hf-to-fp8 SRC DST [--keep-bf16-layers N] [--force]
+  hf-to-fp8 SRC DST [--keep-bf16-layers N] [--tp-size N] [--force]
 
 Without torchrun the needed local processes are started here; under torchrun the launcher's
 ranks are used (WORLD_SIZE must be a multiple of what the layout needs). Exit code 0 on
@@ -66,6 +66,9 @@ def _parser(prog: str | None = "megatron-gspo convert") -> argparse.ArgumentPars
     f.add_argument("--keep-bf16-layers", type=int, default=0, metavar="N",
                    help="keep the first and last N decoder layers unquantized (default 0); "
                    "embeddings, lm_head, norms and routers always are")
+    f.add_argument("--tp-size", type=int, default=1, metavar="N",
+                   help="tensor-parallel size of the servers that will load it: a weight whose "
+                   "per-GPU part is not whole 128x128 blocks stays unquantized (default 1)")
     f.add_argument("--force", action="store_true", help="replace an existing DST")
     for s in (a, b):
         s.add_argument("--tp", type=int, default=1, help="tensor parallel size")
@@ -203,7 +206,7 @@ def _hf_to_fp8(args) -> int:
     check_out_disjoint(args.dst, {"SRC": args.src}, out_flag="DST")
     tmp = prepare_output_dir(args.dst, args.force)
     try:
-        qc = write_fp8_checkpoint(args.src, tmp, args.keep_bf16_layers)
+        qc = write_fp8_checkpoint(args.src, tmp, args.keep_bf16_layers, args.tp_size)
         commit_output_dir(tmp, args.dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

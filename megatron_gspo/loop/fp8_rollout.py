@@ -61,17 +61,20 @@ def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
 
 
 @functools.lru_cache(maxsize=4)
-def _kept(model_path: str, layers: int, keep_layers: int) -> frozenset[str]:
+def _kept(model_path: str, layers: int, keep_layers: int, tp_size: int) -> frozenset[str]:
     from megatron_gspo.quant.blockfp8 import modules_to_not_convert
 
-    return frozenset(modules_to_not_convert(_checkpoint_shapes(model_path), layers, keep_layers))
+    return frozenset(modules_to_not_convert(_checkpoint_shapes(model_path), layers, keep_layers,
+                                            tp_size))
 
 
 def modules_kept(cfg: Config, hf_config: dict) -> frozenset[str]:
     """The modules whose weights stay BF16 on the servers (the served checkpoint's
     `modules_to_not_convert`): embeddings, lm_head, routers, the first and last
-    `rollout.fp8_bf16_layers` layers, and fused modules that do not fit whole blocks."""
-    return _kept(str(cfg.model.path), num_layers(hf_config), cfg.rollout.fp8_bf16_layers)
+    `rollout.fp8_bf16_layers` layers, and weights (with their fused modules) whose part on one
+    of `rollout.tp_size` server GPUs is not whole 128 blocks."""
+    return _kept(str(cfg.model.path), num_layers(hf_config), cfg.rollout.fp8_bf16_layers,
+                 cfg.rollout.tp_size)
 
 
 def probe_tolerance(cfg: Config, tolerances: dict[str, float]) -> float:
@@ -85,7 +88,7 @@ def _source_record(cfg: Config) -> dict:
     stamp = {f.name: [f.stat().st_size, int(f.stat().st_mtime)]
              for f in sorted(src.glob("*.safetensors"))}
     return {"source": str(src.resolve()), "files": stamp,
-            "keep_bf16_layers": cfg.rollout.fp8_bf16_layers}
+            "keep_bf16_layers": cfg.rollout.fp8_bf16_layers, "tp_size": cfg.rollout.tp_size}
 
 
 def this_node() -> int:
@@ -121,7 +124,8 @@ def served_checkpoint(cfg: Config, run_dir: str | os.PathLike, node: int) -> str
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_fp8_checkpoint(cfg.model.path, tmp, cfg.rollout.fp8_bf16_layers)
+        write_fp8_checkpoint(cfg.model.path, tmp, cfg.rollout.fp8_bf16_layers,
+                             cfg.rollout.tp_size)
     except (OSError, ValueError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"rollout.weight_precision: fp8: writing the servers' FP8 copy of "

@@ -48,6 +48,8 @@ _EXPERTS = re.compile(r"^(.*\.experts)\.\d+\.")
 # SGLang's fused linears (quantization/utils.py _FALLBACK_FUSED_SHARDS): part -> fused module
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+# SGLang's row-parallel linears (the input dimension split over TP ranks)
+_ROW_PARALLEL = {"o_proj", "down_proj", "out_proj"}
 # leaves never quantized although they may look like projections: DSA indexer's head weights
 _KEEP_LEAVES = {"weights_proj"}
 
@@ -169,24 +171,39 @@ def fused_module(name: str) -> str | None:
     return f"{module}.{_FUSED[leaf]}" if leaf in _FUSED and module else None
 
 
+def fits_per_rank(name: str, shape: Iterable[int], tp_size: int = 1) -> bool:
+    """Whether each of `tp_size` server ranks holds whole 128 blocks of weight `name`
+    (SGLang's fp8.py `validate_block_quant_shapes`): a row-parallel weight (o_proj, down_proj,
+    out_proj: the input split) needs K / tp on the grid, a column-parallel one (the output
+    split) N / tp, and a fused part its own rows even on one rank. A part that does not split
+    evenly (K/V heads replicated over ranks) is counted as not fitting."""
+    n, k = tuple(shape)[-2:]
+    leaf = name.removesuffix(".weight").rpartition(".")[2]
+    size = k if leaf in _ROW_PARALLEL else n
+    if tp_size <= 1:
+        return leaf not in _FUSED or n % BLOCK == 0
+    return size % tp_size == 0 and (size // tp_size) % BLOCK == 0
+
+
 def quantized_names(shapes: Mapping[str, Iterable[int]], num_layers: int,
-                    keep_bf16_layers: int = 0) -> set[str]:
-    """The parameters of a checkpoint stored as block FP8: `is_quantized`, less every fused
-    module (`fused_module`) with a q/k/v or gate/up part whose rows are not a multiple of 128.
+                    keep_bf16_layers: int = 0, tp_size: int = 1) -> set[str]:
+    """The parameters of a checkpoint stored as block FP8: `is_quantized`, less each weight
+    whose per-rank part is off the 128 grid at the servers' `tp_size` (`fits_per_rank`), and
+    with it every other part of its fused module (`fused_module`).
 
     Args:
         shapes: parameter name -> shape of the whole checkpoint.
         num_layers, keep_bf16_layers: as for `is_quantized`.
+        tp_size: the serving engine's tensor-parallel size.
     """
     chosen = {n for n, s in shapes.items() if is_quantized(n, s, num_layers, keep_bf16_layers)}
-    misfit = {fused_module(n) for n in chosen
-              if n.removesuffix(".weight").rpartition(".")[2] in _FUSED
-              and tuple(shapes[n])[0] % BLOCK}
-    return {n for n in chosen if fused_module(n) is None or fused_module(n) not in misfit}
+    misfit = {n for n in chosen if not fits_per_rank(n, shapes[n], tp_size)}
+    groups = {fused_module(n) for n in misfit} - {None}
+    return {n for n in chosen if n not in misfit and fused_module(n) not in groups}
 
 
 def modules_to_not_convert(shapes: Mapping[str, Iterable[int]], num_layers: int,
-                           keep_bf16_layers: int = 0) -> list[str]:
+                           keep_bf16_layers: int = 0, tp_size: int = 1) -> list[str]:
     """Module paths (no `.weight`) of the 2-D weights that stay BF16: what SGLang's Fp8Config
     reads as `modules_to_not_convert` / `ignored_layers` (lm_head, embeddings, routers, the
     projections of kept layers and of fused modules that do not fit whole blocks), sorted.
@@ -194,8 +211,9 @@ def modules_to_not_convert(shapes: Mapping[str, Iterable[int]], num_layers: int,
     Args:
         shapes: parameter name -> shape of the whole checkpoint.
         num_layers, keep_bf16_layers: as for `is_quantized`.
+        tp_size: as for `quantized_names`.
     """
-    quantized = quantized_names(shapes, num_layers, keep_bf16_layers)
+    quantized = quantized_names(shapes, num_layers, keep_bf16_layers, tp_size)
     return sorted(n.removesuffix(".weight") for n, s in shapes.items()
                   if n.endswith(".weight") and len(tuple(s)) == 2 and n not in quantized)
 

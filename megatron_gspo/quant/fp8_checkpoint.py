@@ -122,7 +122,7 @@ def convert_shard(tensors: dict[str, torch.Tensor],
 
 
 def write_fp8_checkpoint(src: str | os.PathLike, out: str | os.PathLike,
-                         keep_bf16_layers: int = 0) -> dict:
+                         keep_bf16_layers: int = 0, tp_size: int = 1) -> dict:
     """Write the block-FP8 copy of HF checkpoint `src` into directory `out` (created; must be
     empty if it exists).
 
@@ -131,6 +131,8 @@ def write_fp8_checkpoint(src: str | os.PathLike, out: str | os.PathLike,
         out: output folder (hidden files in it, such as a temp directory's owner record, are
             left alone).
         keep_bf16_layers: the first and last this many decoder layers stay unquantized.
+        tp_size: the servers' tensor-parallel size (a weight whose per-rank part is off the
+            128 grid stays unquantized: `blockfp8.fits_per_rank`).
     Returns:
         the `quantization_config` written into out/config.json.
     """
@@ -145,8 +147,8 @@ def write_fp8_checkpoint(src: str | os.PathLike, out: str | os.PathLike,
     if any(not p.name.startswith(".") for p in out.iterdir()):  # hidden: owner records
         raise ValueError(f"{out}: output directory is not empty")
     shapes = _shapes(src, shards)
-    quantized = quantized_names(shapes, layers, keep_bf16_layers)
-    qc = quantization_config(modules_to_not_convert(shapes, layers, keep_bf16_layers))
+    quantized = quantized_names(shapes, layers, keep_bf16_layers, tp_size)
+    qc = quantization_config(modules_to_not_convert(shapes, layers, keep_bf16_layers, tp_size))
     weight_map: dict[str, str] = {}
     total = 0
     for f in sorted(shards):

@@ -189,3 +189,25 @@ def test_fused_modules_quantize_whole_or_not_at_all():
     assert not any(".layers.2.mlp.experts." in n for n in q)
     assert "model.layers.2.mlp.experts.0.down_proj" in keep
     assert "model.layers.3.mlp.experts.0.down_proj.weight" in q
+
+
+def test_per_rank_parts_off_the_grid_stay_unquantized_with_their_fused_module():
+    """SGLang's validate_block_quant_shapes at the servers' TP size: column-parallel parts need
+    N / tp, row-parallel ones K / tp on the 128 grid (Qwen3-30B-A3B's experts: I = 768 gives 96
+    rows per rank at TP 8, which SGLang refuses)."""
+    from megatron_gspo.quant.blockfp8 import fits_per_rank, quantized_names
+
+    shapes = {"model.layers.0.self_attn.q_proj.weight": (2048, 1024),
+              "model.layers.0.self_attn.k_proj.weight": (512, 1024),
+              "model.layers.0.self_attn.v_proj.weight": (512, 1024),
+              "model.layers.0.self_attn.o_proj.weight": (1024, 2048),
+              "model.layers.0.mlp.experts.0.gate_proj.weight": (768, 1024),
+              "model.layers.0.mlp.experts.0.up_proj.weight": (768, 1024),
+              "model.layers.0.mlp.experts.0.down_proj.weight": (1024, 768)}
+    assert quantized_names(shapes, 1, 0, tp_size=1) == set(shapes)
+    at4 = quantized_names(shapes, 1, 0, tp_size=4)  # k/v: 128 rows per rank; experts: 192
+    assert at4 == {n for n in shapes if "experts" not in n}
+    at8 = quantized_names(shapes, 1, 0, tp_size=8)  # k/v: 64 rows per rank: all of qkv stays
+    assert at8 == {"model.layers.0.self_attn.o_proj.weight"}
+    assert not fits_per_rank("x.layers.0.mlp.down_proj.weight", (1024, 768), 8)
+    assert fits_per_rank("x.layers.0.mlp.down_proj.weight", (1000, 1024), 8)

@@ -41,7 +41,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
                                               b.reshape(-1).view(torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32,
+                                   torch.float8_e4m3fn])  # FP8 rollouts send e4m3 weights
 @pytest.mark.parametrize("share", [0.0, 0.002, 0.05, 0.4, 1.0])
 def test_every_encoding_applies_bit_for_bit(dtype, share):
     base = torch.randn(300, 70).to(dtype)

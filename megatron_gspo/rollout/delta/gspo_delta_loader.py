@@ -47,7 +47,7 @@ FILE = PREFIX + "file"
 FORMAT = 1
 #: Integer views of each float dtype's bit pattern (bitwise compare and XOR).
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-        torch.float64: torch.int64}
+        torch.float64: torch.int64, torch.float8_e4m3fn: torch.int8}  # FP8 rollouts: weights
 
 
 class DeltaState:
