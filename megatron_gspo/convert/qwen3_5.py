@@ -27,8 +27,6 @@ tower and MTP layers left out, experts unfused to per-expert tensors, bit-exact 
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -188,42 +186,38 @@ def text_tensors(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return [(name, t)]
 
 
-def text_only_checkpoint(src: str | Path, dst: str | Path) -> dict:
-    """Write the Qwen3.5 text checkpoint of a released vision-language one.
+def text_only_checkpoint(src: str | Path, dst: str | Path, *, force: bool = False,
+                         max_shard_bytes: int = 5 * 2**30) -> dict:
+    """Write the Qwen3.5 text checkpoint of a released vision-language one, tensor by tensor
+    (size-bounded shards, written to a temporary directory and moved into place when complete).
 
     Args:
-        src: directory of a Qwen3_5(Moe)ForConditionalGeneration checkpoint (safetensors).
-        dst: new directory (config.json, model.safetensors, tokenizer and generation files).
+        src: directory of a Qwen3_5(Moe)ForConditionalGeneration safetensors checkpoint.
+        dst: directory to create (config.json, shards and index, tokenizer / generation files).
+        force: replace an existing `dst`.
+        max_shard_bytes: shard size bound.
     Returns:
         counts: {"kept": tensors written, "vision": .., "mtp": .. tensors left out}.
     """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from megatron_gspo.convert.hf_io import HFCheckpointReader, save_hf_checkpoint
 
-    src, dst = Path(src), Path(dst)
-    cfg = text_config(json.loads((src / "config.json").read_text()))
-    dst.mkdir(parents=True, exist_ok=False)
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise ConversionError(f"{src}: no *.safetensors file")
-    out: dict[str, torch.Tensor] = {}
+    reader = HFCheckpointReader(src)
     counts = {"kept": 0, "vision": 0, "mtp": 0}
-    for f in files:
-        with safe_open(f, "pt") as fh:
-            for name in fh.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                if name.startswith("model.visual."):
-                    counts["vision"] += 1
-                elif name.startswith("mtp."):
-                    counts["mtp"] += 1
-                else:
-                    out.update(text_tensors(name, fh.get_tensor(name)))
-    counts["kept"] = len(out)
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for side in src.iterdir():
-        if side.is_file() and side.suffix != ".safetensors" and side.name not in (
-                "config.json", "model.safetensors.index.json"):
-            shutil.copy2(side, dst / side.name)
+
+    def items():
+        for name in reader.keys():
+            if name.startswith(("model.visual.", "mtp.")):
+                counts["vision" if name.startswith("model.visual.") else "mtp"] += 1
+                continue
+            yield from text_tensors(name, reader.get(name))
+
+    try:
+        cfg = text_config(reader.config)
+        index = save_hf_checkpoint(items(), dst, side_files_from=src, force=force, config=cfg,
+                                   max_shard_bytes=max_shard_bytes)
+    finally:
+        reader.close()
+    counts["kept"] = len(index["weight_map"])
     return counts
 
 
@@ -235,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         counts = text_only_checkpoint(*argv)
-    except (ConversionError, FileExistsError, OSError) as e:
+    except (ConversionError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {argv[1]}: {counts['kept']} tensors; left out {counts['vision']} vision-tower "

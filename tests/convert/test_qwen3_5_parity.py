@@ -139,10 +139,18 @@ def test_released_checkpoint_becomes_the_text_checkpoint(tmp_path):
                            generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(model(tokens).logits, vl(input_ids=tokens).logits)
-    adapter = get_adapter(text)  # and the learner's converter takes it
     from megatron_gspo.convert.hf_io import HFCheckpointReader, validate_hf_checkpoint
+    from megatron_gspo.convert.qwen3_5 import text_only_checkpoint
 
-    validate_hf_checkpoint(HFCheckpointReader(tmp_path / "text"), adapter, adapter.dims(text))
+    adapter = get_adapter(text)  # and the learner's converter takes it, in small shards too
+    counts = text_only_checkpoint(tmp_path / "vl", tmp_path / "shards", max_shard_bytes=1 << 16)
+    one, many = HFCheckpointReader(tmp_path / "text"), HFCheckpointReader(tmp_path / "shards")
+    assert counts == {"kept": len(one.keys()), "vision": 21, "mtp": 1}, counts
+    assert sorted(many.keys()) == sorted(one.keys())
+    assert all(torch.equal(many.get(k), one.get(k)) for k in one.keys())
+    assert len(list((tmp_path / "shards").glob("model-*.safetensors"))) > 1
+    for reader in (one, many):
+        validate_hf_checkpoint(reader, adapter, adapter.dims(text))
 
 
 @pytest.mark.parametrize("arch,change,message", [
