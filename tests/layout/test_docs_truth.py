@@ -202,13 +202,15 @@ GB_RE = re.compile(r"(?<![\w.])(\d[\d.,]*) ?GB\b(?!/s)")
 
 def decimal_gb(text: str) -> list[str]:
     """Memory figures in decimal GB that are neither a flag's value (`--gpu-memory 80GB`,
-    `GPU_MEMORY=80GB`) nor a card's name (`80 GB GPUs`, `80 GB H100s`)."""
+    `GPU_MEMORY=80GB`, a quoted `80GB`) nor a card's name (`80 GB GPUs`, `80 GB H100s`)."""
     out = []
     for m in GB_RE.finditer(text):
         before, after = text[max(0, m.start() - 14):m.start()], text[m.end():m.end() + 7]
         if before.endswith(("--gpu-memory ", "GPU_MEMORY=")) or re.match(r" (GPU|H1|H2|A1|card)",
                                                                           after):
             continue
+        if before.endswith("`") and after.startswith("`"):
+            continue  # a value quoted as typed (`80GB`)
         out.append(m.group(0))
     return out
 
@@ -221,7 +223,7 @@ def test_no_decimal_gb_beside_gib_plans():
 
 def test_gb_check_sees_a_gb_table():
     assert decimal_gb("| Qwen3-8B | 36.9 GB | 1 (80 GB) |, on 80 GB GPUs, --gpu-memory 80GB, "
-                      "at 12.5 GB/s") == ["36.9 GB", "80 GB"]
+                      "at 12.5 GB/s, or GB (`80GB`)") == ["36.9 GB", "80 GB"]
 
 
 # ---- launch variables ------------------------------------------------------------------------
