@@ -318,3 +318,13 @@ def test_pasted_plans_are_what_plan_prints():
         printed = {ln.rstrip() for ln in buf.getvalue().splitlines()}
         bad += [f"{page}: {' '.join(argv)}: {ln}" for ln in shown if ln not in printed]
     assert bad == []
+
+
+def test_scripts_named_in_the_docs_exist_and_the_guide_names_every_bench():
+    named = {(p, m.group(0)) for p in _pages() for m in re.finditer(
+        r"(?<![\w/.-])(?:bench|scripts)/[\w/.-]*\.(?:py|sh|sbatch)\b", p.read_text())}
+    assert sorted(f"{_rel(p)}: {n}" for p, n in named if not (ROOT / n).is_file()) == []
+    guide = (DOCS / "performance.md").read_text()
+    benches = {f"bench/{p.name}" for p in (ROOT / "bench").glob("*.py")  # speed benches
+               if (t := p.read_text()).startswith('"""Benchmark') or 'print(f"ratio=' in t}
+    assert sorted(b for b in benches if f"`{b}`" not in guide) == []
