@@ -30,6 +30,7 @@ __all__ = [
     "audit_sums",
     "finalize_audit",
     "mismatch_band",
+    "length_bins",
     "apply_correction",
     "correction_metrics",
     "ToleranceController",
@@ -41,6 +42,19 @@ def mismatch_band(eps_low: float, eps_high: float, scale: float = 1.0) -> tuple[
     """Log-space band [log(1 - scale*eps_low), log(1 + scale*eps_high)] of the clip range."""
     lo = scale * eps_low
     return (math.log1p(-lo) if lo < 1 else -math.inf, math.log1p(scale * eps_high))
+
+
+def length_bins(loss_mask, max_new_tokens: int, num_bins: int = 4):
+    """Response-length bin of each sequence: quarters (num_bins) of `max_new_tokens`, by its
+    trainable tokens (the bins of `async/length_*_bin<b>`).
+
+    Args:
+        loss_mask: `[B, T]`; max_new_tokens: the rollout's generation limit.
+    Returns:
+        `[B]` int64 bin in 0..num_bins-1.
+    """
+    n = (loss_mask > 0).sum(-1).to(torch.int64)  # [B]
+    return (num_bins * n // max(1, int(max_new_tokens))).clamp(max=num_bins - 1)
 
 
 def sequence_mismatch(learner_logprobs, engine_logprobs, loss_mask):
@@ -58,7 +72,7 @@ def sequence_mismatch(learner_logprobs, engine_logprobs, loss_mask):
 
 
 def audit_sums(learner_logprobs, engine_logprobs, loss_mask, *, eps_low, eps_high, scale=1.0,
-               level="sequence"):
+               level="sequence", bins=None, num_bins=4):
     """Audit statistics of learner vs engine log-probs, as SUMS (all-reducible).
 
     Args:
@@ -68,11 +82,15 @@ def audit_sums(learner_logprobs, engine_logprobs, loss_mask, *, eps_low, eps_hig
         scale: tolerance of the band in units of the clip range.
         level: "sequence" (GSPO: d_i against the band) or "token" (GRPO: each token's
             log-ratio against the band).
+        bins, num_bins: optional `[B]` response-length bin of each sequence (`length_bins`):
+            adds the per-bin sums (`[num_bins]` tensors) that `finalize_audit` logs as
+            `len_bin<b>/*` (the mismatch by response length).
     Returns:
         dict of float32 0-dim tensors: tokens, sequences, abs_diff_sum, abs_diff_max,
         seq_mismatch_sum, seq_abs_mismatch_sum, seq_abs_mismatch_max, out_of_range (sequences or
         tokens, per `level`), out_of_range_den, k3_sum (K3 estimate of KL(engine || learner)
-        per token, samples drawn by the engine).
+        per token, samples drawn by the engine); with `bins` also bin_sequences, bin_tokens,
+        bin_abs_diff_sum, bin_seq_abs_mismatch_sum, bin_out_of_range, bin_out_of_range_den.
     """
     with torch.no_grad():
         mask = loss_mask.to(torch.float32)
@@ -96,7 +114,7 @@ def audit_sums(learner_logprobs, engine_logprobs, loss_mask, *, eps_low, eps_hig
         z = torch.zeros((), dtype=torch.float32, device=diff.device)
         f = torch.float32
         abs_d = d.abs()[valid]
-        return {
+        out = {
             "tokens": mask.sum(),
             "sequences": valid.sum().to(f),
             "abs_diff_sum": diff.abs().sum(),
@@ -108,6 +126,26 @@ def audit_sums(learner_logprobs, engine_logprobs, loss_mask, *, eps_low, eps_hig
             "out_of_range_den": den.to(f),
             "k3_sum": k3.sum(),
         }
+        if bins is not None:
+            out.update(_bin_sums(bins, num_bins, valid, mask, diff, d, oor))
+        return out
+
+
+def _bin_sums(bins, num_bins, valid, mask, diff, d, oor) -> dict:
+    """Per response-length bin sums of `audit_sums` (`[num_bins]` float32 each)."""
+    f = torch.float32
+    b = bins.to(torch.int64).clamp(0, num_bins - 1)  # [B]
+
+    def per_bin(values):  # [B] -> [num_bins]
+        return torch.zeros(num_bins, dtype=f, device=d.device).index_add_(0, b, values.to(f))
+
+    v = valid.to(f)
+    seq_oor = oor.to(f).sum(-1) if oor.dim() == 2 else oor.to(f)  # [B] tokens or 0/1
+    den = mask.sum(-1) if oor.dim() == 2 else v  # [B]
+    return {"bin_sequences": per_bin(v), "bin_tokens": per_bin(mask.sum(-1)),
+            "bin_abs_diff_sum": per_bin(diff.abs().sum(-1)),
+            "bin_seq_abs_mismatch_sum": per_bin(d.abs() * v),
+            "bin_out_of_range": per_bin(seq_oor), "bin_out_of_range_den": per_bin(den)}
 
 
 def finalize_audit(sums: dict) -> dict:
@@ -115,10 +153,13 @@ def finalize_audit(sums: dict) -> dict:
 
     Returns:
         dict of floats: token_abs_diff_mean, token_abs_diff_max, seq_mismatch_mean,
-        seq_abs_mismatch_mean, seq_abs_mismatch_max, out_of_range_fraction, k3_kl, sequences.
+        seq_abs_mismatch_mean, seq_abs_mismatch_max, out_of_range_fraction, k3_kl, sequences;
+        with bin sums, per non-empty response-length bin b: len_bin<b>/sequences,
+        len_bin<b>/seq_abs_mismatch_mean, len_bin<b>/token_abs_diff_mean,
+        len_bin<b>/out_of_range_fraction.
     """
-    g = {k: float(v) for k, v in sums.items()}
-    return {
+    g = {k: float(v) for k, v in sums.items() if not k.startswith("bin_")}
+    out = {
         "token_abs_diff_mean": g["abs_diff_sum"] / max(g["tokens"], 1.0),
         "token_abs_diff_max": g["abs_diff_max"],
         "seq_mismatch_mean": g["seq_mismatch_sum"] / max(g["sequences"], 1.0),
@@ -128,6 +169,19 @@ def finalize_audit(sums: dict) -> dict:
         "k3_kl": g["k3_sum"] / max(g["tokens"], 1.0),
         "sequences": g["sequences"],
     }
+    if "bin_sequences" in sums:
+        bs = {k: [float(x) for x in v.reshape(-1).tolist()] for k, v in sums.items()
+              if k.startswith("bin_")}
+        for b, n in enumerate(bs["bin_sequences"]):
+            if n <= 0:
+                continue
+            out[f"len_bin{b}/sequences"] = n
+            out[f"len_bin{b}/seq_abs_mismatch_mean"] = bs["bin_seq_abs_mismatch_sum"][b] / n
+            out[f"len_bin{b}/token_abs_diff_mean"] = (bs["bin_abs_diff_sum"][b]
+                                                      / max(bs["bin_tokens"][b], 1.0))
+            out[f"len_bin{b}/out_of_range_fraction"] = (bs["bin_out_of_range"][b]
+                                                        / max(bs["bin_out_of_range_den"][b], 1.0))
+    return out
 
 
 def apply_correction(mismatch, loss_mask, advantages, *, mode, mask_bound=1e-3, tis_cap=2.0,

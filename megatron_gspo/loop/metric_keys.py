@@ -177,6 +177,18 @@ GROUPS: tuple[MetricGroup, ...] = (
         ("precision/[stale/]k3_kl", "nats", "K3 KL estimate between the engine's and the "
                                             "learner's token distributions"),
         ("precision/[stale/]sequences", "count", "sequences audited"),
+        ("precision/[stale/]len_bin<b>/sequences", "count", "audited sequences in response-"
+                                                            "length bin b (quarters of "
+                                                            "`rollout.max_new_tokens` by "
+                                                            "trainable tokens; empty bins "
+                                                            "not logged)"),
+        ("precision/[stale/]len_bin<b>/seq_abs_mismatch_mean", "nats", "mean |d_i| of the "
+                                                                       "sequences in bin b"),
+        ("precision/[stale/]len_bin<b>/token_abs_diff_mean", "nats", "mean per-token |logp_"
+                                                                     "learner - logp_engine| "
+                                                                     "in bin b"),
+        ("precision/[stale/]len_bin<b>/out_of_range_fraction", "share", "out-of-range share "
+                                                                        "(as above) in bin b"),
         ("precision/masked_sequences", "count", "sequences left with no trainable token after "
                                                 "`precision.correction`"),
         ("precision/masked_share/<mode>", "share", "share dropped by the correction `mode`: "

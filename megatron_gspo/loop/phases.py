@@ -21,6 +21,7 @@ from megatron_gspo.algo.precision import (
     correction_metrics,
     check_engine_logprobs,
     finalize_audit,
+    length_bins,
     sequence_mismatch,
 )
 from megatron_gspo.runtime import device_ledger, faults
@@ -239,7 +240,8 @@ def old_logprobs(cfg: Config, learner, controller, samples: list[Sample], step: 
         learner_t = pad_rows(learner_lps)
         engine_t = pad_rows([s.rollout_logprobs for s in samples])
         sums = audit_sums(learner_t, engine_t, mask, eps_low=lo, eps_high=hi,
-                          scale=p.mismatch_scale, level=level)
+                          scale=p.mismatch_scale, level=level,
+                          bins=length_bins(mask, cfg.rollout.max_new_tokens))
         audit = finalize_audit(sums)
         m.update({f"precision/{k}": v for k, v in audit.items()})
         if p.correction != "none":

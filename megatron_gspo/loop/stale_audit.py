@@ -19,6 +19,7 @@ from megatron_gspo.algo.precision import (
     audit_sums,
     check_engine_logprobs,
     finalize_audit,
+    length_bins,
 )
 from megatron_gspo.config import Config
 from megatron_gspo.data.sample import Sample
@@ -61,7 +62,9 @@ def split_old_logprobs(cfg: Config, learner, controller, samples: list[Sample], 
                 continue
             part = finalize_audit(audit_sums(learner_t[idx], engine_t[idx], mask[idx],
                                              eps_low=lo, eps_high=hi, scale=p.mismatch_scale,
-                                             level=level))
+                                             level=level,
+                                             bins=length_bins(mask[idx],
+                                                              cfg.rollout.max_new_tokens)))
             m.update({f"{prefix}{k}": v for k, v in part.items()})
             if idx is cur:
                 audit = part

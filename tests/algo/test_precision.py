@@ -12,6 +12,7 @@ from megatron_gspo.algo.precision import (
     audit_sums,
     check_engine_logprobs,
     finalize_audit,
+    length_bins,
     mismatch_band,
     sequence_mismatch,
 )
@@ -45,6 +46,30 @@ def test_audit_matches_direct_computation():
     md = sequence_mismatch(learner, engine, mask)
     assert md[3].item() == 0.0
     assert md[0].item() == pytest.approx(d[0], rel=1e-5)
+
+
+def test_audit_by_response_length():
+    """The length-bin numbers equal the plain audit restricted to each bin's sequences; empty
+    bins are not reported; sequence and token levels."""
+    learner, engine, mask = _batch(noise=2e-3, b=7, t=8)
+    bins = length_bins(mask, max_new_tokens=8)
+    n = (mask > 0).sum(-1)
+    assert bins.tolist() == [min(3, 4 * int(k) // 8) for k in n]
+    for level, (lo, hi) in (("sequence", (3e-4, 4e-4)), ("token", (2e-3, 2e-3))):
+        s = finalize_audit(audit_sums(learner, engine, mask, eps_low=lo, eps_high=hi,
+                                      level=level, bins=bins))
+        for b in range(4):
+            rows = [i for i in range(7) if bins[i] == b and n[i] > 0]
+            if not rows:
+                assert f"len_bin{b}/sequences" not in s
+                continue
+            ref = finalize_audit(audit_sums(learner[rows], engine[rows], mask[rows],
+                                            eps_low=lo, eps_high=hi, level=level))
+            assert s[f"len_bin{b}/sequences"] == ref["sequences"]
+            for k in ("seq_abs_mismatch_mean", "token_abs_diff_mean", "out_of_range_fraction"):
+                assert s[f"len_bin{b}/{k}"] == pytest.approx(ref[k], rel=1e-5, abs=1e-9)
+    plain = finalize_audit(audit_sums(learner, engine, mask, eps_low=3e-4, eps_high=4e-4))
+    assert not any(k.startswith("len_bin") for k in plain)
 
 
 def test_token_level_audit_for_grpo():
