@@ -199,6 +199,9 @@ def _plan(cfg, args) -> int:
         elif plan.fits:
             name, total, _ = max(plan.moments, key=lambda m: m[1])
             kv = f"; SGLang KV cache {plan.kv_tokens} tokens" if plan.kv_tokens else ""
+            if plan.state_slots is not None:  # a hybrid: its delta-net state slots
+                kv += (f", delta-net state {plan.state_slots} slots "
+                       f"({plan.max_running_requests} requests at once)")
             _emit(f"plan: fits: largest moment {name} {total / mr.GiB:.1f} GiB "
                   f"({100 * total / plan.gpu_bytes:.0f}% of the GPU){kv}")
         else:

@@ -46,9 +46,21 @@ def checked_model_config(cfg, args) -> dict:
                           "size such as 80GiB")
     src = Path(args.model_config or cfg.model.path or "")
     src = src / "config.json" if src.is_dir() else src
-    hf = read_model_config(src)
+    hf = text_model_config(read_model_config(src))
     check_model_layout(cfg, hf, args.nodes * args.gpus_per_node, model=str(src))
     return hf
+
+
+def text_model_config(hf: dict) -> dict:
+    """A released Qwen3.5 vision-language config.json (`text_config` nested, architectures
+    Qwen3_5(Moe)ForConditionalGeneration) as the text model the learner trains and SGLang
+    serves: the config `python -m megatron_gspo.convert.qwen3_5 SRC DST` writes (vision tower
+    and MTP layers left out). Any other config is returned as is."""
+    from megatron_gspo.convert.qwen3_5 import TEXT_OF, text_config
+
+    arch = (hf.get("architectures") or [None])[0]
+    return text_config(hf) if arch in TEXT_OF and isinstance(hf.get("text_config"), dict) \
+        else hf
 
 
 def read_model_config(src: Path) -> dict:

@@ -38,6 +38,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from megatron_gspo.runtime.sglang_pools import ServerKnobs, hybrid_pools, sglang_kv_tokens
+
 ENV = "MEGATRON_GSPO_DEVICE_LEDGER"
 LEARNER_PARTS = ("weights", "grads", "main", "moments", "reference")
 SGLANG_REGIONS = {"weights": "SGLang weights", "kv_cache": "SGLang KV cache",
@@ -68,7 +70,7 @@ def _spec_problem(data, fields: dict) -> str | None:
     kinds = {"name": str, "gpu_bytes": int, "sizes": dict, "plan_moments": dict,
              "plan_kv_tokens": (int, type(None)), "mem_fraction": (int, float),
              "kv_cell_bytes": int, "weights_cpu_backup": bool, "tolerance": (int, float),
-             "strict": bool}
+             "strict": bool, "hybrid": (dict, type(None))}
     for key, value in data.items():
         ok = isinstance(value, kinds[key]) and not (isinstance(value, bool)
                                                      and kinds[key] in (int, (int, float)))
@@ -82,13 +84,6 @@ def _spec_problem(data, fields: dict) -> str | None:
     if data["gpu_bytes"] <= 0 or data.get("kv_cell_bytes", 1) <= 0:
         return "gpu_bytes and kv_cell_bytes must be positive"
     return None
-
-
-def sglang_kv_tokens(free_bytes: int, weight_bytes: int, mem_fraction: float,
-                     cell_bytes: int) -> int:
-    """KV-cache tokens SGLang 0.5.12 allocates at launch: (free x f - weights) // cell (0 when
-    that is negative: SGLang then refuses to start)."""
-    return max(0, int(free_bytes * mem_fraction - weight_bytes) // cell_bytes)
 
 
 @dataclass
@@ -106,6 +101,9 @@ class LedgerSpec:
     weights_cpu_backup: bool = False
     tolerance: float = 0.05
     strict: bool = False  # the first modelled out-of-memory raises DeviceOutOfMemory
+    # a hybrid linear-attention model (`runtime.sglang_pools.hybrid_pools`): its
+    # "state_bytes_per_request", "context_len" and "knobs" (ServerKnobs fields); None: dense
+    hybrid: dict | None = None
 
     @classmethod
     def load(cls, path: str) -> LedgerSpec:
@@ -134,7 +132,8 @@ class LedgerSpec:
         Raises:
             LedgerSpecError: one line naming the path (a directory, a full disk, ...).
         """
-        text = json.dumps(self.__dict__, indent=1)
+        data = {k: v for k, v in self.__dict__.items() if k != "hybrid" or v is not None}
+        text = json.dumps(data, indent=1)  # a dense model's spec: no "hybrid" key
         try:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)
@@ -237,9 +236,16 @@ class DeviceLedger:
         """Servers start: weights and CUDA graphs mapped, the KV cache sized from what the
         driver has free now."""
         free = self.spec.gpu_bytes - self.total()  # what the driver reports free now
-        self.kv_tokens = sglang_kv_tokens(free, self.size("SGLang weights"),
-                                          self.spec.mem_fraction, self.spec.kv_cell_bytes)
-        self.kv_bytes = self.kv_tokens * self.spec.kv_cell_bytes
+        h = self.spec.hybrid
+        if h:  # KV of the full-attention layers + the delta-net state, one memory-saver region
+            pools = hybrid_pools(free, self.size("SGLang weights"), self.spec.mem_fraction,
+                                 self.spec.kv_cell_bytes, int(h["state_bytes_per_request"]),
+                                 int(h["context_len"]), ServerKnobs(**h.get("knobs", {})))
+            self.kv_tokens, self.kv_bytes = pools.kv_tokens, pools.kv_bytes + pools.state_bytes
+        else:
+            self.kv_tokens = sglang_kv_tokens(free, self.size("SGLang weights"),
+                                              self.spec.mem_fraction, self.spec.kv_cell_bytes)
+            self.kv_bytes = self.kv_tokens * self.spec.kv_cell_bytes
         self.regions = dict.fromkeys(SGLANG_REGIONS, True)
         self.served_weights_ok = True
         want = self.spec.plan_kv_tokens

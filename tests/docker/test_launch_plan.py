@@ -20,6 +20,8 @@ GPU_CONFIGS = {
     "examples/qwen3_gpu/qwen3_8b_1node.yaml": (1, 8, "Qwen3-8B"),
     "examples/qwen3_gpu/qwen3_30b_a3b_1node.yaml": (1, 8, "Qwen3-30B-A3B"),
     "examples/qwen3_gpu/qwen3_30b_a3b_2nodes.yaml": (2, 8, "Qwen3-30B-A3B"),
+    "examples/qwen3_gpu/qwen3_5_35b_a3b_1node.yaml": (1, 8, "Qwen3.5-35B-A3B"),
+    "examples/qwen3_gpu/qwen3_5_35b_a3b_2nodes.yaml": (2, 8, "Qwen3.5-35B-A3B"),
     "examples/multiturn_agent/config_gpu.yaml": (1, 2, "Qwen3-1.7B"),
 }
 GPU_MEMORY = "80GB"  # the shipped configs are written for 80 GB GPUs

@@ -28,6 +28,10 @@ SGLang 0.5.12 sizes its KV cache when a server starts (model_runner_kv_cache_mix
 so `f` is a share of the memory free at launch, weights included; CUDA graphs and the
 server's activations live in the other `free * (1 - f)`.
 
+A hybrid linear-attention model (Qwen3.5, Qwen3-Next; `Dims.linear`) has its layer
+parameters, activations and SGLang 0.5.23 pools (KV of the full-attention layers only, a
+delta-net state per request slot) in `megatron.memory.hybrid` / `runtime.sglang_pools`.
+
 Activation and logits terms are estimates (see `activation_bytes`); the CUDA-graph and
 per-process context terms are fixed allowances, not measurements.
 """
@@ -39,6 +43,7 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_gspo.convert.param_map import num_routed_experts
+from megatron_gspo.megatron.memory import hybrid
 from megatron_gspo.runtime.device_ledger import sglang_kv_tokens  # noqa: F401 - SGLang's KV sizing
 
 GiB = 2**30
@@ -59,10 +64,22 @@ class Dims:
     experts: int = 0
     topk: int = 0
     expert_ffn: int = 0
+    context_len: int = 0  # max_position_embeddings (SGLang's default context length)
+    # hybrid linear-attention models (`megatron.memory.hybrid`): per layer, gated delta-net
+    # (True) or gated full attention; empty for every other model
+    linear: tuple[bool, ...] = ()
+    lk_heads: int = 0
+    lv_heads: int = 0
+    lk_dim: int = 0
+    lv_dim: int = 0
+    conv: int = 0
+    shared_ffn: int = 0
+    ssm_dtype: str = "float32"
 
 
 def dims_from_hf(hf: dict) -> Dims:
-    """`Dims` of a Qwen2/3 / Llama-style (MoE: Qwen3-MoE) config.json dict."""
+    """`Dims` of a Qwen2/3 / Llama-style (MoE: Qwen3-MoE) config.json dict, or of a hybrid
+    (Qwen3.5, Qwen3-Next: `megatron.memory.hybrid`)."""
     h, nh = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     return Dims(hidden=h, layers=int(hf["num_hidden_layers"]), heads=nh,
                 kv_heads=int(hf.get("num_key_value_heads") or nh),
@@ -71,7 +88,9 @@ def dims_from_hf(hf: dict) -> Dims:
                 tied=bool(hf.get("tie_word_embeddings", False)),
                 experts=num_routed_experts(hf),
                 topk=int(hf.get("num_experts_per_tok") or 0),
-                expert_ffn=int(hf.get("moe_intermediate_size") or 0))
+                expert_ffn=int(hf.get("moe_intermediate_size") or 0),
+                context_len=int(hf.get("max_position_embeddings") or 0),
+                **(hybrid.hybrid_fields(hf) if hybrid.is_hybrid(hf) else {}))
 
 
 def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
@@ -88,6 +107,13 @@ class Param:
     trainable: bool = True  # False: a LoRA-frozen weight (no DDP buffer, no optimizer state)
     replicated: bool = False  # the same on every TP rank (norms, router): TP rank 0 saves it
     halves: bool = False  # a SwiGLU fc1 (gate; up): saved as two tensors (swiglu factory)
+
+
+def _param(numel: int, kind: str, ep: int) -> Param:
+    """A `Param` of `megatron.memory.hybrid`'s (elements, kind)."""
+    expert = kind.startswith("expert") and ep > 1
+    return Param(numel, expert=expert, replicated=kind == "rep",
+                 halves=kind.endswith("halves"))
 
 
 def chunk_params(d: Dims, *, tp: int, pp: int, ep: int, etp: int, vpp: int, pp_rank: int,
@@ -107,7 +133,12 @@ def chunk_params(d: Dims, *, tp: int, pp: int, ep: int, etp: int, vpp: int, pp_r
     out: list[Param] = []
     if first:
         out.append(Param(v * h // tp, shared=d.tied and pp > 1))
-    for _ in range(d.layers // n_chunks):
+    per_chunk = d.layers // n_chunks
+    start = (vp_stage * pp + pp_rank) * per_chunk  # Megatron's layer offset of this chunk
+    for i in range(start, start + per_chunk):
+        if d.linear:
+            out += [_param(n, k, ep) for n, k in hybrid.layer_numels(d, i, tp=tp, ep=ep, etp=etp)]
+            continue
         out += [Param(h, replicated=True), Param(h * d.heads * hd // tp),
                 Param((d.heads + 2 * d.kv_heads) * hd * h // tp), Param(hd, replicated=True),
                 Param(hd, replicated=True), Param(h, replicated=True)]
@@ -126,6 +157,9 @@ def chunk_params(d: Dims, *, tp: int, pp: int, ep: int, etp: int, vpp: int, pp_r
         return out
     r, targets = lora
     frozen = [dataclasses.replace(p, trainable=False) for p in out]
+    if d.linear:
+        return frozen + [_param(n, k, ep) for i in range(start, start + per_chunk)
+                         for n, k in hybrid.lora_numels(d, i, r, targets, tp=tp, ep=ep, etp=etp)]
     per_layer: list[Param] = []  # (A, B) per adapted linear: column B / row A split by TP,
     # the other factor the same on every TP rank
     shapes = {"qkv": (h, (d.heads + 2 * d.kv_heads) * hd // tp),
@@ -268,6 +302,14 @@ def activation_bytes(d: Dims, *, tokens: int, layers: int, tp: int = 1, sp: bool
     etp = tp if etp is None else etp
     t = -(-tokens // cp)
     h, hd = d.hidden, d.head_dim
+    if d.linear:  # the stage's share of delta-net layers, the largest layer under recompute
+        gdn, full = hybrid.layer_activation_elements(d, tp=tp, sp=sp, etp=etp)
+        n_lin = round(layers * sum(d.linear) / len(d.linear))
+        if recompute:
+            kept = layers * h * act_bytes // (tp if sp else 1) + max(gdn, full) * act_bytes
+        else:
+            kept = (n_lin * gdn + (layers - n_lin) * full) * act_bytes
+        return int(t * kept * in_flight)
     outside = 4 * h // (tp if sp else 1)  # two norm inputs + two norm outputs
     attn = (2 * (d.heads + 2 * d.kv_heads) * hd + 2 * d.heads * hd) // tp  # qkv, q/k norm, out
     if d.experts:
@@ -290,8 +332,9 @@ def logits_bytes(tokens: int, vocab_local: int, cp: int = 1) -> int:
 
 def kv_cell_bytes(d: Dims, tp: int, kv_bytes: int = 2) -> int:
     """SGLang's `get_cell_size_per_token` for an MHA/GQA model: bytes of one token's K and V
-    over all layers on one TP rank."""
-    return max(1, d.kv_heads // tp) * 2 * d.head_dim * d.layers * kv_bytes
+    over all layers on one TP rank (a hybrid: its full-attention layers only, SGLang 0.5.23's
+    `DefaultPoolConfigurator`)."""
+    return max(1, d.kv_heads // tp) * 2 * d.head_dim * (d.layers - sum(d.linear)) * kv_bytes
 
 
 def mem_fraction_for(free_bytes: int, weight_bytes: int, kv_tokens: int,
@@ -310,6 +353,8 @@ class Plan:
     moments: list[tuple[str, int, list[str]]] = field(default_factory=list)
     kv_tokens: int | None = None
     kv_tokens_needed: int = 0
+    state_slots: int | None = None  # a hybrid's SGLang delta-net state slots per server rank
+    max_running_requests: int | None = None  # ... and the requests they serve at once
     host_bytes: int = 0  # pinned host memory of one rank: offloaded learner + staging copy
     staging_bytes: int = 0  # of which Megatron-Core's checkpoint staging copy (`staging`)
     node_host_bytes: int = 0  # the same summed over the ranks of one node (the largest node)

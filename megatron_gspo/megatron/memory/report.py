@@ -10,9 +10,11 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from megatron_gspo.megatron.memory import hybrid
 from megatron_gspo.megatron.memory import plan as mp
 from megatron_gspo.megatron.memory import staging
 from megatron_gspo.megatron.memory.plan import GiB, Plan
+from megatron_gspo.runtime.sglang_pools import ServerKnobs
 
 # Fixed allowances (not measured here): CUDA contexts of the learner and the server process,
 # NCCL buffers and allocator slack on every GPU; SGLang's CUDA graphs and its forward
@@ -53,6 +55,8 @@ class PlanInputs:
     vocab_multiple: int = 128
     lora: tuple | None = None  # (rank, targets) of model.lora; None = full fine-tuning
     delta_base: str | None = None  # rollout.weight_sync_delta_base ("copy"/"hash"); None = off
+    knobs: ServerKnobs = ServerKnobs()  # SGLang flags sizing a hybrid's pools (extra args)
+    batch_per_server: int = 0  # the step's requests over the servers (one generation round)
 
     @property
     def dp(self) -> int:
@@ -73,6 +77,8 @@ def inputs_from_config(cfg, hf_config: dict, *, gpu_bytes: int, gpus_per_node: i
 
     p, r = cfg.parallel, cfg.rollout
     colocated = r.engine == "sglang" and r.colocate
+    servers = r.num_servers * (nodes if colocated else 1)
+    batch = int(cfg.train.prompts_per_step * r.over_sample) * r.group_size
     return PlanInputs(
         dims=mp.dims_from_hf(hf_config), gpu_bytes=gpu_bytes,
         world=world or nodes * gpus_per_node, gpus_per_node=gpus_per_node, tp=p.tensor,
@@ -90,7 +96,9 @@ def inputs_from_config(cfg, hf_config: dict, *, gpu_bytes: int, gpus_per_node: i
         bucket_bytes=r.bucket_bytes, vocab_multiple=VOCAB_PAD_MULTIPLE,
         lora=(cfg.model.lora.rank, tuple(cfg.model.lora.targets)) if cfg.model.lora.rank
         else None, delta_base=r.weight_sync_delta_base if r.engine == "sglang"
-        and r.weight_sync_delta != "off" else None)
+        and r.weight_sync_delta != "off" else None,
+        knobs=ServerKnobs.from_argv(r.extra_server_args) if hybrid.is_hybrid(hf_config)
+        else ServerKnobs(), batch_per_server=-(-batch // max(1, servers)))
 
 
 def _worst_learner(x: PlanInputs) -> mp.LearnerBytes:
@@ -164,14 +172,19 @@ def build_plan(x: PlanInputs, host: bool = True) -> Plan:
                                                    "main weights", "KL reference"]
         free = x.gpu_bytes - CONTEXT_BYTES - sum(plan.term(n) for n in at_launch)
         cell = mp.kv_cell_bytes(d, x.server_tp)
-        plan.kv_tokens = mp.sglang_kv_tokens(free, sg_w, x.mem_fraction, cell)
+        state_rows = _state_rows(plan, x, free, sg_w, cell) if d.linear else []
+        if not d.linear:
+            plan.kv_tokens = mp.sglang_kv_tokens(free, sg_w, x.mem_fraction, cell)
         kv = plan.kv_tokens * cell
         rows += [("SGLang weights", sg_w, f"bf16, server TP{x.server_tp}"),
-                 ("SGLang KV cache", kv, f"{plan.kv_tokens} tokens ({cell} B/token), "
+                 ("SGLang KV cache", kv, f"{plan.kv_tokens} tokens ({cell} B/token"
+                  + (", full-attention layers" if d.linear else "") + f"), "
                   f"mem_fraction {x.mem_fraction} of {free / GiB:.1f} GiB free at launch"),
+                 *state_rows,
                  ("SGLang CUDA graphs", CUDA_GRAPH_BYTES, "allowance"),
                  ("weight-sync bucket", 2 * x.bucket_bytes, "exported + flattened copy")]
-        sglang = ["SGLang weights", "SGLang KV cache", "SGLang CUDA graphs"]
+        sglang = ["SGLang weights", "SGLang KV cache", *(n for n, _, _ in state_rows),
+                  "SGLang CUDA graphs"]
         learner_gen = [] if x.offload_learner else ["learner weights", *state]
         gen = ["CUDA contexts, NCCL", *learner_gen, *sglang]
         plan.moments.append(("generation", sum(plan.term(n) for n in gen), gen))
@@ -204,6 +217,25 @@ def build_plan(x: PlanInputs, host: bool = True) -> Plan:
     return plan
 
 
+def _state_rows(plan: Plan, x: PlanInputs, free: int, weights: int, cell: int) -> list:
+    """A hybrid's SGLang pools (`megatron.memory.hybrid`): sets the plan's KV tokens, returns
+    the delta-net state row, and adds a problem where SGLang would refuse to start."""
+    d = x.dims
+    pools = hybrid.server_pools(d, server_tp=x.server_tp, knobs=x.knobs, free=free,
+                                weights=weights, mem_fraction=x.mem_fraction, cell=cell)
+    per = hybrid.state_bytes_per_request(d, x.server_tp, x.knobs)
+    plan.kv_tokens = pools.kv_tokens
+    plan.state_slots, plan.max_running_requests = pools.state_slots, pools.max_running_requests
+    if pools.max_running_requests < 1:
+        plan.problems.append(
+            f"SGLang delta-net state: {pools.state_slots} slots of {per} B serve "
+            f"{max(0, pools.max_running_requests)} requests ({x.knobs.slots_per_request()} "
+            "slots each): SGLang refuses to start")
+    return [(hybrid.STATE_ROW, pools.state_bytes,
+             hybrid.state_note(d, pools, per, x.knobs, x.batch_per_server,
+                               x.kv_tokens_needed))]
+
+
 def _room_moments(plan: Plan, x: PlanInputs, gen: list[str], at_launch: list[str]) -> None:
     """Start-up, resume, checkpoint and sync-probe moments of colocated SGLang, in the order
     the loop runs them (`rollout.multinode.colocated`): the learner is built with its weights,
@@ -214,7 +246,7 @@ def _room_moments(plan: Plan, x: PlanInputs, gen: list[str], at_launch: list[str
     built = ["CUDA contexts, NCCL", "learner weights", "gradient buffer", "main weights",
              "KL reference"]
     launched = ["CUDA contexts, NCCL", *at_launch, "SGLang weights", "SGLang KV cache",
-                "SGLang CUDA graphs"]
+                *(n for n, _, _ in plan.rows if n == hybrid.STATE_ROW), "SGLang CUDA graphs"]
     for name, extra in (("start-up", []), ("resume", ["optimizer moments"])):
         parts = max((built + extra, launched), key=lambda ps: sum(plan.term(n) for n in ps))
         plan.moments.append((name, sum(plan.term(n) for n in parts), parts))
@@ -281,7 +313,18 @@ def ledger_spec(plan: Plan, x: PlanInputs, name: str, tolerance: float = 0.05):
     return LedgerSpec(name=name, gpu_bytes=x.gpu_bytes, sizes={n: b for n, b, _ in plan.rows},
                       plan_moments=moments, plan_kv_tokens=plan.kv_tokens,
                       mem_fraction=x.mem_fraction,
-                      kv_cell_bytes=mp.kv_cell_bytes(x.dims, x.server_tp), tolerance=tolerance)
+                      kv_cell_bytes=mp.kv_cell_bytes(x.dims, x.server_tp), tolerance=tolerance,
+                      hybrid=_ledger_hybrid(x))
+
+
+def _ledger_hybrid(x: PlanInputs) -> dict | None:
+    """The ledger's sizing inputs of a hybrid's SGLang pools (None for other models)."""
+    if not x.dims.linear:
+        return None
+    return {"state_bytes_per_request": hybrid.state_bytes_per_request(x.dims, x.server_tp,
+                                                                      x.knobs),
+            "context_len": hybrid.context_len(x.dims, x.knobs),
+            "knobs": dataclasses.asdict(x.knobs)}
 
 
 def _total_params(x: PlanInputs) -> int:
