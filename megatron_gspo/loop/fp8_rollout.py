@@ -91,6 +91,26 @@ def _source_record(cfg: Config) -> dict:
             "keep_bf16_layers": cfg.rollout.fp8_bf16_layers, "tp_size": cfg.rollout.tp_size}
 
 
+def server_env(capability: tuple[int, int] | None = None) -> dict[str, str]:
+    """Environment of launched FP8 servers. On compute capability 10+ (Blackwell) SGLang's
+    DeepGEMM path requantizes each block-FP8 weight with power-of-two scales and packs the
+    scales into int32 at load (0.5.12 fp8.py requant_weight_ue8m0_inplace, 0.5.23
+    requant_block_scale_ue8m0_for_deepgemm), a layout the learner's fp32 scales do not fit:
+    the servers run without it there (SGLANG_ENABLE_JIT_DEEPGEMM=0). Hopper keeps the
+    checkpoint's tensors as they are and needs nothing.
+
+    Args:
+        capability: (major, minor) of the servers' GPU; default this process's GPU's.
+    """
+    if capability is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        capability = torch.cuda.get_device_capability()
+    return {"SGLANG_ENABLE_JIT_DEEPGEMM": "0"} if capability[0] >= 10 else {}
+
+
 def this_node() -> int:
     """This process's node index under torchrun (global rank // ranks per node; 0 alone)."""
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from megatron_gspo.config import Config, ConfigError
+from megatron_gspo.loop import fp8_rollout
 from megatron_gspo.loop.early_checks import is_moe
 
 __all__ = ["colocated_on_every_node", "sglang_engine"]
@@ -46,6 +47,10 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
                               "not set or empty")
     sync = r.weight_sync if r.weight_sync != "auto" else ("tensor" if r.colocate else
                                                           "distributed")
+    if fp8_rollout.enabled(cfg) and sync == "distributed" and r.sglang_device == "cpu":
+        raise ConfigError("rollout.weight_precision: fp8 over rollout.weight_sync=distributed "
+                          "with rollout.sglang_device=cpu: gloo (the CPU servers' broadcast) "
+                          "cannot broadcast float8_e4m3fn; use rollout.weight_sync=tensor")
     # SGLANG_SERVER_MODULE replaces sglang.launch_server (as in docker/launch/*.sh).
     module = os.environ.get("SGLANG_SERVER_MODULE") or "sglang.launch_server"
     if sync == "tensor" and torch.cuda.is_available():  # CUDA payloads: SGLang's reduction
@@ -80,6 +85,8 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
         if r.weight_sync_delta != "off" and colocated_on_every_node(cfg):
             raise ConfigError("rollout.weight_sync_delta: off with servers on every node")
         runtime = _server_runtime(r)
+        if fp8_rollout.enabled(cfg):  # Blackwell: SGLang's DeepGEMM repacks the scales at load
+            runtime["env"] = {**runtime.get("env", {}), **fp8_rollout.server_env()}
         from megatron_gspo.rollout.multinode.node_servers import bind_host
 
         try:

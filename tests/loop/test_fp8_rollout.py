@@ -92,16 +92,29 @@ def test_embedded_engine_trains_with_fp8_weights(tmp_path):
     assert all(s.get("fp8_tensors") == 16 for s in _sync(got["rows"]))
 
 
-def test_launched_server_starts_from_the_fp8_copy_and_every_sync_is_verified(tmp_path):
-    got = _run(tmp_path, "launched", ["rollout.num_servers=1", "rollout.startup_timeout=240"],
+@pytest.mark.parametrize("delta", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_launched_server_starts_from_the_fp8_copy_and_every_sync_is_verified(tmp_path, delta):
+    """Tensor sync, full or as deltas (the FP8 bytes XOR-encoded by the delta loader)."""
+    got = _run(tmp_path, "launched", ["rollout.num_servers=1", "rollout.startup_timeout=240"] + (
+        ["rollout.weight_sync_delta=on"] if delta else []),
                env={"SGLANG_SERVER_MODULE": "megatron_gspo.rollout.standin.server"})
     assert got["error"] is None, got["error"]
     assert {"config.json", "model.safetensors", "fp8_source.json"} <= set(got["served"])
     sync = _sync(got["rows"])
     assert len(sync) == 3 and all(s["fp8_tensors"] == 16 for s in sync)
     assert all(0 < s["probe_max_diff"] < 1.0 for s in sync), sync
+    if delta:  # measured: 26-32 % of the bytes changed a step, about half the bytes sent
+        assert all(s["delta"] == 1.0 and s["delta_bytes_sent"] < s["delta_bytes_full"]
+                   for s in sync[1:]), sync
 
 
 def test_a_bf16_server_given_fp8_bytes_fails_the_probe(tmp_path):
     got = _run(tmp_path, "bf16_server")
     assert got["error"] is not None and "sync probe" in got["error"], got["error"]
+
+
+def test_blackwell_servers_run_without_deepgemm_hopper_as_they_are():
+    from megatron_gspo.loop.fp8_rollout import server_env
+
+    assert server_env((10, 0)) == {"SGLANG_ENABLE_JIT_DEEPGEMM": "0"}
+    assert server_env((9, 0)) == {} and server_env((8, 9)) == {}
