@@ -21,6 +21,8 @@ from megatron_gspo.convert.param_map import ConversionError, num_routed_experts
 from megatron_gspo.convert.registry import get_adapter
 
 VOCAB_PAD_MULTIPLE = 128  # as megatron_gspo.megatron.models.builder pads the vocabulary
+# full-attention layers with a sigmoid output gate (Megatron-Core's attention_output_gate)
+GATED_ATTENTION = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 def check_out_disjoint(out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None],
@@ -210,6 +212,8 @@ def model_fields(cfg: Mapping) -> dict:
         out["layer_types"] = _layer_types(cfg, arch)
     if arch == "Gemma3ForCausalLM":
         out.update(_gemma3_rope(cfg))
+    if arch in GATED_ATTENTION:  # linear_qkv holds a gate per query head too
+        out["attention_output_gate"] = True
     return out
 
 
@@ -292,7 +296,8 @@ def _attention_want(f: Mapping, layers, hid) -> dict:
         return want
     nkv, hd = f["num_key_value_heads"], f["head_dim"]
     heads = ("num_attention_heads", "num_key_value_heads", "head_dim")
-    return {a + "linear_qkv.weight": [layers, ((nh + 2 * nkv) * hd, heads), hid],
+    nq = 2 * nh if f.get("attention_output_gate") else nh  # [q; gate] rows per query head
+    return {a + "linear_qkv.weight": [layers, ((nq + 2 * nkv) * hd, heads), hid],
             a + "linear_proj.weight": [layers, hid, (nh * hd, heads)],
             a + "q_layernorm.weight": [layers, (hd, ("head_dim",))]}
 
