@@ -111,6 +111,22 @@ def server_env(capability: tuple[int, int] | None = None) -> dict[str, str]:
     return {"SGLANG_ENABLE_JIT_DEEPGEMM": "0"} if capability[0] >= 10 else {}
 
 
+def check_served(engine) -> None:
+    """Refuse (one ConfigError naming the server) servers whose `/server_info` names a local
+    model folder without block-FP8 weights: a BF16 model given FP8 weights and scales either
+    dies loading them (a scale name SGLang's Qwen3 loader looks up unchecked) or casts the FP8
+    bytes unscaled. Servers whose folder is not readable here are trusted."""
+    from megatron_gspo.rollout.fp8_model import is_block_fp8_dir
+
+    engine.sync(engine.astart())
+    for url, info in getattr(engine, "server_info", {}).items():
+        path = (info or {}).get("model_path")
+        if path and os.path.isdir(path) and not is_block_fp8_dir(path):
+            raise ConfigError(f"rollout.weight_precision: fp8, but the server at {url} serves "
+                              f"{path}, which holds no block-FP8 weights (write its FP8 copy "
+                              "with `megatron-gspo convert hf-to-fp8`)")
+
+
 def this_node() -> int:
     """This process's node index under torchrun (global rank // ranks per node; 0 alone)."""
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))

@@ -172,6 +172,8 @@ def _engine(cfg: Config, learner, hf_config: dict, tokenizer, holds_engine: bool
         engine.release_memory(colocated_sync.RESUME_AFTER)
     if engine is not None:
         cleanup.callback(engine.shutdown)  # launched servers stop, also on errors
+        if fp8_rollout.enabled(cfg) and cfg.rollout.engine == "sglang":
+            fp8_rollout.check_served(engine)  # attached servers: an FP8 checkpoint
     return engine
 
 

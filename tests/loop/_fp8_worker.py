@@ -6,9 +6,8 @@
 MODE embedded: the embedded engine (W8A16: it dequantizes what every sync sends).
 MODE launched: the run launches a stand-in SGLang server (SGLANG_SERVER_MODULE set by the test),
 which starts from the run's FP8 copy of model.path (RUN_DIR/fp8_model/node0).
-MODE bf16_server: a stand-in server of the BF16 model attached by URL while the run sends FP8:
-the server casts the FP8 bytes without their scales (as SGLang's default weight loader) and the
-probe must fail.
+MODE bf16_server: a stand-in server of the BF16 model attached by URL with FP8 rollouts: the
+run must refuse it at start (its /server_info names a folder without FP8 weights).
 Prints "RESULT {...}" (the metrics rows and the events, or the error line).
 """
 
