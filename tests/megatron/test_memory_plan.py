@@ -158,3 +158,25 @@ def test_parse_bytes():
     assert mr.parse_bytes("80GB") == 80 * 10**9
     with pytest.raises(ValueError):
         mr.parse_bytes("eighty")
+
+
+def test_fp8_servers_halve_their_projections_and_free_kv(capsys):
+    """rollout.weight_precision=fp8 on qwen3_8b_1node (80 GB GPUs): the servers' weights drop
+    from 15.26 to 8.79 GiB (embeddings and lm_head stay BF16), the KV cache grows from 279,423
+    to 326,517 tokens, and the weight sync holds the quantizer's buffer of the largest
+    projection; the BF16 plan is unchanged."""
+    from megatron_gspo.cli import main
+
+    args = ["plan", str(GPU / "qwen3_8b_1node.yaml"), "--model-config", str(SHAPES / "Qwen3-8B"),
+            "--gpu-memory", "80GB"]
+    assert main(args) == 0
+    bf16 = capsys.readouterr().out
+    assert main([*args, "rollout.weight_precision=fp8"]) == 0
+    fp8 = capsys.readouterr().out
+    assert "SGLang weights            15.26 GiB  bf16, server TP1" in bf16
+    assert "279423 tokens" in bf16 and "FP8" not in bf16
+    assert "SGLang weights             8.79 GiB  fp8 projections" in fp8
+    assert "326517 tokens" in fp8 and "FP8 quantize buffer" in fp8
+    sync = lambda out: float(next(ln for ln in out.splitlines()  # noqa: E731
+                                  if ln.strip().startswith("weight sync")).split()[2])
+    assert sync(fp8) < sync(bf16)

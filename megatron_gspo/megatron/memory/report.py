@@ -57,6 +57,7 @@ class PlanInputs:
     delta_base: str | None = None  # rollout.weight_sync_delta_base ("copy"/"hash"); None = off
     knobs: ServerKnobs = ServerKnobs()  # SGLang flags sizing a hybrid's pools (extra args)
     batch_per_server: int = 0  # the step's requests over the servers (one generation round)
+    server_fp8: bool = False  # rollout.weight_precision fp8: block-FP8 server weights
 
     @property
     def dp(self) -> int:
@@ -98,7 +99,8 @@ def inputs_from_config(cfg, hf_config: dict, *, gpu_bytes: int, gpus_per_node: i
         else None, delta_base=r.weight_sync_delta_base if r.engine == "sglang"
         and r.weight_sync_delta != "off" else None,
         knobs=ServerKnobs.from_argv(r.extra_server_args) if hybrid.is_hybrid(hf_config)
-        else ServerKnobs(), batch_per_server=-(-batch // max(1, servers)))
+        else ServerKnobs(), batch_per_server=-(-batch // max(1, servers)),
+        server_fp8=r.engine == "sglang" and r.weight_precision == "fp8")
 
 
 def _worst_learner(x: PlanInputs) -> mp.LearnerBytes:
@@ -164,7 +166,7 @@ def build_plan(x: PlanInputs, host: bool = True) -> Plan:
         plan.moments.append(("training", sum(plan.term(n) for n in train_parts), train_parts))
     if x.colocated_sglang:
         total_params = _total_params(x)
-        sg_w = total_params * 2 // x.server_tp
+        sg_w, sg_note = _server_weights(x, total_params)
         state = ["gradient buffer", "main weights", "optimizer moments", "KL reference"]
         # what is resident when the server starts and sizes its KV cache: optimizer moments
         # are created by the first step, so they are not there yet (without offload)
@@ -176,13 +178,16 @@ def build_plan(x: PlanInputs, host: bool = True) -> Plan:
         if not d.linear:
             plan.kv_tokens = mp.sglang_kv_tokens(free, sg_w, x.mem_fraction, cell)
         kv = plan.kv_tokens * cell
-        rows += [("SGLang weights", sg_w, f"bf16, server TP{x.server_tp}"),
+        rows += [("SGLang weights", sg_w, sg_note),
                  ("SGLang KV cache", kv, f"{plan.kv_tokens} tokens ({cell} B/token"
                   + (", full-attention layers" if d.linear else "") + f"), "
                   f"mem_fraction {x.mem_fraction} of {free / GiB:.1f} GiB free at launch"),
                  *state_rows,
                  ("SGLang CUDA graphs", CUDA_GRAPH_BYTES, "allowance"),
-                 ("weight-sync bucket", 2 * x.bucket_bytes, "exported + flattened copy")]
+                 ("weight-sync bucket", 2 * x.bucket_bytes, "exported + flattened copy"),
+                 *([("FP8 quantize buffer", _fp8_buffer(x.dims), "largest projection: "
+                     "fp32 copy, scaled copy and e4m3 result while it is quantized")]
+                   if x.server_fp8 else [])]
         sglang = ["SGLang weights", "SGLang KV cache", *(n for n, _, _ in state_rows),
                   "SGLang CUDA graphs"]
         learner_gen = [] if x.offload_learner else ["learner weights", *state]
@@ -193,7 +198,8 @@ def build_plan(x: PlanInputs, host: bool = True) -> Plan:
                 parts = [*parts, "SGLang weights"]
                 plan.moments[i] = (name, sum(plan.term(n) for n in parts), parts)
         sync = ["CUDA contexts, NCCL", "learner weights",
-                *([] if x.offload_learner else state), "SGLang weights", "weight-sync bucket"]
+                *([] if x.offload_learner else state), "SGLang weights", "weight-sync bucket",
+                *(["FP8 quantize buffer"] if x.server_fp8 else [])]
         plan.moments.append(("weight sync", sum(plan.term(n) for n in sync), sync))
         if x.delta_base:  # the full re-sync after a failed delta probe, in a sync's room
             plan.moments.append(("delta retry", sum(plan.term(n) for n in sync), sync))
@@ -325,6 +331,28 @@ def _ledger_hybrid(x: PlanInputs) -> dict | None:
                                                                       x.knobs),
             "context_len": hybrid.context_len(x.dims, x.knobs),
             "knobs": dataclasses.asdict(x.knobs)}
+
+
+def _server_weights(x: PlanInputs, total_params: int) -> tuple[int, str]:
+    """One server GPU's weight bytes and the row's note. FP8 (`rollout.weight_precision`):
+    embeddings, lm_head and routers stay BF16, every other parameter is counted as block FP8
+    (1 byte, plus a float32 scale per 128 x 128 block): an upper bound of what FP8 saves, as
+    norms, kept layers and fused modules off the 128 grid stay BF16 (`quant.blockfp8`)."""
+    if not x.server_fp8:
+        return total_params * 2 // x.server_tp, f"bf16, server TP{x.server_tp}"
+    d = x.dims
+    kept = d.vocab * d.hidden * (1 if d.tied else 2) + d.layers * d.experts * d.hidden
+    fp8 = max(0, total_params - kept)
+    return ((2 * kept + fp8 + 4 * fp8 // (128 * 128)) // x.server_tp,
+            f"fp8 projections (block scales fp32), bf16 embeddings / lm_head / routers, "
+            f"server TP{x.server_tp}")
+
+
+def _fp8_buffer(d) -> int:
+    """Bytes the learner-side quantizer holds for the largest projection it quantizes
+    (`quant.blockfp8.quantize`: a float32 copy, the scaled float32 blocks, the e4m3 result)."""
+    largest = d.hidden * max(d.ffn, d.expert_ffn, d.shared_ffn, d.heads * d.head_dim)
+    return 9 * largest
 
 
 def _total_params(x: PlanInputs) -> int:
