@@ -26,7 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "examples" / "qwen3_gpu"
 WORKER = ROOT / "tests" / "rollout" / "_ledger_worker.py"
 CONFIGS = {"qwen3_8b_1node": ("Qwen3-8B", 1), "qwen3_30b_a3b_1node": ("Qwen3-30B-A3B", 1),
-           "qwen3_30b_a3b_2nodes": ("Qwen3-30B-A3B", 2)}
+           "qwen3_30b_a3b_2nodes": ("Qwen3-30B-A3B", 2),
+           # a hybrid: SGLang's KV of the full-attention layers + the delta-net state at launch
+           # (its switches are qwen3_30b_a3b_1node's: the same run, no extra time)
+           "qwen3_5_35b_a3b_2nodes": ("Qwen3.5-35B-A3B", 2)}
 GiB = 2**30
 
 
