@@ -34,6 +34,8 @@ linear layer); the slots take rest x r / (1 + r) of the KV budget by default.
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_gspo.runtime.sglang_pools import (
     HybridPools,
     ServerKnobs,
@@ -157,3 +159,31 @@ def state_note(d, pools: HybridPools, per_request: int, knobs: ServerKnobs,
             f"layers, conv bf16 + recurrent {ssm}); {pools.max_running_requests} requests at "
             f"once ({knobs.slots_per_request()} slots each), KV for {full} full-length; "
             f"{batch_per_server} per server per step")
+
+
+def state_rows(plan, x, free: int, weights: int, cell: int) -> list:
+    """A hybrid's SGLang pools for `report.build_plan` (`plan`: its Plan, `x`: PlanInputs):
+    sets the plan's KV tokens and state slots, returns the delta-net state row, and adds a
+    problem where SGLang would refuse to start."""
+    d = x.dims
+    pools = server_pools(d, server_tp=x.server_tp, knobs=x.knobs, free=free, weights=weights,
+                         mem_fraction=x.mem_fraction, cell=cell)
+    per = state_bytes_per_request(d, x.server_tp, x.knobs)
+    plan.kv_tokens = pools.kv_tokens
+    plan.state_slots, plan.max_running_requests = pools.state_slots, pools.max_running_requests
+    if pools.max_running_requests < 1:
+        plan.problems.append(
+            f"SGLang delta-net state: {pools.state_slots} slots of {per} B serve "
+            f"{max(0, pools.max_running_requests)} requests ({x.knobs.slots_per_request()} "
+            "slots each): SGLang refuses to start")
+    return [(STATE_ROW, pools.state_bytes,
+             state_note(d, pools, per, x.knobs, x.batch_per_server, x.kv_tokens_needed))]
+
+
+def ledger_fields(x) -> dict | None:
+    """The device ledger's sizing inputs of a hybrid's SGLang pools (`LedgerSpec.hybrid`;
+    None for other models)."""
+    if not x.dims.linear:
+        return None
+    return {"state_bytes_per_request": state_bytes_per_request(x.dims, x.server_tp, x.knobs),
+            "context_len": context_len(x.dims, x.knobs), "knobs": dataclasses.asdict(x.knobs)}

@@ -174,7 +174,7 @@ def build_plan(x: PlanInputs, host: bool = True) -> Plan:
                                                    "main weights", "KL reference"]
         free = x.gpu_bytes - CONTEXT_BYTES - sum(plan.term(n) for n in at_launch)
         cell = mp.kv_cell_bytes(d, x.server_tp)
-        state_rows = _state_rows(plan, x, free, sg_w, cell) if d.linear else []
+        state_rows = hybrid.state_rows(plan, x, free, sg_w, cell) if d.linear else []
         if not d.linear:
             plan.kv_tokens = mp.sglang_kv_tokens(free, sg_w, x.mem_fraction, cell)
         kv = plan.kv_tokens * cell
@@ -221,25 +221,6 @@ def build_plan(x: PlanInputs, host: bool = True) -> Plan:
         plan.delta_server_bytes = n * x.param_bytes if x.delta_base == "copy" else 0
     plan.check()
     return plan
-
-
-def _state_rows(plan: Plan, x: PlanInputs, free: int, weights: int, cell: int) -> list:
-    """A hybrid's SGLang pools (`megatron.memory.hybrid`): sets the plan's KV tokens, returns
-    the delta-net state row, and adds a problem where SGLang would refuse to start."""
-    d = x.dims
-    pools = hybrid.server_pools(d, server_tp=x.server_tp, knobs=x.knobs, free=free,
-                                weights=weights, mem_fraction=x.mem_fraction, cell=cell)
-    per = hybrid.state_bytes_per_request(d, x.server_tp, x.knobs)
-    plan.kv_tokens = pools.kv_tokens
-    plan.state_slots, plan.max_running_requests = pools.state_slots, pools.max_running_requests
-    if pools.max_running_requests < 1:
-        plan.problems.append(
-            f"SGLang delta-net state: {pools.state_slots} slots of {per} B serve "
-            f"{max(0, pools.max_running_requests)} requests ({x.knobs.slots_per_request()} "
-            "slots each): SGLang refuses to start")
-    return [(hybrid.STATE_ROW, pools.state_bytes,
-             hybrid.state_note(d, pools, per, x.knobs, x.batch_per_server,
-                               x.kv_tokens_needed))]
 
 
 def _room_moments(plan: Plan, x: PlanInputs, gen: list[str], at_launch: list[str]) -> None:
@@ -320,17 +301,8 @@ def ledger_spec(plan: Plan, x: PlanInputs, name: str, tolerance: float = 0.05):
                       plan_moments=moments, plan_kv_tokens=plan.kv_tokens,
                       mem_fraction=x.mem_fraction,
                       kv_cell_bytes=mp.kv_cell_bytes(x.dims, x.server_tp), tolerance=tolerance,
-                      hybrid=_ledger_hybrid(x))
+                      hybrid=hybrid.ledger_fields(x))
 
-
-def _ledger_hybrid(x: PlanInputs) -> dict | None:
-    """The ledger's sizing inputs of a hybrid's SGLang pools (None for other models)."""
-    if not x.dims.linear:
-        return None
-    return {"state_bytes_per_request": hybrid.state_bytes_per_request(x.dims, x.server_tp,
-                                                                      x.knobs),
-            "context_len": hybrid.context_len(x.dims, x.knobs),
-            "knobs": dataclasses.asdict(x.knobs)}
 
 
 def _server_weights(x: PlanInputs, total_params: int) -> tuple[int, str]:
