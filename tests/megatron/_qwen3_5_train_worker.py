@@ -29,15 +29,15 @@ tiny.make_family_model = _make_family_model
 
 
 def case_pipe_expert(arch: str, outdir: Path, chk, info: dict):
-    """PP2 (and, MoE, EP2) give the single process's GSPO loss and gradients (1e-5); TP2 is
-    not run: the learner's packed rows reach the delta-net sequence-sharded under SP (refused
-    by `PackedGatedDeltaNet`)."""
+    """PP2, TP2 + SP (and, MoE, EP2) give the single process's GSPO loss and gradients (1e-5);
+    under SP the packed rows reach the delta-net sequence-sharded (`PackedGatedDeltaNet`
+    gathers them)."""
     import torch
 
     from megatron_gspo.megatron.parallel import ParallelLayout as PL
 
     ref = torch.load(outdir / "ref_grads.pt")
-    layouts = {"pp2": PL(pipeline=2)}
+    layouts = {"pp2": PL(pipeline=2), "tp2sp": PL(tensor=2, sequence_parallel=True)}
     if arch == MOE:
         layouts["ep2"] = PL(expert=2, expert_tensor=1)
     for tag, layout in layouts.items():

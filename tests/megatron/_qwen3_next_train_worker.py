@@ -27,15 +27,16 @@ tiny.make_family_model = _make_family_model
 
 
 def case_pipe_expert(arch: str, outdir: Path, chk, info: dict):
-    """PP2 and EP2 give the single process's GSPO loss and gradients (1e-5); TP2 is not run:
-    the learner's packed rows reach the delta-net sequence-sharded under SP (refused by
-    `PackedGatedDeltaNet`)."""
+    """PP2, EP2 and TP2 + SP give the single process's GSPO loss and gradients (1e-5); under
+    SP the packed rows reach the delta-net sequence-sharded (`PackedGatedDeltaNet` gathers
+    them)."""
     import torch
 
     from megatron_gspo.megatron.parallel import ParallelLayout as PL
 
     ref = torch.load(outdir / "ref_grads.pt")
-    for tag, layout in {"pp2": PL(pipeline=2), "ep2": PL(expert=2, expert_tensor=1)}.items():
+    for tag, layout in {"pp2": PL(pipeline=2), "ep2": PL(expert=2, expert_tensor=1),
+                        "tp2sp": PL(tensor=2, sequence_parallel=True)}.items():
         m, g = family._grads_run(arch, outdir, layout)
         chk.close(f"{tag}.loss", m["loss"], ref["loss"], rtol=1e-5, atol=1e-8)
         chk.dicts(f"{tag}.grad", g, ref["grads"], rtol=1e-5, atol=1e-8)

@@ -40,4 +40,5 @@ def test_learner_pp2_ep2_match_one_process(tmp_path, monkeypatch, arch):
     for rank, rep in enumerate(reps):
         assert rep["failures"] == [], f"rank {rank}: {rep['failures']}"
     print(f"\n{arch}: {reps[0]['info']}")
-    assert ({"pp2", "ep2"} if arch == MOE else {"pp2"}) <= set(reps[0]["info"])
+    assert ({"pp2", "ep2", "tp2sp"} if arch == MOE else {"pp2", "tp2sp"}) <= set(
+        reps[0]["info"])

@@ -29,11 +29,11 @@ def test_three_gspo_steps_sync_and_replay(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_learner_pp2_ep2_match_one_process(tmp_path, monkeypatch):
-    """The learner's PP2 and EP2 GSPO loss and gradients = one process's (1e-5)."""
+    """The learner's PP2, EP2 and TP2 + SP GSPO loss and gradients = one process's (1e-5)."""
     monkeypatch.setattr(_dist, "WORKERS", WORKER)
     _dist.launch(f"ref-{ARCH}", 1, tmp_path, timeout=600)
     reps = _dist.launch(f"pe-{ARCH}", 2, tmp_path, timeout=900)
     for rank, rep in enumerate(reps):
         assert rep["failures"] == [], f"rank {rank}: {rep['failures']}"
     print(f"\n{ARCH}: {reps[0]['info']}")
-    assert {"pp2", "ep2"} <= set(reps[0]["info"])
+    assert {"pp2", "ep2", "tp2sp"} <= set(reps[0]["info"])

@@ -119,7 +119,13 @@ class PackedGatedDeltaNet(GatedDeltaNet):
     """GatedDeltaNet over the learner's packed rows (THD, batch 1): each packed sequence (and
     the padding tail) runs on its own, so no state crosses a boundary. Megatron-Core 0.16.1's
     module refuses packed input ("GDN does not support packed sequence for now") and 0.19.2's
-    torch rule asserts `cu_seqlens is None`; with fla on 0.19.2 the native varlen path runs."""
+    torch rule asserts `cu_seqlens is None`; with fla on 0.19.2 the native varlen path runs.
+
+    Under sequence parallelism a rank holds a slice of the packed row that cuts sequences: the
+    row is gathered over TP first (backward: this rank's slice of the gradient, which the
+    in-projection's own all-reduce has made whole), the sequences run with the module's
+    sequence-parallel switches off (the in-projection copies its input, the out-projection
+    all-reduces), and the output is split back to this rank's slice (backward: all-gather)."""
 
     def forward(self, hidden_states, attention_mask=None, *args, packed_seq_params=None,
                 **kwargs):
@@ -127,8 +133,23 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         if packed_seq_params is None or native:
             return super().forward(hidden_states, attention_mask, *args,
                                    packed_seq_params=packed_seq_params, **kwargs)
-        if hidden_states.shape[1] != 1 or self.config.sequence_parallel:
-            raise ValueError("packed delta-net input needs batch 1 and no sequence parallelism")
+        if hidden_states.shape[1] != 1:
+            raise ValueError("packed delta-net input needs batch 1")
+        if self.sp_size > 1:
+            from megatron.core.tensor_parallel.mappings import (
+                gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region)
+
+            tp = self.pg_collection.tp
+            full = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=tp)
+            with _sequence_parallel_off(self):
+                out, bias = self._per_sequence(full, attention_mask, packed_seq_params, *args,
+                                               **kwargs)
+            return scatter_to_sequence_parallel_region(out, group=tp), bias
+        return self._per_sequence(hidden_states, attention_mask, packed_seq_params, *args,
+                                  **kwargs)
+
+    def _per_sequence(self, hidden_states, attention_mask, packed_seq_params, *args, **kwargs):
         cu = packed_seq_params.cu_seqlens_q_padded
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
         bounds = sorted({0, *(int(b) for b in cu.tolist()), hidden_states.shape[0]})
@@ -139,6 +160,24 @@ class PackedGatedDeltaNet(GatedDeltaNet):
                                             packed_seq_params=None, **kwargs)
                 outs.append(out)
         return torch.cat(outs, dim=0), bias
+
+
+class _sequence_parallel_off:
+    """Within: the delta-net module and its two projections as without sequence parallelism
+    (`GatedDeltaNet.sp_size`, the linears' `sequence_parallel`), restored on exit."""
+
+    def __init__(self, mod) -> None:
+        self.mod = mod
+
+    def __enter__(self):
+        m = self.mod
+        self.saved = (m.sp_size, m.in_proj.sequence_parallel, m.out_proj.sequence_parallel)
+        m.sp_size, m.in_proj.sequence_parallel, m.out_proj.sequence_parallel = 1, False, False
+
+    def __exit__(self, *exc):
+        m = self.mod
+        m.sp_size, m.in_proj.sequence_parallel, m.out_proj.sequence_parallel = self.saved
+        return False
 
 
 def _gdn_spec() -> ModuleSpec:

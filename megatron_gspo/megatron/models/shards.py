@@ -78,16 +78,34 @@ def _is_gated_fc1(name: str, config) -> bool:
                                          or name.endswith("linear_fc1.lora_b"))
 
 
+def _segments(name: str, config, rows: int) -> list[int] | None:
+    """Full-size segments of a TP-partitioned tensor whose every segment is split over the
+    ranks (a rank holds [seg_1 / tp, seg_2 / tp, ...]), or None for one plain split: a gated
+    fc1's [gate; up]; a gated delta-net's in_proj [q; k; v; z; b; a] and conv1d [q; k; v]
+    (megatron-core ssm/gated_delta_net.py partitions them per head group)."""
+    if _is_gated_fc1(name, config):
+        return [rows // 2, rows // 2]
+    nv = getattr(config, "linear_num_value_heads", None)
+    if nv and ".self_attention." in name:
+        qk = config.linear_num_key_heads * config.linear_key_head_dim
+        v = nv * config.linear_value_head_dim
+        if name.endswith("self_attention.in_proj.weight"):
+            return [qk, qk, v, v, nv, nv]
+        if name.endswith(("self_attention.conv1d.weight", "self_attention.conv1d.bias")):
+            return [qk, qk, v]
+    return None
+
+
 def shard_tensor(full: torch.Tensor, param, name: str, config) -> torch.Tensor:
     """This rank's shard of `full` for `param` (a local model parameter)."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
     _, size, rank = _groups(param, name)
     dim = param.partition_dim
-    if _is_gated_fc1(name, config):
-        gate, up = torch.chunk(full, 2, dim=dim)
-        return torch.cat([torch.chunk(gate, size, dim)[rank], torch.chunk(up, size, dim)[rank]],
-                         dim=dim)
+    segs = _segments(name, config, full.shape[dim])
+    if segs:
+        return torch.cat([torch.chunk(s, size, dim)[rank]
+                          for s in torch.split(full, segs, dim=dim)], dim=dim)
     return torch.chunk(full, size, dim=dim)[rank]
 
 
@@ -101,9 +119,10 @@ def unshard_tensor(local: torch.Tensor, param, name: str, config) -> torch.Tenso
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local.contiguous(), group=group)
     dim = param.partition_dim
-    if _is_gated_fc1(name, config):
-        halves = [torch.chunk(p, 2, dim=dim) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    segs = _segments(name, config, local.shape[dim] * size)
+    if segs:
+        pieces = [torch.split(p, [s // size for s in segs], dim=dim) for p in parts]
+        return torch.cat([pieces[r][i] for i in range(len(segs)) for r in range(size)], dim=dim)
     return torch.cat(parts, dim=dim)
 
 
