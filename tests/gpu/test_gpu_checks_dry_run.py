@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
 STAGES = ["wheels", "selfcheck", "learner", "demo", "bench_learner", "memory", "colocated",
-          "bench_logprobs"]
+          "fp8", "bench_logprobs"]
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_kit  # noqa: E402
 
