@@ -18,8 +18,8 @@ from megatron_gspo.algo.losses import (AGGREGATIONS, LOGRATIO_BOUND, finalize_st
                                        gspo_token_loss, grpo_loss, sequence_log_ratio)
 from megatron_gspo.algo.precision import (ToleranceController, apply_correction, audit_sums,
                                           correction_metrics,
-                                          check_engine_logprobs, finalize_audit, mismatch_band,
-                                          sequence_mismatch)
+                                          check_engine_logprobs, finalize_audit, length_bins,
+                                          mismatch_band, sequence_mismatch)
 from megatron_gspo.algo.sapo import sapo_gate, sapo_loss
 from megatron_gspo.algo.turn_advantages import (assign_multiturn_advantages,
                                                 discounted_returns, episode_level_advantages,
@@ -39,5 +39,5 @@ __all__ = [
     # precision audit of engine log-probs
     "sequence_mismatch", "audit_sums", "finalize_audit", "mismatch_band", "apply_correction",
     "check_engine_logprobs", "ToleranceController", "icepop_token_mask", "mis_weights",
-    "offpolicy_sequence_mask", "correction_metrics",
+    "offpolicy_sequence_mask", "correction_metrics", "length_bins",
 ]
