@@ -51,6 +51,11 @@ class ModelConfig:
         "weights (model.load_checkpoint or model.path); needs algorithm.kl_coef > 0")
     reference_offload: bool = option(False, "keep the KL reference's weights in CPU memory "
                                      "between its forward passes")
+    mtp_layers: str = option(
+        "auto", "multi-token-prediction layers of the checkpoint (DeepSeek-V3, GLM-4.5): keep "
+        "(built frozen, in run checkpoints and exports, synced to SGLang servers with a draft), "
+        "drop, or auto: keep when model.path has them (docs/model-families.md, MTP)",
+        choices=("auto", "keep", "drop"))
     lora: LoraConfig = option(default_factory=LoraConfig, doc="LoRA adapters on the learner "
                               "(megatron_gspo/megatron/lora/adapters.py)")
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.loop.early_checks import check_rows, is_moe
-from megatron_gspo.loop import resume_checks
+from megatron_gspo.loop import mtp_setting, resume_checks
 from megatron_gspo.loop.server_setup import sglang_engine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,7 +105,9 @@ def learner(cfg: Config, hf_config: dict):
                    recompute=cfg.model.recompute_activations, reference=a.kl_coef > 0,
                    reference_offload=cfg.model.reference_offload,
                    routing_replay=cfg.moe.routing_replay,
-                   offload_outside_step=o.offload_outside_step, lora=lora)
+                   offload_outside_step=o.offload_outside_step, lora=lora,
+                   mtp=mtp_setting.mtp_layers(cfg, hf_config))
+    mtp_setting.mark_sync(learner_, cfg)  # what the weight sync sends of them
     # the initial weights, recorded in checkpoints (the base named in LoRA checkpoints), and
     # what a checkpoint must match to be resumed (`Checkpointer.load` runs it first)
     learner_.model_source = cfg.model.load_checkpoint or cfg.model.path

@@ -14,6 +14,7 @@ All ranks of the model-parallel group must iterate the generator together (it is
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -21,12 +22,13 @@ import torch.distributed as dist
 from megatron_gspo.convert import get_adapter
 from megatron_gspo.convert.param_map import ConversionError, to_hf_tensors
 from megatron_gspo.convert.fused_experts import SLICE_KINDS, ExpertSlices
-from megatron_gspo.convert.mtp import is_mtp
+from megatron_gspo.convert.mtp import is_mtp, without_mtp_copies
 from megatron_gspo.convert.sharding import expert_index, rename_indices, tp_unshard
 from megatron_gspo.megatron.io.dist_checkpoint import (
     ParamEntry,
     model_param_entries,
     normalize_hf_config,
+    unwrap,
 )
 from megatron_gspo.megatron.lora.adapters import (
     changed_since_sync,
@@ -109,6 +111,19 @@ def _stage_meta(entries, maps, dims, dtype, num_local_experts, ep_size, drops=No
     return out
 
 
+def _mtp_for_sync(models, entries: list) -> list:
+    """`entries` as a weight sync sends them when the loop marked the chunks' ``mtp_export``
+    (`loop.mtp_setting`): "layers": the MTP layers' own tensors but not the embedding / head
+    copies (SGLang's draft uses the target's); "none": no MTP tensor. Unmarked (conversion,
+    export of a checkpoint): everything, copies included, as the checkpoint holds it."""
+    modes = {getattr(unwrap(m), "mtp_export", None) for m in models}
+    if modes <= {None}:
+        return entries
+    keep = modes != {"none"}
+    return [replace(e, pm=without_mtp_copies(e.pm)) for e in entries
+            if keep or not is_mtp(e.canonical)]
+
+
 def export_hf_weights(
     models: list[torch.nn.Module],
     hf_config: Mapping,
@@ -157,6 +172,7 @@ def export_hf_weights(
         if e.pm is not None and (not (only_adapted or only_changed) or is_adapted_weight(e.param))
         and (not only_mtp or is_mtp(e.canonical))
     ]
+    entries = _mtp_for_sync(models, entries)
     if only_mtp and not entries and ps.get_pipeline_model_parallel_world_size() == 1:
         raise ConversionError("only_mtp: the model has no multi-token-prediction layer (build "
                               "it with mtp=True from a checkpoint that has one)")
