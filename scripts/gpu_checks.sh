@@ -57,9 +57,9 @@ STAGES=(wheels selfcheck learner demo bench_learner memory colocated fp8 bench_l
 # SGLang: imports, 0.82 GiB quantized on the GPU and on the CPU, two tiny models; about 20 s
 # expected) come from the stages whose SGLang parts cannot run on that machine: selfcheck
 # 70 -> 40 (its SGLang round trip, most of its 70 s, is skipped there; CUDA, NCCL and the GPT
-# check are spawned processes of seconds each) and colocated 60 -> 50 (skipped there; with
-# SGLang about 40 s). Where SGLang is installed give the SGLang stages more:
-# GPU_CHECKS_LIMIT_SELFCHECK=70 GPU_CHECKS_LIMIT_COLOCATED=60 GPU_CHECKS_LIMIT_FP8=80.
+# check are spawned processes of seconds each, under --timeout 30) and colocated 60 -> 50
+# (skipped there; with SGLang about 40 s). Where SGLang is installed give the SGLang stages
+# more: GPU_CHECKS_LIMIT_SELFCHECK=70 GPU_CHECKS_LIMIT_COLOCATED=60 GPU_CHECKS_LIMIT_FP8=80.
 declare -A LIMIT=([wheels]=40 [selfcheck]=40 [learner]=100 [demo]=80 [bench_learner]=70
                   [memory]=60 [colocated]=50 [fp8]=40 [bench_logprobs]=60)
 
