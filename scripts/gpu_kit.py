@@ -123,8 +123,7 @@ def cmd_imports(args) -> int:
     return 0
 
 
-def check_kit(kit: Path, pins: dict[str, str],
-              limit: int = LIMIT_BYTES) -> tuple[list[Path], list[str]]:
+def check_kit(kit: Path, pins: dict[str, str], limit: int = LIMIT_BYTES) -> tuple[list, list]:
     """Wheels of the kit folder against the pins.
 
     Returns:
