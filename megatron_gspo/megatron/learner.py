@@ -107,7 +107,7 @@ class Learner(LearnerState):
             **router_replay.with_replay_enabled(hf_config, model_kwargs))
         n_chunks = max(1, lay.virtual_pipeline or 1)
 
-        def model_chunks(device) -> list:  # this rank's (virtual) pipeline stages
+        def model_chunks(device, with_mtp=mtp) -> list:  # this rank's (virtual) pipeline stages
             out = []
             for vp in range(n_chunks):
                 vps = vp if n_chunks > 1 else None
@@ -115,7 +115,7 @@ class Learner(LearnerState):
                     hf_config, config=self.config, use_te=use_te, vp_stage=vps,
                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vps),
                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vps),
-                    mtp=mtp,
+                    mtp=with_mtp,
                 ).to(device))
             return out
 
@@ -150,7 +150,9 @@ class Learner(LearnerState):
         self.reference_model = None
         self.reference_is_base = reference and lora is not None  # adapters off, same model
         if reference and lora is None:
-            self.reference_chunks = model_chunks("cpu" if reference_offload else self.device)
+            # the KL reference is the policy alone: no MTP layers (outside the policy forward)
+            self.reference_chunks = model_chunks("cpu" if reference_offload else self.device,
+                                                 with_mtp=False)
             for m in self.reference_chunks:
                 m.requires_grad_(False)
                 m.eval()

@@ -55,6 +55,9 @@ def main(model: Path, over: dict) -> None:
     hf = build.read_hf_config(cfg.model.path)
     learner = build.learner(cfg, hf)
     build.load_initial_weights(cfg, learner, hf)
+    build.load_reference(cfg, learner, hf)  # with algorithm.kl_coef > 0: the policy alone
+    ref_mtp = sum(1 for c in learner.reference_chunks or [] for n, _ in c.named_parameters()
+                  if n.startswith("mtp."))
     engine = Recorder()
     mtp_params = [p for n, p in learner.chunks[0].named_parameters() if n.startswith("mtp.")]
     in_optimizer = {id(p) for g in learner.optimizer.param_groups for p in g["params"]}
@@ -64,13 +67,20 @@ def main(model: Path, over: dict) -> None:
                       response_ids=[rng.randrange(2, 150) for _ in range(5)],
                       loss_mask=[1] * 5, index=i, advantage=rng.uniform(-1, 1))
                for i in range(4)]
-    learner.train_step(samples, [[x + 0.01 for x in lp]
-                                 for lp in learner.forward_logprobs(samples)])
+    if learner.reference_chunks is not None:
+        lps, ref = learner.forward_logprobs(samples), learner.forward_logprobs(
+            samples, reference=True)
+        res_ref = max(abs(a - b) for x, y in zip(ref, lps, strict=True)
+                      for a, b in zip(x, y, strict=True))  # reference vs initial policy
+    else:
+        lps, ref, res_ref = learner.forward_logprobs(samples), None, None
+    learner.train_step(samples, [[x + 0.01 for x in lp] for lp in lps], ref)
     sync_weights(learner, engine, hf, cfg, 2)
     n = hf["num_hidden_layers"]
     p = f"model.layers.{n}."
     first, second = engine.syncs
-    res = {"mtp_params": len(mtp_params),
+    res = {"mtp_params": len(mtp_params), "reference_mtp_params": ref_mtp,
+           "reference": learner.reference_chunks is not None, "reference_diff": res_ref,
            "mtp_trainable": sum(int(q.requires_grad) for q in mtp_params),
            "mtp_in_optimizer": sum(int(id(q) in in_optimizer) for q in mtp_params),
            "first": sorted(first), "second": sorted(second)}

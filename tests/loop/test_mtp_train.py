@@ -141,8 +141,11 @@ def test_sync_sends_the_mtp_layer_to_servers_with_a_draft_only(tmp_path):
     assert r["second"] and not any(k.startswith(p) for k in r["second"])  # unchanged: skipped
     print(f"\nsync with a draft: full {len(r['first'])} tensors ({len(own)} MTP), delta after a "
           f"step {len(r['second'])} (0 MTP)")
-    r = _sync(model, {}, 29612)  # the embedded engine: no draft
+    r = _sync(model, {"algorithm.kl_coef": 0.05}, 29612)  # the embedded engine: no draft
     assert r["mtp_params"] > 0 and not any(k.startswith(p) for k in r["first"])
+    assert r["reference"] and r["reference_mtp_params"] == 0  # the KL reference: policy only
+    print(f"KL reference vs initial policy log-probs: {r['reference_diff']:.2g}")
+    assert r["reference_diff"] < 1e-5  # loaded as the initial policy
     assert set(r["first"]) == set(names) - {k for k in names if k.startswith(p)}
 
 
@@ -150,17 +153,23 @@ def test_sync_sends_the_mtp_layer_to_servers_with_a_draft_only(tmp_path):
     (False, "model.mtp_layers=keep", "has no multi-token-prediction layer"),
     (False, "model.mtp_layers=drop", "has no multi-token-prediction layer"),
     (True, "parallel.tensor=2", "not supported yet"),
+    (True, "model.lora.rank=4", "with model.lora are not supported"),
+    ("Gemma3ForCausalLM", "model.mtp_layers=keep", "MTP layers are not built here"),
 ])
 def test_refusals_are_one_line(tmp_path, mtp, over, msg):
     from megatron_gspo.config import ConfigError, load_config
     from megatron_gspo.loop.build import read_hf_config
     from megatron_gspo.loop.mtp_setting import mtp_layers
 
-    model = _model(tmp_path / "model", mtp=mtp)
+    if isinstance(mtp, str):  # another family
+        model = tmp_path / "model"
+        make_family_model(mtp, model)
+    else:
+        model = _model(tmp_path / "model", mtp=mtp)
     cfg = load_config(None, [f"model.path={model}", over])
     with pytest.raises(ConfigError, match=msg) as e:
         mtp_layers(cfg, read_hf_config(str(model)))
     assert "\n" not in str(e.value) and str(e.value).startswith("model.mtp_layers")
-    if not mtp:  # auto on a checkpoint without MTP: nothing to keep, no error
+    if mtp is False:  # auto on a checkpoint without MTP: nothing to keep, no error
         assert mtp_layers(load_config(None, [f"model.path={model}"]),
                           read_hf_config(str(model))) is False
