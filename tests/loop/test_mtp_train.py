@@ -6,12 +6,14 @@ WITH its multi-token-prediction layer (tests/convert/tiny_mtp.py):
   bit (frozen through training) while the trained main weights moved; the embedding / head
   copies equal the exported (trained) main tensors; a resumed third step loads and keeps it;
 - the learner the run builds holds it frozen: no trainable MTP parameter, none in the optimizer;
-- weight sync (`loop.weight_sync_phase.sync_weights` into a recording engine): to SGLang servers
-  launched with a draft (``--speculative-algorithm``), a full sync carries the MTP layer's own
-  tensors (bit-exact, not the embedding / head copies) and a delta sync after a training step
-  leaves them out (unchanged); the embedded engine (no draft) gets none;
+- weight sync (`loop.weight_sync_phase.sync_weights` into a recording engine; DeepSeek-V3 and
+  GLM-4.5): to SGLang servers launched with a draft (``--speculative-algorithm``), a full sync
+  carries the MTP layer's own tensors (bit-exact, not the embedding / head copies) and a delta
+  sync after a training step leaves them out (unchanged); the embedded engine (no draft) gets
+  none; the KL reference is built without them;
 - `drop` builds none (the run checkpoint and its export have none), and the refusals are one
-  line each (keep/drop on a checkpoint without MTP, keep under tensor parallelism).
+  line each (keep/drop on a checkpoint without MTP, keep under tensor parallelism, with LoRA,
+  on a family whose MTP layers are not built).
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_TH
            CUDA_VISIBLE_DEVICES="")
 
 
-def _model(out: Path, mtp: bool = True) -> Path:
+def _model(out: Path, mtp: bool = True, arch: str = ARCH) -> Path:
     if mtp:
-        make_mtp_checkpoint(ARCH, out)
+        make_mtp_checkpoint(arch, out)
     else:
-        make_family_model(ARCH, out)
+        make_family_model(arch, out)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (out / f).write_bytes((TOKENIZER / f).read_bytes())
     return out
@@ -122,9 +124,10 @@ def _sync(model: Path, over: dict, port: int) -> dict:
     return json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])
 
 
-def test_sync_sends_the_mtp_layer_to_servers_with_a_draft_only(tmp_path):
-    model = _model(tmp_path / "model")
-    n = FAMILIES[ARCH][1]["num_hidden_layers"]
+@pytest.mark.parametrize("arch", [ARCH, "Glm4MoeForCausalLM"])
+def test_sync_sends_the_mtp_layer_to_servers_with_a_draft_only(tmp_path, arch):
+    model = _model(tmp_path / "model", arch=arch)
+    n = FAMILIES[arch][1]["num_hidden_layers"]
     p = f"model.layers.{n}."
     spec = {"rollout.engine": "sglang", "rollout.colocate": "false",
             "rollout.weight_sync": "distributed", "rollout.verify_sync_interval": 0,
@@ -139,8 +142,8 @@ def test_sync_sends_the_mtp_layer_to_servers_with_a_draft_only(tmp_path):
                                             p + "shared_head.head.weight"}
     assert r["first_mtp_equal_input"]
     assert r["second"] and not any(k.startswith(p) for k in r["second"])  # unchanged: skipped
-    print(f"\nsync with a draft: full {len(r['first'])} tensors ({len(own)} MTP), delta after a "
-          f"step {len(r['second'])} (0 MTP)")
+    print(f"\n{arch} sync with a draft: full {len(r['first'])} tensors ({len(own)} MTP), "
+          f"delta after a step {len(r['second'])} (0 MTP)")
     r = _sync(model, {"algorithm.kl_coef": 0.05}, 29612)  # the embedded engine: no draft
     assert r["mtp_params"] > 0 and not any(k.startswith(p) for k in r["first"])
     assert r["reference"] and r["reference_mtp_params"] == 0  # the KL reference: policy only
