@@ -9,7 +9,11 @@ that would be ignored is an error, never a silent no-op").
 - every `agent.*` field while `agent.enabled` is false;
 - `precision.tolerance` and `precision.recheck_interval` unless `precision.old_logprobs` is
   `auto` (they drive its switch between engine and learner log-probs), and
-  `precision.audit_fraction` with `recompute` (every step computes the learner's log-probs).
+  `precision.audit_fraction` with `recompute` (every step computes the learner's log-probs);
+- `rollout.offload_learner` unless SGLang servers are colocated (nothing else shares the GPU),
+  `rollout.fp8_bf16_layers` unless `rollout.weight_precision` is `fp8`;
+- `train.eval_samples` and `train.eval_pass_k` while `train.eval_interval` is 0 (no evaluation
+  runs), `logging.wandb_name` without `logging.wandb_project` (nothing is sent to W&B).
 """
 
 from __future__ import annotations
@@ -69,6 +73,21 @@ def check_unused(cfg) -> None:
         rules.append(("precision", _changed(p, ("audit_fraction",)),
                       "precision.old_logprobs 'recompute' (every step computes the learner's "
                       "log-probs)"))
+    if not (r.engine == "sglang" and r.colocate):
+        rules.append(("rollout", _changed(r, ("offload_learner",)),
+                      f"rollout.engine {r.engine!r}" + (" and rollout.colocate false"
+                                                        if r.engine == "sglang" else "")
+                      + " (no SGLang server shares the learner's GPUs)"))
+    if r.weight_precision != "fp8":
+        rules.append(("rollout", _changed(r, ("fp8_bf16_layers",)),
+                      f"rollout.weight_precision {r.weight_precision!r} (no FP8 weights)"))
+    t, lg = cfg.train, cfg.logging
+    if t.eval_interval == 0:
+        rules.append(("train", _changed(t, ("eval_samples", "eval_pass_k")),
+                      "train.eval_interval 0 (no evaluation runs)"))
+    if lg.wandb_project is None:
+        rules.append(("logging", _changed(lg, ("wandb_name",)),
+                      "logging.wandb_project unset (nothing is sent to Weights & Biases)"))
     for section, names, why in rules:
         if names:
             raise ConfigError(f"{section}.{names[0]}: not used with {why}; drop it")

@@ -29,6 +29,15 @@ SGLANG = ["rollout.engine=sglang", "model.path=/m"]
      "precision.recheck_interval", "precision.old_logprobs 'rollout'"),
     (["precision.old_logprobs=recompute", "precision.audit_fraction=0.5"],
      "precision.audit_fraction", "precision.old_logprobs 'recompute'"),
+    # accepted until issue 57 (docs/configuration.md listed them as having no effect)
+    (["rollout.offload_learner=true"], "rollout.offload_learner", "rollout.engine 'embedded'"),
+    ([*SGLANG, "rollout.colocate=false", "rollout.offload_learner=false"],
+     "rollout.offload_learner", "rollout.engine 'sglang' and rollout.colocate false"),
+    (["rollout.fp8_bf16_layers=1"], "rollout.fp8_bf16_layers",
+     "rollout.weight_precision 'bf16'"),
+    (["train.eval_samples=4", "train.eval_temperature=1"], "train.eval_samples",
+     "train.eval_interval 0"),
+    (["logging.wandb_name=run1"], "logging.wandb_name", "logging.wandb_project unset"),
 ])
 def test_an_ignored_setting_is_refused(overrides, field, because):
     with pytest.raises(ConfigError) as e:
