@@ -21,10 +21,14 @@ from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.standin.server import StandinServer
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(limit: int = 55535) -> int:
+    """A free port SGLang (and the stand-in) accepts: at most 55535 (it adds 10000 for gRPC)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port <= limit:
+            return port
 
 
 def _expected(new, kept):
