@@ -121,8 +121,10 @@ def _sync_phase(monkeypatch, buckets, overrides):
     from megatron_gspo.megatron.io import weight_export as export
 
     monkeypatch.setattr(export, "export_hf_weights", lambda *a, **k: buckets())
+    # colocated: the learner stays (no offload); not colocated, nothing shares its GPUs
+    stay = [] if "rollout.colocate=false" in overrides else ["rollout.offload_learner=false"]
     cfg = load_config(ROOT / "examples" / "tiny" / "config.yaml", [
-        "rollout.engine=sglang", "rollout.weight_sync=tensor", "rollout.offload_learner=false",
+        "rollout.engine=sglang", "rollout.weight_sync=tensor", *stay,
         "rollout.verify_sync_interval=0", *overrides])
     learner = SimpleNamespace(chunks=None, lora=None, offloaded_parts=lambda: [])
     return lambda engine, hf, version: sync_weights(learner, engine, hf, cfg, version)
