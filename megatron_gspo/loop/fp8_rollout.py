@@ -44,28 +44,16 @@ def num_layers(hf_config: dict) -> int:
     return int(text["num_hidden_layers"])
 
 
-def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of every tensor in `model_path`'s safetensors (headers only)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"rollout.weight_precision: fp8 needs model.path's weights as "
-                          f"safetensors; {model_path} has none")
-    shapes = {}
-    for f in files:
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                shapes[name] = tuple(st.get_slice(name).get_shape())
-    return shapes
-
-
 @functools.lru_cache(maxsize=4)
 def _kept(model_path: str, layers: int, keep_layers: int, tp_size: int) -> frozenset[str]:
     from megatron_gspo.quant.blockfp8 import modules_to_not_convert
+    from megatron_gspo.rollout.served_shapes import checkpoint_shapes
 
-    return frozenset(modules_to_not_convert(_checkpoint_shapes(model_path), layers, keep_layers,
-                                            tp_size))
+    shapes = checkpoint_shapes(model_path)  # the safetensors headers only
+    if not shapes:
+        raise ConfigError(f"rollout.weight_precision: fp8 needs model.path's weights as "
+                          f"safetensors; {model_path} has none readable")
+    return frozenset(modules_to_not_convert(shapes, layers, keep_layers, tp_size))
 
 
 def modules_kept(cfg: Config, hf_config: dict) -> frozenset[str]:
