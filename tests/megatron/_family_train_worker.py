@@ -239,11 +239,21 @@ def case_par(arch: str, outdir: Path, chk: Checker, info: dict):
                "pp2": PL(pipeline=2)}
     if moe:
         layouts["ep2"] = PL(expert=2, expert_tensor=1)
+    match_reference(arch, outdir, chk, info, layouts, ref)
+
+
+def match_reference(arch: str, outdir: Path, chk: Checker, info: dict, layouts: dict,
+                    ref: dict | None = None) -> None:
+    """Each layout's loss and gradients against case_ref's one process (1e-5); `info` gets the
+    loss and the largest gradient difference per layout tag."""
+    ref = ref if ref is not None else torch.load(outdir / "ref_grads.pt")
     for tag, layout in layouts.items():
         m, g = _grads_run(arch, outdir, layout)
         chk.close(f"{tag}.loss", m["loss"], ref["loss"], rtol=1e-5, atol=1e-8)
         chk.dicts(f"{tag}.grad", g, ref["grads"], rtol=1e-5, atol=1e-8)
         info[tag] = float(m["loss"])
+        info[f"{tag}_max_grad_diff"] = max(float((g[k] - ref["grads"][k]).abs().max())
+                                           for k in ref["grads"])
 
 
 def main():

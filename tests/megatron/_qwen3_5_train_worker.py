@@ -32,21 +32,12 @@ def case_pipe_expert(arch: str, outdir: Path, chk, info: dict):
     """PP2, TP2 + SP (and, MoE, EP2) give the single process's GSPO loss and gradients (1e-5);
     under SP the packed rows reach the delta-net sequence-sharded (`PackedGatedDeltaNet`
     gathers them)."""
-    import torch
-
     from megatron_gspo.megatron.parallel import ParallelLayout as PL
 
-    ref = torch.load(outdir / "ref_grads.pt")
     layouts = {"pp2": PL(pipeline=2), "tp2sp": PL(tensor=2, sequence_parallel=True)}
     if arch == MOE:
         layouts["ep2"] = PL(expert=2, expert_tensor=1)
-    for tag, layout in layouts.items():
-        m, g = family._grads_run(arch, outdir, layout)
-        chk.close(f"{tag}.loss", m["loss"], ref["loss"], rtol=1e-5, atol=1e-8)
-        chk.dicts(f"{tag}.grad", g, ref["grads"], rtol=1e-5, atol=1e-8)
-        info[tag] = float(m["loss"])
-        info[f"{tag}_max_grad_diff"] = max(float((g[k] - ref["grads"][k]).abs().max())
-                                           for k in ref["grads"])
+    family.match_reference(arch, outdir, chk, info, layouts)
 
 
 if __name__ == "__main__":

@@ -30,19 +30,11 @@ def case_pipe_expert(arch: str, outdir: Path, chk, info: dict):
     """PP2, EP2 and TP2 + SP give the single process's GSPO loss and gradients (1e-5); under
     SP the packed rows reach the delta-net sequence-sharded (`PackedGatedDeltaNet` gathers
     them)."""
-    import torch
-
     from megatron_gspo.megatron.parallel import ParallelLayout as PL
 
-    ref = torch.load(outdir / "ref_grads.pt")
-    for tag, layout in {"pp2": PL(pipeline=2), "ep2": PL(expert=2, expert_tensor=1),
-                        "tp2sp": PL(tensor=2, sequence_parallel=True)}.items():
-        m, g = family._grads_run(arch, outdir, layout)
-        chk.close(f"{tag}.loss", m["loss"], ref["loss"], rtol=1e-5, atol=1e-8)
-        chk.dicts(f"{tag}.grad", g, ref["grads"], rtol=1e-5, atol=1e-8)
-        info[tag] = float(m["loss"])
-        info[f"{tag}_max_grad_diff"] = max(float((g[k] - ref["grads"][k]).abs().max())
-                                           for k in ref["grads"])
+    family.match_reference(arch, outdir, chk, info, {
+        "pp2": PL(pipeline=2), "ep2": PL(expert=2, expert_tensor=1),
+        "tp2sp": PL(tensor=2, sequence_parallel=True)})
 
 
 if __name__ == "__main__":
