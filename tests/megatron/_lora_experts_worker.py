@@ -15,8 +15,8 @@ Cases:
                    weights equal to the learner's merged ones; the PEFT export (routed experts
                    as peft `target_parameters` of transformers 5's fused expert tensors) loads
                    in `peft` with the learner's log-probs, and merge_and_unload equals the
-                   merged weights; GLM-4.5's shared-expert adapters are refused by the PEFT
-                   export with peft's reason.
+                   merged weights; GLM-4.5's PEFT export (shared experts by module path)
+                   loads in peft >= 0.22 with the learner's log-probs, an older peft refused.
   lorax2 (2 ranks) GLM-4.5 under TP2 + SP + EP2 (expert TP 1) and EP2 against lorax1: log-probs,
                    loss, adapter gradients and post-step adapters; `only_changed` with one
                    expert changed on EP rank 1 yields exactly that expert on both ranks.
@@ -312,22 +312,41 @@ def _fuse(state: dict) -> dict:
     return out
 
 
-def _shared_refusal(chk: Checker, full: dict, outdir: Path, info: dict):
+def _glm_peft(chk: Checker, samples, outdir: Path, info: dict):
+    """GLM-4.5's PEFT export: with peft >= 0.22 its shared-expert adapters (module-path targets)
+    and routed-expert adapters load with the learner's log-probs; an older peft is refused in
+    one line with its reason, leaving no directory."""
+    from peft import PeftModel
+
     from megatron_gspo.convert.registry import get_adapter
     from megatron_gspo.megatron.io.dist_checkpoint import normalize_hf_config
-    from megatron_gspo.megatron.lora.adapters import LoraSettings
-    from megatron_gspo.megatron.lora.io import PeftExportError, write_peft_adapter
+    from megatron_gspo.megatron.lora import adapters as lora
+    from megatron_gspo.megatron.lora.io import (PeftExportError, peft_rewriting_moe_mlp,
+                                                write_peft_adapter)
 
+    L = _learner("glm", seed=9)
+    L.load_full_state_dict(_random_b(L.full_state_dict(), seed=10))
     dims = get_adapter(GLM4_MOE).dims(normalize_hf_config(GLM4_MOE))
+    info["glm.peft_version_rewrites"] = peft_rewriting_moe_mlp()
     try:
-        write_peft_adapter(outdir / "peft-glm", _adapters(full), dims,
-                           LoraSettings(rank=4, alpha=8.0, targets=TARGETS["glm"]), None,
-                           arch="Glm4MoeForCausalLM")
-        chk.failures.append("the PEFT export took shared-expert adapters")
+        out = write_peft_adapter(outdir / "peft-glm", _adapters(L.full_state_dict()), dims,
+                                 L.lora, None, arch="Glm4MoeForCausalLM")
     except PeftExportError as e:
         info["glm.peft_refusal"] = str(e)
         if (outdir / "peft-glm").exists():
             chk.failures.append("the refused PEFT export left a directory")
+        return
+    learner = _flat(L.forward_logprobs(samples))
+    with lora.adapters_off(L.chunks):
+        base = _export(L, "glm")
+    pm = PeftModel.from_pretrained(_hf("glm", _fuse(base)), str(out)).eval()
+    wrapped = {n.split(".lora_")[0] for n, _ in pm.named_parameters() if ".lora_" in n}
+    info["glm.peft.shared_wrapped"] = sum(".shared_experts." in n for n in wrapped)
+    got = _flat(_hf_logprobs(pm, samples))
+    info["glm.peft.max_abs_logprob_diff"] = _maxdiff(got, learner)
+    chk.close("peft-loaded GLM adapter lps", got, learner, rtol=1e-5)
+    with pm.disable_adapter():
+        info["glm.peft.adapters_off_diff"] = _maxdiff(_flat(_hf_logprobs(pm, samples)), learner)
 
 
 def case_lorax1(outdir: Path, chk: Checker, info: dict):
@@ -337,7 +356,7 @@ def case_lorax1(outdir: Path, chk: Checker, info: dict):
     samples = make_samples()
     ref = {"glm": _reference_run(chk, "glm", samples, info)}
     torch.save(ref, outdir / "lorax_ref.pt")
-    _shared_refusal(chk, ref["glm"]["full"], outdir, info)
+    _glm_peft(chk, samples, outdir, info)
     _sync_and_peft(chk, samples, outdir, info)
     _probe_sync(chk, samples, outdir, info)
 

@@ -56,9 +56,14 @@ def test_lora_on_routed_and_shared_experts_single_process(single):
     assert info["moe.peft.max_abs_logprob_diff"] <= 1e-5
     assert info["moe.peft.adapters_off_diff"] > 1e-2
     assert info["moe.peft.merge_and_unload_max_diff"] <= 1e-6
-    refusal = info["glm.peft_refusal"]
-    assert "shared experts" in refusal and "_convert_peft_config_moe" in refusal
-    assert "\n" not in refusal
+    if info["glm.peft_version_rewrites"]:  # peft < 0.22: refused with its reason
+        refusal = info["glm.peft_refusal"]
+        assert "shared experts" in refusal and "_convert_peft_config_moe" in refusal
+        assert "\n" not in refusal
+    else:  # shared experts (3 MoE layers x gate, up, down) load with the learner's lps
+        assert info["glm.peft.shared_wrapped"] == 3 * 3
+        assert info["glm.peft.max_abs_logprob_diff"] <= 1e-5
+        assert info["glm.peft.adapters_off_diff"] > 1e-2
 
 
 @pytest.mark.slow
@@ -73,27 +78,37 @@ def test_lora_experts_ep2_and_tp2sp_ep2_match_single_process(single, workdir):
             f"model.layers.2.mlp.experts.5.{p}.weight" for p in ("gate_proj", "up_proj")]
 
 
-def test_peft_rewrites_shared_expert_targets_into_the_fused_experts():
-    """The reason of the shared-expert refusal, checked in peft itself: on a transformers 5
-    GLM-4.5 (model type mapped to qwen2_moe's conversion), a `shared_experts.gate_proj` target
-    becomes the routed experts' `gate_up_proj` parameter."""
+def test_peft_keeps_module_path_mlp_targets_of_an_moe_model(monkeypatch):
+    """Checked in peft itself, on a transformers 5 GLM-4.5 (model type mapped to qwen2_moe's
+    conversion): peft >= 0.22 keeps the export's module-path targets (`shared_experts.gate_proj`,
+    `mlp.gate_proj`) on the `nn.Linear` layers; peft 0.21 rewrote them into the routed experts'
+    `gate_up_proj`, which is why the export refuses them under an older peft."""
     import transformers
     from peft import LoraConfig
     from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
 
-    from megatron_gspo.megatron.lora.io import peft_refusal
+    from megatron_gspo.megatron.lora import io as lora_io
     from tests.convert.tiny_families import GLM4_MOE
 
     cfg = {k: v for k, v in GLM4_MOE.items() if k not in ("architectures", "model_type")}
     model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**cfg))
-    lc = LoraConfig(r=2, target_modules=["shared_experts.gate_proj", "shared_experts.up_proj",
-                                         "shared_experts.down_proj", "q_proj"])
+    targets = {"shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj",
+               "mlp.gate_proj", "q_proj"}
+    lc = LoraConfig(r=2, target_modules=sorted(targets))
     convert_peft_config_for_transformers(lc, model=model, conversions=None)
-    assert set(lc.target_modules) == {"q_proj"}
-    assert {"gate_up_proj", "down_proj"} <= set(lc.target_parameters)
-    assert peft_refusal(("qkv", "experts"), GLM4_MOE) is None
-    assert "shared experts" in peft_refusal(("experts", "shared_experts"), GLM4_MOE)
-    assert "dropout" in peft_refusal(("experts",), GLM4_MOE, dropout=0.1)
+    rewrites = lora_io.peft_rewriting_moe_mlp()
+    if rewrites:
+        assert set(lc.target_modules) == {"q_proj"}
+        assert {"gate_up_proj", "down_proj"} <= set(lc.target_parameters)
+        assert "shared experts" in lora_io.peft_refusal(("experts", "shared_experts"), GLM4_MOE)
+    else:
+        assert set(lc.target_modules) == targets and not lc.target_parameters
+        assert lora_io.peft_refusal(("experts", "shared_experts"), GLM4_MOE) is None
+    monkeypatch.setattr(lora_io, "peft_rewriting_moe_mlp", lambda: "0.21.2")
+    refusal = lora_io.peft_refusal(("experts", "shared_experts"), GLM4_MOE)
+    assert "peft 0.21.2" in refusal and ">= 0.22" in refusal and "\n" not in refusal
+    assert lora_io.peft_refusal(("qkv", "experts"), GLM4_MOE) is None
+    assert "dropout" in lora_io.peft_refusal(("experts",), GLM4_MOE, dropout=0.1)
     gpt_oss = {"architectures": ["GptOssForCausalLM"], "num_local_experts": 4}
-    assert "gpt-oss" in peft_refusal(("experts",), gpt_oss)
-    assert peft_refusal(("qkv", "fc1"), {"architectures": ["Qwen3ForCausalLM"]}) is None
+    assert "gpt-oss" in lora_io.peft_refusal(("experts",), gpt_oss)
+    assert lora_io.peft_refusal(("qkv", "fc1"), {"architectures": ["Qwen3ForCausalLM"]}) is None

@@ -9,9 +9,9 @@ layout trained them), then
     `export_hf_weights` as the weight sync into sharded safetensors with the base's config and
     tokenizer files.
 Routed-expert adapters go to peft's `target_parameters` on transformers 5's fused 3-D expert
-tensors; what peft cannot load (shared experts or dense MLP layers of an MoE model, gpt-oss
-experts, expert adapters with dropout) is refused before any weight is read
-(`lora_io.peft_refusal`): export --merged.
+tensors, shared experts and dense MLP layers of an MoE model by module path (peft >= 0.22);
+what peft cannot load (those under an older peft, gpt-oss experts, expert adapters with
+dropout) is refused before any weight is read (`lora_io.peft_refusal`): export --merged.
 """
 
 from __future__ import annotations

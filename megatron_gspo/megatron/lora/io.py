@@ -18,12 +18,15 @@ them through `target_parameters`: one wrapper per parameter, A [E*r, in] (expert
 e*r..e*r+r-1) and B [out, r*E] (expert e's column j at j*E + e), wrappers nested in the
 module's parameter order (gate_up_proj inner: `mlp.experts.base_layer.lora_*`, down_proj outer:
 `mlp.experts.lora_*`). The learner's per-expert [gate; up] / down adapters map onto that exactly.
+Shared experts and dense MLP layers of an MoE model are named by their module path
+(`shared_experts.gate_proj`, `mlp.gate_proj`), which peft >= 0.22 keeps as `nn.Linear` targets.
 Refused in one line (`PeftExportError`): gpt-oss's experts (transposed, interleaved gate/up), an
-expert adapter with dropout (peft's ParamWrapper has none), and adapters on shared experts or
-dense MLP layers of an MoE model: on load peft rewrites every gate_proj / up_proj / down_proj
-target of these architectures into the routed experts' fused parameters
-(utils/transformers_weight_conversion.py `_convert_peft_config_moe`, model types mapped to
-qwen2_moe), so such an adapter cannot be expressed.
+expert adapter with dropout (peft's ParamWrapper has none), and, where the installed peft is
+older than 0.22, adapters on shared experts or dense MLP layers of an MoE model: on load peft
+0.21 rewrites every gate_proj / up_proj / down_proj target of these architectures into the
+routed experts' fused parameters (utils/transformers_weight_conversion.py
+`_convert_peft_config_moe`, model types mapped to qwen2_moe), so such an adapter cannot be
+expressed for it.
 """
 
 from __future__ import annotations
@@ -135,12 +138,27 @@ def peft_refusal(targets, hf_config: dict, dropout: float = 0.0) -> str | None:
         return (f"expert adapters with dropout {dropout}: peft's ParamWrapper "
                 "(target_parameters) refuses lora_dropout != 0")
     mlp = [t for t in targets if t in ("shared_experts", "fc1", "fc2")]
-    if moe and mlp:
-        return (f"model.lora.targets {mlp[0]!r}: peft cannot load adapters on shared experts or "
-                "dense MLP layers of an MoE model (peft 0.21 rewrites their gate_proj / up_proj "
-                "/ down_proj targets into the routed experts' fused parameters on load, "
-                "transformers_weight_conversion._convert_peft_config_moe); export --merged")
+    old_peft = peft_rewriting_moe_mlp()
+    if moe and mlp and old_peft:
+        return (f"model.lora.targets {mlp[0]!r}: peft {old_peft} cannot load adapters on shared "
+                "experts or dense MLP layers of an MoE model (it rewrites their gate_proj / "
+                "up_proj / down_proj targets into the routed experts' fused parameters on load, "
+                "transformers_weight_conversion._convert_peft_config_moe); install peft >= 0.22 "
+                "or export --merged")
     return None
+
+
+def peft_rewriting_moe_mlp() -> str | None:
+    """The installed peft's version when it is one that rewrites MLP targets of MoE models into
+    the routed experts (< 0.22); None for a newer peft or none installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("peft")
+    except PackageNotFoundError:
+        return None
+    major, minor = (int("".join(c for c in x if c.isdigit()) or 0) for x in v.split(".")[:2])
+    return v if (major, minor) < (0, 22) else None
 
 
 def peft_state_dict(full: dict[str, torch.Tensor], dims, arch: str | None = None,
@@ -180,12 +198,14 @@ def peft_state_dict(full: dict[str, torch.Tensor], dims, arch: str | None = None
         ab = "lora_A" if factor == "lora_a" else "lora_B"
         mlp = "mlp.shared_experts" if module.startswith("mlp.shared_experts.") else "mlp"
         fc = module.rsplit(".", 1)[-1]
-        if dims.num_experts and fc in ("linear_fc1", "linear_fc2"):
+        old_peft = peft_rewriting_moe_mlp()
+        if dims.num_experts and fc in ("linear_fc1", "linear_fc2") and old_peft:
             raise PeftExportError(
-                f"adapter {name!r}: peft cannot load adapters on shared experts or dense MLP "
-                "layers of an MoE model (peft 0.21 rewrites their gate_proj / up_proj / "
+                f"adapter {name!r}: peft {old_peft} cannot load adapters on shared experts or "
+                "dense MLP layers of an MoE model (it rewrites their gate_proj / up_proj / "
                 "down_proj targets into the routed experts' fused parameters on load, "
-                "transformers_weight_conversion._convert_peft_config_moe); export --merged")
+                "transformers_weight_conversion._convert_peft_config_moe); install peft >= "
+                "0.22 or export --merged")
         if module == "self_attention.linear_qkv":
             names = [f"self_attn.{p}_proj" for p in "qkv"]
             parts = [t] * 3 if factor == "lora_a" else _qkv_to_hf(t, dims)
@@ -203,10 +223,18 @@ def peft_state_dict(full: dict[str, torch.Tensor], dims, arch: str | None = None
     return out
 
 
-def peft_config(settings: LoraSettings, base: str | None, state: dict) -> dict:
+def peft_config(settings: LoraSettings, base: str | None, state: dict,
+                moe: bool = False) -> dict:
     """adapter_config.json contents for the exported adapter (routed experts through
-    `target_parameters`, every other layer through `target_modules`)."""
-    modules = sorted({k.split(".")[-3] for k in state if ".mlp.experts." not in k})
+    `target_parameters`, every other layer through `target_modules`; on an MoE model MLP
+    targets by their module path, `mlp.gate_proj` / `shared_experts.gate_proj`, which peft
+    >= 0.22 leaves on the `nn.Linear` layers)."""
+    def target(k: str) -> str:
+        parts = k.split(".")
+        return ".".join(parts[-4:-2]) if moe and parts[-3].endswith("_proj") and \
+            parts[-4] in ("mlp", "shared_experts") else parts[-3]
+
+    modules = sorted({target(k) for k in state if ".mlp.experts." not in k})
     params = (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
               if any(".mlp.experts." in k for k in state) else None)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank,
@@ -232,5 +260,5 @@ def write_peft_adapter(out_dir: str | os.PathLike, full: dict[str, torch.Tensor]
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     (out / "adapter_config.json").write_text(
-        json.dumps(peft_config(settings, base, state), indent=2) + "\n")
+        json.dumps(peft_config(settings, base, state, moe=bool(dims.num_experts)), indent=2) + "\n")
     return out
