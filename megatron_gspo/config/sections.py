@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_gspo.config.schema import option
+from megatron_gspo.config.speculative import SpeculativeConfig
 from megatron_gspo.config.tool_limits import check_python_limits
 
 LOSSES = ("gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo")
@@ -54,8 +55,9 @@ class ModelConfig:
     mtp_layers: str = option(
         "auto", "multi-token-prediction layers of the checkpoint (DeepSeek-V3, GLM-4.5): keep "
         "(built frozen, in run checkpoints and exports, synced to SGLang servers with a draft), "
-        "drop, or auto: keep when model.path has them (docs/model-families.md, MTP)",
-        choices=("auto", "keep", "drop"))
+        "drop, add (a model that ships without gets one, trained as the draft), or auto: keep "
+        "when model.path has them (docs/model-families.md, MTP)",
+        choices=("auto", "keep", "drop", "add"))
     lora: LoraConfig = option(default_factory=LoraConfig, doc="LoRA adapters on the learner "
                               "(megatron_gspo/megatron/lora/adapters.py)")
 
@@ -193,6 +195,9 @@ class RolloutConfig:
         "again from the prompt", choices=("continue", "abort"))
     chunk_tokens: int = option(64, "async: most tokens per generation request; weight updates "
                                "meet in-flight responses at these boundaries", ge=1)
+    speculative: SpeculativeConfig = option(
+        default_factory=SpeculativeConfig, doc="speculative rollouts drafted by the model's MTP "
+        "head (megatron_gspo/config/speculative.py)")
 
 
 @dataclass
@@ -219,6 +224,9 @@ class AlgorithmConfig:
                                    gt=0, le=50)
     mini_batches: int = option(4, "optimizer steps per rollout batch (global mini-batches)", ge=1)
     micro_batch_tokens: int = option(4096, "token budget of one packed micro-batch", ge=1)
+    mtp_loss_weight: float = option(0.0, "weight of the MTP head's draft-training loss "
+                                    "(cross-entropy on the rollout tokens; its gradient reaches "
+                                    "only the head); 0: the head stays frozen", ge=0)
     kl_coef: float = option(0.0, "weight beta of the KL to the frozen reference policy; 0 = off "
                             "(no reference model is built)", ge=0)
     kl_estimator: str = option("k3", "per-token KL estimator with d = logp - ref_logp: k1 = d, "
