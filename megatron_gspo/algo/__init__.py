@@ -1,7 +1,8 @@
 """The algorithm in pure torch: GSPO / GSPO-token / GRPO losses (arXiv 2507.18071), SAPO, CISPO
 and GMPO, group and turn-level advantages, chunked token log-probs, KL-to-reference and entropy
 terms, and the engine/learner precision audit with its corrections (TIS, masking, MIS, IcePop,
-off-policy sequence masking). No Megatron, no config: tensors and scalars in, tensors out.
+off-policy sequence masking), and speculative sampling's exact verification of draft chains.
+No Megatron, no config: tensors and scalars in, tensors out.
 
     from megatron_gspo.algo import gspo_loss, group_advantages, token_logprobs, kl_loss
 """
@@ -21,6 +22,7 @@ from megatron_gspo.algo.precision import (ToleranceController, apply_correction,
                                           check_engine_logprobs, finalize_audit, length_bins,
                                           mismatch_band, sequence_mismatch)
 from megatron_gspo.algo.sapo import sapo_gate, sapo_loss
+from megatron_gspo.algo.speculative import emitted_logprobs, verify_chain
 from megatron_gspo.algo.turn_advantages import (assign_multiturn_advantages,
                                                 discounted_returns, episode_level_advantages,
                                                 turn_level_advantages)
@@ -40,4 +42,6 @@ __all__ = [
     "sequence_mismatch", "audit_sums", "finalize_audit", "mismatch_band", "apply_correction",
     "check_engine_logprobs", "ToleranceController", "icepop_token_mask", "mis_weights",
     "offpolicy_sequence_mask", "correction_metrics", "length_bins",
+    # speculative sampling (exact verification of draft chains)
+    "verify_chain", "emitted_logprobs",
 ]

@@ -10,7 +10,7 @@ import sys
 import megatron_gspo.algo as algo
 
 MODULES = ("advantages", "kl", "logprobs", "losses", "precision", "sapo", "cispo", "gmpo",
-           "corrections")
+           "corrections", "speculative")
 
 
 def test_documented_names_import_from_the_package():
