@@ -29,14 +29,17 @@ MTP layers a checkpoint has is read from its tensor names (`present_mtp_layers`)
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 
-from megatron_gspo.convert.param_map import ParamMap
+from megatron_gspo.convert.param_map import ModelDims, ParamMap
 
 CONFIG_KEY = "num_nextn_predict_layers"
+# dense families that ship without MTP layers and get one with `model.mtp_layers: add`
+# (`AddedMTPAdapter`); their exports carry it under the DeepSeek-V3 names above
+ADDED_MTP_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 # families whose MTP layers are converted and built (tested); others (DeepSeek-V3.2, GLM-5:
 # their MTP layer is a sparse-attention layer) keep refusing a checkpoint that has them
-MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM") + ADDED_MTP_ARCHITECTURES
 SPEC_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")  # SGLang's nextn_spec_weight_names
 
 
@@ -118,6 +121,31 @@ def without_mtp_copies(pm: ParamMap) -> ParamMap:
     if pm.kind != "vocab_shared":
         return pm
     return replace(pm, hf=pm.hf[:1], kind="vocab", shapes=pm.shapes[:1])
+
+
+@dataclass(frozen=True)
+class MTPDims(ModelDims):
+    """ModelDims of a dense family plus its (added) MTP layers."""
+
+    mtp_layers: int = 0
+
+
+class AddedMTPAdapter:
+    """Mixin for the adapters of `ADDED_MTP_ARCHITECTURES`: a config.json declaring
+    `CONFIG_KEY` layers (an export of a run with `model.mtp_layers: add`) maps them as
+    DeepSeek-V3's are (`mtp_maps`, `share_vocab_maps`); a config without the key maps as
+    before."""
+
+    def dims(self, cfg: Mapping) -> ModelDims:
+        base = super().dims(cfg)
+        n = declared_mtp_layers(cfg)
+        if not n:
+            return base
+        return MTPDims(**{f.name: getattr(base, f.name) for f in fields(ModelDims)},
+                       mtp_layers=n)
+
+    def param_maps(self, dims: ModelDims) -> list[ParamMap]:
+        return share_vocab_maps(super().param_maps(dims), dims) + mtp_maps(self, dims)
 
 
 def is_mtp(name: str) -> bool:

@@ -70,6 +70,7 @@ def learner(cfg: Config, hf_config: dict):
     from megatron_gspo.megatron.parallel import ParallelLayout, configure_timeouts
     from megatron_gspo.megatron.step import LossSettings
 
+    hf_config = mtp_setting.run_config(cfg, hf_config)  # `model.mtp_layers: add` declares it
     p, o, a = cfg.parallel, cfg.optimizer, cfg.algorithm
     configure_timeouts(p.timeout, p.rank0_wait_timeout)
     lo, hi = a.clip_range()
@@ -89,7 +90,8 @@ def learner(cfg: Config, hf_config: dict):
                         kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
                         tau_pos=a.sapo_tau_pos, tau_neg=a.sapo_tau_neg,
                         offpolicy_mask_delta=cfg.precision.offpolicy_mask_delta,
-                        norm_length=float(cfg.rollout.max_new_tokens))
+                        norm_length=float(cfg.rollout.max_new_tokens),
+                        mtp_weight=a.mtp_loss_weight)
     use_te = {"auto": None, "local": False, "transformer_engine": True}[cfg.model.transformer_impl]
     lo = cfg.model.lora
     lora = LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
@@ -146,14 +148,22 @@ def load_initial_weights(cfg: Config, learner_, hf_config: dict) -> None:
         resume_checks.check_load_checkpoint(cfg, hf_config)  # another model: one line
         checkpoint_io.load_checkpoint(learner_.chunks, cfg.model.load_checkpoint)
     else:
+        hf_config = mtp_setting.run_config(cfg, hf_config)
         adapter = get_adapter(hf_config)
         dims = adapter.dims(checkpoint_io.normalize_hf_config(hf_config))
         reader = HFCheckpointReader(cfg.model.path)
+        added = cfg.model.mtp_layers == "add"  # not in model.path: initialised from the trunk
         try:
             with torch.no_grad():
-                checkpoint_io.load_hf_weights(learner_.chunks, reader, adapter, dims)
+                checkpoint_io.load_hf_weights(learner_.chunks, reader, adapter, dims,
+                                              skip_mtp=added)
         finally:
             reader.close()
+        if added:
+            from megatron_gspo.megatron.models.mtp_block import init_added_mtp
+
+            for m in learner_.chunks:
+                init_added_mtp(m)
     learner_._refresh_main_params()
 
 

@@ -210,6 +210,17 @@ GROUPS: tuple[MetricGroup, ...] = (
         ("kl/reward_penalty_mean", "reward", "mean KL penalty subtracted from the rewards "
                                              "(`algorithm.kl_in: reward`)"),
     )),
+    MetricGroup("MTP draft head", "`algorithm.mtp_loss_weight` > 0 (phase 5; per mini-batch, "
+                "then averaged)", (
+        ("mtp/loss", "nats", "cross-entropy of the multi-token-prediction head (layer k "
+                             "predicting token i + k + 1) on the response tokens, mean over "
+                             "those positions and the MTP layers"),
+        ("mtp/accuracy", "share", "argmax agreement of the MTP head with the sampled next tokens "
+                                  "on those positions (a greedy one-token draft's "
+                                  "acceptance when the rollouts are greedy)"),
+        ("mtp/tokens", "tokens", "positions the MTP loss covered (summed over the MTP layers and "
+                                 "data-parallel ranks)"),
+    )),
     MetricGroup("MoE routing", "MoE models, every step (`moe.*`)", (
         ("moe/routing_agreement/layer_<i>", "share", "share of tokens whose top-k experts agree "
                                                      "between learner and engine, MoE layer i"),

@@ -12,12 +12,26 @@ its checkpoint (DeepSeek-V3 report, arXiv 2412.19437, section 2.2; `convert.mtp`
 - `drop`: build none (the policy is the same either way: the MTP layers are not in its
   forward); an error when there is nothing to drop.
 
-Kept layers are frozen (no gradient, no optimizer state; no draft-training loss exists yet),
-saved and loaded with the run checkpoints. Weight syncs carry their own tensors (not the
+- `add`: a model that ships without MTP layers (Qwen3, Llama dense; DeepSeek-V3 / GLM-4.5
+  checkpoints saved without theirs) gets one (`run_config` declares it, `num_nextn_predict_layers:
+  1`), initialised as a continuation of the trunk (`megatron.models.mtp_block.init_added_mtp`:
+  the last decoder layer and the final norm copied, eh_proj = [0 | I]); an error on a
+  checkpoint that has MTP layers, and from a Megatron `model.load_checkpoint`.
+
+`algorithm.mtp_loss_weight` > 0 trains them (kept or added) online on the rollout tokens
+(`megatron.mtp_loss`): cross-entropy of layer k's prediction of token i + k + 1 where that token
+is a response token, the head's inputs detached so its gradient reaches only the MTP parameters
+and the policy's update is the one without it; logged as `mtp/loss`, `mtp/accuracy` (argmax
+agreement of the head with the sampled next tokens) and `mtp/tokens`. A weight > 0 without MTP
+layers is an error. At weight 0 they are frozen (no gradient, no optimizer state). Either way
+they are saved and loaded with the run checkpoints, and `convert mcore-to-hf` exports them (an
+added layer under DeepSeek-V3's HF names, with `num_nextn_predict_layers` in config.json, which
+`hf-to-mcore` and `model.path` read back). Weight syncs carry their own tensors (not the
 embedding / head copies: SGLang's draft uses the target's) to SGLang servers launched with
 `--speculative-algorithm` or attached by URL, whose scheduler hands the same tensors to the
 draft and the target model (the target's loader skips layer ids >= num_hidden_layers); the
-embedded engine has no draft and gets none. Delta syncs send them once (they never change).
+embedded engine has no draft and gets none. Delta syncs send them when they changed: once
+while frozen, after every step while trained.
 """
 
 from __future__ import annotations
@@ -53,29 +67,51 @@ def _present(cfg: Config, hf_config: dict) -> tuple[int, str]:
     return n, why
 
 
+def run_config(cfg: Config, hf_config: dict) -> dict:
+    """The config.json the run's learner, syncs and checkpoints use: `hf_config` declaring one
+    MTP layer (`CONFIG_KEY`) under `model.mtp_layers: add`, as it is otherwise. Its exports then
+    carry the added layer under the DeepSeek-V3 names (`convert.mtp`)."""
+    from megatron_gspo.convert.mtp import CONFIG_KEY
+
+    if cfg.model.mtp_layers != "add":
+        return hf_config
+    return dict(hf_config, **{CONFIG_KEY: ADDED_LAYERS})
+
+
+ADDED_LAYERS = 1  # MTP layers `add` builds (SGLang's NEXTN / EAGLE drafts use one)
+
+
 def mtp_layers(cfg: Config, hf_config: dict) -> bool:
-    """Whether the learner builds the checkpoint's MTP layers (`model.mtp_layers`).
+    """Whether the learner builds MTP layers (`model.mtp_layers`; trained when
+    `algorithm.mtp_loss_weight` > 0).
 
     Args:
         cfg: the run config.
-        hf_config: model.path's config.json.
+        hf_config: model.path's config.json (or `run_config`'s).
     Returns:
-        True to build them (frozen).
+        True to build them (the checkpoint's, or `add`'s new one).
     Raises:
         ConfigError: a choice this checkpoint, family or layout cannot honour (one line).
     """
     choice = cfg.model.mtp_layers
     src = cfg.model.load_checkpoint or cfg.model.path
+    if choice == "add":
+        _check_add(cfg, hf_config, src)
     n, why = _present(cfg, hf_config)
     if choice == "keep" and why:
         raise ConfigError(f"model.mtp_layers: 'keep', but {why}; drop the setting")
-    if choice != "auto" and n == 0:
+    if choice in ("keep", "drop") and n == 0:
         raise ConfigError(f"model.mtp_layers: {choice!r}, but {src} has no multi-token-"
                           "prediction layer; drop the setting")
-    if choice == "drop" or n == 0:
+    if choice == "drop" or (n == 0 and choice != "add"):
+        if cfg.algorithm.mtp_loss_weight > 0:
+            raise ConfigError(f"algorithm.mtp_loss_weight: {cfg.algorithm.mtp_loss_weight}, but "
+                              f"the learner builds no MTP layer ({src} has none or "
+                              f"model.mtp_layers is {choice!r}); set model.mtp_layers: add, or "
+                              "algorithm.mtp_loss_weight: 0")
         return False
     declared = int(hf_config.get("num_nextn_predict_layers") or 0)
-    if n != declared:
+    if choice != "add" and n != declared:
         raise ConfigError(f"model.mtp_layers: {src} has {n} MTP layers where its config.json "
                           f"declares {declared}; set num_nextn_predict_layers: {n}, or "
                           "model.mtp_layers: drop")
@@ -83,14 +119,14 @@ def mtp_layers(cfg: Config, hf_config: dict) -> bool:
     bad = [f"parallel.{k} {v}" for k, v in (("tensor", p.tensor), ("pipeline", p.pipeline),
                                              ("expert", p.expert), ("context", p.context))
            if v > 1]
+    what = "an added MTP layer" if choice == "add" else f"{n} MTP layer(s), kept by {choice!r}"
     if bad:
-        raise ConfigError(f"model.mtp_layers: {src} has {n} MTP layer(s), kept by "
-                          f"{choice!r}, but a learner with them under {bad[0]} is not "
-                          "supported yet (one process or data parallelism only); set "
-                          "model.mtp_layers: drop")
+        raise ConfigError(f"model.mtp_layers: {src} has {what}, but a learner with them under "
+                          f"{bad[0]} is not supported yet (one process or data parallelism "
+                          "only); set model.mtp_layers: drop")
     if cfg.model.lora.rank:
-        raise ConfigError("model.mtp_layers: kept MTP layers with model.lora are not supported "
-                          "yet (adapters would be attached to the frozen MTP layers); set "
+        raise ConfigError("model.mtp_layers: MTP layers with model.lora are not supported "
+                          "yet (adapters would be attached to the MTP layers); set "
                           "model.mtp_layers: drop")
     r = cfg.rollout
     if sync_mode(cfg) == SYNC_MTP_LAYERS and r.weight_precision != "bf16":
@@ -98,6 +134,27 @@ def mtp_layers(cfg: Config, hf_config: dict) -> bool:
                           f"{r.weight_precision!r} servers are not supported yet; set "
                           "model.mtp_layers: drop or rollout.weight_precision: bf16")
     return True
+
+
+def _check_add(cfg: Config, hf_config: dict, src: str) -> None:
+    """`add`'s own refusals (one line each)."""
+    from megatron_gspo.convert.mtp import MTP_ARCHITECTURES
+
+    arch = (hf_config.get("architectures") or ["?"])[0]
+    if arch not in MTP_ARCHITECTURES:
+        raise ConfigError(f"model.mtp_layers: 'add', but {arch}'s MTP layers are not built here "
+                          f"({', '.join(MTP_ARCHITECTURES)} only); drop the setting")
+    if cfg.model.load_checkpoint:
+        from megatron_gspo.megatron.io.dist_checkpoint import checkpoint_has_mtp
+
+        has = checkpoint_has_mtp(cfg.model.load_checkpoint)
+        raise ConfigError(f"model.mtp_layers: 'add', but {src} " + (
+            "already has multi-token-prediction layers; use model.mtp_layers: keep (or auto)"
+            if has else "is a Megatron checkpoint (add starts from a Hugging Face model.path); "
+            "convert it with mcore-to-hf first"))
+    if _present(cfg, hf_config)[0]:
+        raise ConfigError(f"model.mtp_layers: 'add', but {src} already has multi-token-"
+                          "prediction layers; use model.mtp_layers: keep (or auto)")
 
 
 def has_draft(cfg: Config) -> bool:

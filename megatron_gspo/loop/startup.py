@@ -19,7 +19,7 @@ from pathlib import Path
 
 from megatron_gspo.algo.precision import ToleranceController
 from megatron_gspo.config import Config, to_dict
-from megatron_gspo.loop import build, early_checks, fp8_rollout, phases, resume_checks
+from megatron_gspo.loop import build, early_checks, fp8_rollout, mtp_setting, phases, resume_checks
 from megatron_gspo.loop import server_setup as servers
 from megatron_gspo.loop import weight_sync_phase as sync
 from megatron_gspo.megatron.fallbacks import fallback_summary
@@ -62,7 +62,7 @@ def start_run(cfg: Config, run_dir: Path, ckpt_root: Path, lock: RunDirLock | No
         lock: rank 0's run-dir lock (None on other ranks): its take-over note is logged.
         restart_note: the note of a round torchrun restarted ("" otherwise).
     """
-    hf_config = build.read_hf_config(cfg.model.path)
+    hf_config = mtp_setting.run_config(cfg, build.read_hf_config(cfg.model.path))  # MTP add
     rank0 = build.is_rank0()
     tokenizer = build.tokenizer(cfg)  # inputs are checked before the expensive parts
     early_checks.check_inputs(cfg, hf_config, tokenizer)

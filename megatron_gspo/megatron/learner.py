@@ -19,11 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.data.batch import (MicroBatch, pack_microbatch, pad_microbatch,
-                                      plan_microbatches)
+from megatron_gspo.data.batch import MicroBatch, pack_microbatch, pad_microbatch, plan_microbatches
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.megatron.lora import adapters as lora_
-from megatron_gspo.megatron import parallel, step
+from megatron_gspo.megatron import mtp_loss, parallel, step
 from megatron_gspo.megatron.moe import router_replay
 from megatron_gspo.megatron.learner_state import LearnerState
 from megatron_gspo.megatron.models import deepseek_v3
@@ -67,9 +66,9 @@ class Learner(LearnerState):
         lora: LoRA adapters (`megatron.lora.adapters.LoraSettings`) on the targeted layers, every
             other weight frozen and only the adapters in the optimizer; with `reference` the KL
             reference is this model with its adapters off (no second model is built).
-        mtp: also build the config's multi-token-prediction layers, frozen and outside the
-            policy forward (`models.mtp_block`); the weight sync then sends them too, which only an
-            engine serving them (SGLang's NEXTN draft) accepts.
+        mtp: also build the config's multi-token-prediction layers, outside the policy forward
+            (`models.mtp_block`): frozen, or trained by their own loss when loss.mtp_weight > 0
+            (`megatron.mtp_loss`); the weight sync sends them to engines with a draft only.
     """
 
     def __init__(self, hf_config: dict, *, layout: parallel.ParallelLayout | None = None,
@@ -120,6 +119,7 @@ class Learner(LearnerState):
             return out
 
         self.chunks = model_chunks(self.device)
+        mtp_loss.make_trainable(self.chunks, self.loss_settings.mtp_weight)  # before DDP
         self.lora = lora
         if lora is not None:  # before DDP and the optimizer: they see the adapters only
             lora_.attach(self.chunks, lora, seed=seed)

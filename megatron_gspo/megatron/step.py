@@ -14,13 +14,15 @@ exactly d/dtheta (1/N) sum_i term_i, whatever M, the packing and the DP / CP siz
 rank computes the same replicated loss but back-propagates only through its own tokens, so the
 DP x CP sum of the per-rank gradients is the full gradient.)
 
-Metrics: the loss and the algo's sum-type counters are summed over micro-batches and DP ranks
+Metrics: the loss, the algo's sum-type counters and the MTP head's (`megatron.mtp_loss`, with
+`LossSettings.mtp_weight` > 0) are summed over micro-batches and DP ranks
 (`reduce_metrics`), ratio_min / ratio_max reduced with MIN / MAX, fractions recomputed with
 `megatron_gspo.algo.losses.finalize_stats`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from megatron_gspo.algo import cispo, gmpo, kl as kl_terms, losses, sapo
 from megatron_gspo.algo.corrections import offpolicy_sequence_mask
 from megatron_gspo.data.batch import MicroBatch, cp_local_index
+from megatron_gspo.megatron import mtp_loss
 from megatron_gspo.megatron.tp_logprobs import (cp_gather, vocab_parallel_entropy,
                                               vocab_parallel_logprobs)
 
@@ -52,7 +55,8 @@ class LossSettings:
     logratio_bound: bound on log-ratios before exp; kl_coef / kl_estimator: KL-to-reference term
     in the loss (0 = off; needs `ref_logprobs` in the batch); entropy_coef: entropy bonus;
     tau_pos / tau_neg: SAPO's gate temperatures; offpolicy_mask_delta: DeepSeek-V3.2 off-policy
-    sequence masking threshold (None = off). The KL and entropy terms are aggregated like the
+    sequence masking threshold (None = off); mtp_weight: weight of the MTP head's draft loss
+    (`megatron.mtp_loss`; 0 = none). The KL and entropy terms are aggregated like the
     policy term (`aggregation()`).
     """
 
@@ -69,6 +73,7 @@ class LossSettings:
     tau_neg: float = 1.05
     offpolicy_mask_delta: float | None = None
     norm_length: float | None = None
+    mtp_weight: float = 0.0
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -231,8 +236,10 @@ def _policy_loss(lp_full: torch.Tensor, data: dict, settings: LossSettings, *,
 
 
 def loss_func(data: dict, settings: LossSettings, ctx: ParallelContext, num_sequences: float,
-              num_tokens: float, num_microbatches: int, output: torch.Tensor):
-    """Megatron loss_func (2-tuple contract): returns (scaled loss, metrics dict)."""
+              num_tokens: float, num_microbatches: int, output: torch.Tensor, mtp_logits=None):
+    """Megatron loss_func (2-tuple contract): returns (scaled loss, metrics dict); with
+    `mtp_logits` (the MTP head's, inputs detached) the head's loss part is added, its metrics
+    under `mtp_loss.MTP_SUM_KEYS` (`loss` stays the policy's)."""
     lp_full, ent = token_logprobs_full(output, data, ctx, settings.temperature, True)
     ent_grad = None
     if settings.entropy_coef > 0:  # vocab-parallel entropy with gradient, reduced over TP
@@ -245,6 +252,13 @@ def loss_func(data: dict, settings: LossSettings, ctx: ParallelContext, num_sequ
     metrics = {k: v.detach().float() for k, v in stats.items()}
     metrics["loss"] = loss.detach().float()
     metrics["entropy_sum"] = (ent * data["loss_mask"]).sum().detach()
+    if mtp_logits is not None:
+        part, sums = mtp_loss.mtp_loss(mtp_logits, data["targets"], data["loss_mask"],
+                                       data["packed_seq_params"].cu_seqlens_q,
+                                       weight=settings.mtp_weight, num_tokens=num_tokens,
+                                       vocab_size=ctx.vocab_size or output.shape[-1])
+        loss = loss + part
+        metrics.update(sums)
     return loss * (num_microbatches * ctx.dp_size), metrics
 
 
@@ -255,10 +269,15 @@ def forward_step_factory(settings: LossSettings, ctx: ParallelContext, *, num_se
 
     def forward_step(data_iterator, model):
         data = next(data_iterator)
-        out = model(data["tokens"], data["position_ids"], None,
-                    packed_seq_params=data["packed_seq_params"])
+        head = None
+        with (mtp_loss.decoder_capture(model) if settings.mtp_weight > 0
+              else contextlib.nullcontext()) as seen:
+            out = model(data["tokens"], data["position_ids"], None,
+                        packed_seq_params=data["packed_seq_params"])
+        if seen is not None:  # the MTP head on the detached decoder output
+            head = mtp_loss.head_logits(model, seen, data["tokens"], data["position_ids"])
         return out, partial(loss_func, data, settings, ctx, num_sequences, num_tokens,
-                            num_microbatches)
+                            num_microbatches, mtp_logits=head)
 
     return forward_step
 
@@ -292,11 +311,12 @@ def reduce_metrics(per_mb: list[dict], dp_group, device) -> dict[str, float]:
     Returns:
         dict of floats.
     """
-    sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=device)
+    keys = SUM_KEYS + (mtp_loss.MTP_SUM_KEYS if per_mb and "mtp_count" in per_mb[0] else ())
+    sums = torch.zeros(len(keys), dtype=torch.float64, device=device)
     lo = torch.full((), float("inf"), dtype=torch.float64, device=device)
     hi = torch.full((), float("-inf"), dtype=torch.float64, device=device)
     for m in per_mb:
-        for i, k in enumerate(SUM_KEYS):
+        for i, k in enumerate(keys):
             sums[i] += m[k].double()
         if m["ratio_count"] > 0:
             lo = torch.minimum(lo, m["ratio_min"].double())
@@ -305,6 +325,7 @@ def reduce_metrics(per_mb: list[dict], dp_group, device) -> dict[str, float]:
         dist.all_reduce(sums, group=dp_group)
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=dp_group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=dp_group)
+    mtp = {k: float(sums[i]) for i, k in enumerate(keys) if k in mtp_loss.MTP_SUM_KEYS}
     st = {k: sums[i].float() for i, k in enumerate(SUM_KEYS)}
     st = losses.finalize_stats(st)
     out = {k: float(v) for k, v in st.items()}
@@ -316,4 +337,4 @@ def reduce_metrics(per_mb: list[dict], dp_group, device) -> dict[str, float]:
     out["offpolicy_masked_share"] = (out["offpolicy_masked_sequences"]
                                      / max(out.pop("offpolicy_seen_sequences"), 1.0))
     out["entropy/mean"] = out["entropy"]
-    return out
+    return out | (mtp_loss.finalize(mtp) if mtp else {})

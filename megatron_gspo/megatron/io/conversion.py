@@ -238,7 +238,7 @@ def check_mcore_to_hf(ckpt: str, hf_config_dir: str | None, out: str, force: boo
     write_config = None  # the side dir's config.json is copied when it describes this model
     if side is None or not (side / "config.json").is_file() or (
         model_fields(read_config(side)) != model_fields(cfg)
-    ):
+    ) or declared_mtp_layers(read_config(side)) != declared_mtp_layers(cfg):  # MTP added
         write_config = cfg
     if side is None:
         src.notes.append("no tokenizer files copied (the run's model.path is not reachable "

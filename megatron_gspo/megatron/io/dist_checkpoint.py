@@ -167,6 +167,7 @@ def load_hf_weights(
     adapter: StateDictAdapter,
     dims: ModelDims,
     progress: bool = False,
+    skip_mtp: bool = False,
 ) -> int:
     """Copy HF weights into this rank's shards of every parameter of `models`.
 
@@ -175,13 +176,18 @@ def load_hf_weights(
         reader: the HF checkpoint.
         adapter, dims: from `get_adapter(config)` / `adapter.dims(config)`.
         progress: show a tqdm bar over parameters.
+        skip_mtp: leave the MTP layers alone (added ones: not in the checkpoint).
     Returns:
         number of parameters filled; raises ConversionError naming a missing or
         shape-mismatched tensor.
     """
     maps = adapter.maps_by_mcore(dims)
     emb_map = maps["embedding.word_embeddings.weight"]
-    entries = [e for m in models for e in model_param_entries(m, maps, dims.tie_embeddings)]
+    emb_map = without_mtp_copies(emb_map) if skip_mtp else emb_map
+    entries = [e for m in models for e in model_param_entries(m, maps, dims.tie_embeddings)
+               if not (skip_mtp and e.canonical.startswith("mtp."))]
+    if skip_mtp:  # nor the embedding / head copies an MTP layer's HF names hold
+        entries = [replace(e, pm=e.pm and without_mtp_copies(e.pm)) for e in entries]
     if progress:
         from tqdm import tqdm
 

@@ -13,8 +13,10 @@ It is deliberately NOT passed to GPTModel as ``mtp_block_spec``: GPTModel then r
 every forward and folds an MTP language-model loss into the gradient (`MTPLossAutoScaler`; in
 0.16.1 it also needs ``labels``, which the learner's log-prob forward does not pass). The RL loss
 must stay the policy's alone: the policy forward here is the plain GPTModel forward, and the MTP
-parameters are frozen (``requires_grad=False``: no optimizer state, no weight decay) until a
-draft-training loss exists. `mtp_logits` runs the head on its own (drafting, tests).
+parameters are frozen (``requires_grad=False``: no optimizer state, no weight decay) unless
+the draft-training loss is on (`megatron.mtp_loss`: the head trained on detached inputs, in its
+own forward after the policy's). `mtp_logits` runs the head on its own (drafting, tests);
+`init_added_mtp` initialises layers added to a model that shipped without.
 
 The block is built on the last pipeline stage (as Megatron-Core places it), under TP / SP / EP
 for its weights (conversion, checkpoints, export); `mtp_logits` runs on one stage holding the
@@ -80,6 +82,58 @@ def attach_mtp(model, config, block_spec, use_te: bool, num_layers: int, vp_stag
         p.requires_grad_(False)
     model.mtp = block
     return block
+
+
+@torch.no_grad()
+def init_added_mtp(model) -> int:
+    """Initialise MTP layers added to a model that shipped without (`model.mtp_layers: add`).
+
+    Each layer starts as a continuation of the trunk: its transformer layer a copy of the last
+    decoder layer, its final norm (``shared_head.norm``) a copy of the decoder's final norm,
+    enorm and hnorm ones, and eh_proj = [0 | I], which passes the renormalised hidden state
+    hnorm(h_i) through and ignores the next token's embedding. Reasoning: the head's input is
+    then a residual stream of the kind the copied layer, the final norm and the shared output
+    layer were trained on, so its first logits are the trunk's own next-token view extended by
+    one more layer (a sane, low-loss start for predicting t_{i+2}, where a random layer would
+    start near uniform and a zero eh_proj would carry no signal at all); the embedding half of
+    eh_proj is zero but gets gradient from the first step (its input enorm(Emb(t_{i+1})) is not
+    zero), so the head learns to use the next token. Later layers take the same start.
+
+    Args:
+        model: GPTModel (wrappers allowed) with ``mtp`` (`attach_mtp`), weights loaded.
+    Returns:
+        parameters written (0 on a stage without the block).
+    """
+    while hasattr(model, "module"):
+        model = model.module
+    block = getattr(model, "mtp", None)
+    if block is None:
+        return 0
+    if model.config.tensor_model_parallel_size > 1:
+        raise MTPBuildError("adding MTP layers under tensor parallelism is not supported yet")
+    last = model.decoder.layers[-1]
+    src = dict(last.named_parameters()) | dict(last.named_buffers())
+    norm = model.decoder.final_layernorm
+    n = 0
+    for layer in block.layers:
+        inner = getattr(layer, "transformer_layer", None) or layer.mtp_model_layer  # 0.19 name
+        for name, t in list(inner.named_parameters()) + list(inner.named_buffers()):
+            if name in src and src[name].shape == t.shape:
+                t.copy_(src[name])
+                n += 1
+        for name, p in layer.named_parameters():
+            if name.startswith(("enorm.", "hnorm.")):
+                p.fill_(1.0)
+            elif name.startswith("final_layernorm."):
+                p.copy_(dict(norm.named_parameters())[name.split(".", 1)[1]])
+            elif name == "eh_proj.weight":  # [H, 2H]: [0 | I] on [enorm(emb); hnorm(h)]
+                H = p.shape[0]
+                p.zero_()
+                p[:, H:].copy_(torch.eye(H, dtype=p.dtype, device=p.device))
+            else:
+                continue
+            n += 1
+    return n
 
 
 def num_mtp_layers(hf_config: dict, requested: bool) -> int:
