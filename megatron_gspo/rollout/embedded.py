@@ -22,16 +22,21 @@ import torch
 from megatron_gspo.data.sample import Sample
 from megatron_gspo.quant.fp8_stream import dequantize_named, has_fp8
 from megatron_gspo.rollout.fp8_model import fp8_model, is_block_fp8_dir
+from megatron_gspo.rollout.embedded_batch import (  # noqa: F401  (filter_logits: callers)
+    draw,
+    filter_logits,
+    prepare_rows,
+)
 from megatron_gspo.rollout.embedded_moe import (  # noqa: F401  (names used by callers)
     RoutingCapture,
     fused_expert_slice,
     moe_routers,
 )
+from megatron_gspo.rollout.speculative_control import DraftControl
 from megatron_gspo.rollout.engine import (
     Bucket,
     GenerateRequest,
     RolloutEngine,
-    RolloutError,
     SamplingParams,
     make_sample,
     plan_slots,
@@ -97,29 +102,6 @@ def _supports_sdpa(archs: list[str] | None) -> bool:
     return bool(getattr(cls, "_supports_sdpa", True))
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p set with -inf.
-
-    Args:
-        logits: [B, V] temperature-scaled logits.
-        top_k: [B] int, <= 0 means off.
-        top_p: [B] float in (0, 1].
-    Returns:
-        [B, V] masked logits (the most likely token always survives).
-    """
-    vocab = logits.shape[-1]
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [B, V]
-    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)  # [B, 1]
-    drop = ranks >= k
-    probs = torch.softmax(sorted_logits.float(), dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # [B, V] mass of strictly better tokens
-    drop |= mass_before >= top_p.unsqueeze(-1)
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
 class EmbeddedEngine(RolloutEngine):
     """In-process rollout engine around a transformers causal LM.
 
@@ -135,6 +117,12 @@ class EmbeddedEngine(RolloutEngine):
         attn_implementation: transformers attention backend.
         return_routing: MoE models: give every sample the top-k experts each layer's router
             chose for each token the model processed (`Sample.routing`, see `sample_rows`).
+        draft_steps: > 0: speculative rollouts drafted by the model's MTP head, this many
+            tokens per verification (`rollout.embedded_speculative`); its weights come from
+            `model`'s safetensors when it is a directory holding them, else from weight
+            updates (``model.layers.{num_hidden_layers}.*``). Not with `return_routing`.
+        draft_control: when to draft (`rollout.speculative_control.DraftControl`; default:
+            always, once the head has weights).
     """
 
     def __init__(
@@ -149,6 +137,8 @@ class EmbeddedEngine(RolloutEngine):
         default_sampling: SamplingParams | None = None,
         attn_implementation: str = "sdpa",
         return_routing: bool = False,
+        draft_steps: int = 0,
+        draft_control: DraftControl | None = None,
     ) -> None:
         super().__init__(default_sampling)
         self.device = torch.device(device)
@@ -174,6 +164,32 @@ class EmbeddedEngine(RolloutEngine):
         if return_routing and not self._routers:
             raise ValueError("return_routing: the model has no MoE router (not an MoE model)")
         self.return_routing = bool(return_routing)
+        self.draft, self.draft_steps = None, int(draft_steps)
+        self.draft_control = draft_control or DraftControl(adaptive=False)
+        if self.draft_steps > 0:
+            self._build_draft(model)
+        elif draft_control is not None:
+            raise ValueError("draft_control without draft_steps: nothing drafts")
+
+    def _build_draft(self, model) -> None:
+        """The MTP draft head (`rollout.mtp_draft`), its tensors in `self._params`."""
+        from megatron_gspo.rollout.mtp_draft import MTPDraft, mtp_tensors_in
+
+        if self.return_routing:
+            raise ValueError("speculative drafting with return_routing (MoE routing replay of "
+                             "the engine's routing) is not supported: the verification's "
+                             "rejected slots have no routing to replay; draft_steps 0")
+        types = set(getattr(self.model.config, "layer_types", None) or ())
+        if types & {"indexed_attention", "linear_attention"}:
+            raise ValueError("speculative drafting needs a model whose cache can hold masked "
+                             "slots; linear-attention / indexed-attention layers cannot")
+        self.draft = MTPDraft(self.model)
+        self._params.update(self.draft.named_tensors())
+        if isinstance(model, (str, os.PathLike)):
+            found = mtp_tensors_in(model, self.draft.layer_index)
+            if found:
+                self.draft.load_named(found)
+                self.draft_control.ready = True
 
     # ---------------------------------------------------------------- state
     @property
@@ -220,8 +236,15 @@ class EmbeddedEngine(RolloutEngine):
                         )
                     param.copy_(tensor.to(device=param.device, dtype=param.dtype))
                     n += 1
+                    if self.draft is not None and self.draft.owns(name):
+                        self.draft_control.ready = True
             self._version = int(version)
         return n
+
+    def speculative_metrics(self) -> dict[str, float]:
+        """The drafting decisions and acceptance since the last call (`speculative/*`; {}
+        without a draft head)."""
+        return self.draft_control.metrics() if self.draft is not None else {}
 
     async def aupdate_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         await asyncio.to_thread(self.load_buckets, buckets, version)
@@ -310,53 +333,20 @@ class EmbeddedEngine(RolloutEngine):
         return [(*o, capture.rows(i, lens[i], max(lens), len(o[0]) - 1))
                 for i, o in enumerate(outs)]
 
-    def _draw(self, probs: torch.Tensor, row_gens: list) -> torch.Tensor:
-        """One token per row of `probs` [B, V]: rows with their own generator from it, the
-        others from the engine's stream (one batched draw when no row has a seed)."""
-        if all(g is None for g in row_gens):
-            return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)  # [B]
-        return torch.cat([torch.multinomial(probs[i : i + 1], 1,
-                                            generator=g if g is not None else self.generator)
-                          for i, g in enumerate(row_gens)]).squeeze(-1)  # [B]
-
     def _sample_rows(self, rows, capture: RoutingCapture | None) -> list[tuple]:
         from transformers import DynamicCache
 
         dev = self.device
-        bsz = len(rows)
-        lens = [len(p) for p, _ in rows]
-        for i, n in enumerate(lens):
-            if n >= self.max_model_len:
-                raise ValueError(
-                    f"prompt of {n} tokens (row {i}) leaves no room under max_model_len "
-                    f"{self.max_model_len}"
-                )
-        width = max(lens)
-        budget = [
-            min(sp.max_new_tokens, self.max_model_len - n)
-            for (_, sp), n in zip(rows, lens, strict=True)
-        ]
-        steps = max(budget)
+        batch = prepare_rows(rows, dev, self.eos_token_ids, self.max_model_len)
+        if self.draft is not None and capture is None and self.draft_control.decide(batch.size):
+            from megatron_gspo.rollout.embedded_speculative import speculative_decode
 
-        ids = torch.zeros(bsz, width, dtype=torch.long, device=dev)  # [B, P] left-padded
-        mask = torch.zeros(bsz, width, dtype=torch.long, device=dev)  # [B, P]
-        for i, (p, _) in enumerate(rows):
-            ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p) :] = 1
-        temps = torch.tensor([1.0 if sp.greedy else sp.temperature for _, sp in rows], device=dev)
-        greedy = torch.tensor([sp.greedy for _, sp in rows], device=dev)
-        top_k = torch.tensor([sp.top_k for _, sp in rows], device=dev)
-        top_p = torch.tensor([sp.top_p for _, sp in rows], device=dev)
-        need_filter = any(sp.top_k > 0 or sp.top_p < 1.0 for _, sp in rows)
-        stops = [
-            set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
-            for _, sp in rows
-        ]
-
-        # a row with its own seed draws from its own stream: what it samples does not depend on
-        # the rows it shares the batch with (SGLang's per-request `sampling_seed`)
-        row_gens = [None if sp.seed is None else torch.Generator(device=dev).manual_seed(sp.seed)
-                    for _, sp in rows]
+            outs, counts = speculative_decode(self.model, self.draft, batch, self.draft_steps,
+                                              self._cache_kw, self.generator, self._version,
+                                              self.max_model_len)
+            self.draft_control.record(counts)
+            return outs
+        bsz, steps, mask = batch.size, max(batch.budget), batch.mask
         out_ids: list[list[int]] = [[] for _ in range(bsz)]
         out_lps: list[list[float]] = [[] for _ in range(bsz)]
         reasons = ["length"] * bsz
@@ -370,25 +360,15 @@ class EmbeddedEngine(RolloutEngine):
         cache = DynamicCache(config=self.model.config) if typed else DynamicCache()
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
         kw = {self._cache_kw: cache, "use_cache": True, "logits_to_keep": 1}
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **kw).logits[
-            :, -1, :
-        ]  # [B, V]
+        logits = self.model(input_ids=batch.ids, attention_mask=mask, position_ids=pos,
+                            **kw).logits[:, -1, :]  # [B, V]
         next_pos = pos[:, -1:] + 1  # [B, 1]
         if capture is not None:
             capture.end_forward()
         for step in range(steps):
-            scaled = logits.float() / temps.unsqueeze(-1)  # [B, V]
-            logp = torch.log_softmax(scaled, dim=-1)  # [B, V] full-vocab log-probs
-            cand = filter_logits(scaled, top_k, top_p) if need_filter else scaled
-            probs = torch.softmax(cand, dim=-1)
-            if not bool(torch.isfinite(probs).all()):
-                raise RolloutError(
-                    f"embedded engine: the policy's next-token probabilities are not finite at "
-                    f"weight version {self.weight_version}: the weights of the optimizer "
-                    f"update that made version {self.weight_version} overflow (logits inf/nan); "
-                    "lower optimizer.lr or check the gradients")
-            sampled = self._draw(probs, row_gens)  # [B]
-            tok = torch.where(greedy, scaled.argmax(-1), sampled)  # [B]
+            scaled, logp, probs = batch.distributions(logits, self.weight_version)  # [B, V]
+            sampled = draw(probs, batch.row_gens, self.generator)  # [B]
+            tok = torch.where(batch.greedy, scaled.argmax(-1), sampled)  # [B]
             tok_lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)  # [B]
             tok_l, lp_l = tok.tolist(), tok_lp.tolist()
             for i in range(bsz):
@@ -396,9 +376,9 @@ class EmbeddedEngine(RolloutEngine):
                     continue
                 out_ids[i].append(tok_l[i])
                 out_lps[i].append(lp_l[i])
-                if tok_l[i] in stops[i]:
+                if tok_l[i] in batch.stops[i]:
                     done[i], reasons[i] = True, "stop"
-                elif len(out_ids[i]) >= budget[i]:
+                elif len(out_ids[i]) >= batch.budget[i]:
                     done[i] = True
             if all(done) or step == steps - 1:
                 break
