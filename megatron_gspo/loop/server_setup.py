@@ -85,6 +85,9 @@ def sglang_engine(cfg: Config, default_sampling, log_dir: str | None = None,
         if r.weight_sync_delta != "off" and colocated_on_every_node(cfg):
             raise ConfigError("rollout.weight_sync_delta: off with servers on every node")
         runtime = _server_runtime(r)
+        if r.speculative.algorithm == "mtp":  # the MTP head drafts (rollout/sglang/speculative)
+            runtime["extra"], runtime["env"] = _speculative_runtime(
+                r, runtime, model_path or str(cfg.model.path), sync)
         if fp8_rollout.enabled(cfg):  # Blackwell: SGLang's DeepGEMM repacks the scales at load
             runtime["env"] = {**runtime.get("env", {}), **fp8_rollout.server_env()}
         from megatron_gspo.rollout.multinode.node_servers import bind_host
@@ -152,3 +155,24 @@ def _server_runtime(r) -> dict:
     out["extra"], out["env"] = launch_extras(out.get("env", {}), r.weight_sync_delta,
                                              r.weight_sync_delta_base)  # the delta loader
     return out
+
+
+def _speculative_runtime(r, runtime: dict, model_path: str, sync: str) -> tuple:
+    """(extra arguments, environment) of launched servers that draft with the MTP head: the
+    speculative flags, and on the distributed path the draft link loader (SGLang 0.5.12's
+    broadcast skips the draft: `speculative.link_launch_extras`)."""
+    import json
+
+    from megatron_gspo.rollout.sglang.speculative import (link_launch_extras,
+                                                          speculative_server_args)
+
+    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+        arch = str((json.load(f).get("architectures") or ["?"])[0])
+    s = r.speculative
+    try:
+        extra = tuple(runtime.get("extra", ())) + tuple(speculative_server_args(
+            arch, s.num_steps, s.topk, s.num_draft_tokens, r.extra_server_args))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    env = runtime.get("env", {})
+    return link_launch_extras(extra, env) if sync == "distributed" else (extra, env)

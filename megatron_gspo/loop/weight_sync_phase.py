@@ -204,6 +204,8 @@ def verify_sync(learner, engine, cfg: Config, version: int) -> float:
     if lead:
         try:  # a failed probe reaches every rank (the others wait in the broadcast)
             probes = engine.sync(engine.aprobe_servers(cfg.rollout.temperature))
+            if hasattr(engine, "acheck_draft"):  # speculative servers: the draft's tensors
+                engine.sync(engine.acheck_draft(version))  # (rollout/sglang/draft_probe.py)
             samples = [Sample(prompt_ids=list(PROBE_PROMPT), response_ids=list(ids),
                               rollout_logprobs=list(lps), index=i)
                        for i, (_, ids, lps) in enumerate(probes)]

@@ -252,11 +252,13 @@ def install(model: Any) -> DeltaState:
     if state is not None:
         return state
     state = DeltaState()
-    original = model.load_weights
+    model._gspo_load_original = model.load_weights  # called at load time: `link_draft` may
+    # wrap it, so that the draft gets the decoded tensors
 
     def load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
         named = list(weights)
         manifest, data, plain = split_request(named)
+        original = model._gspo_load_original
         if manifest is None:
             if plain:
                 state.reset()
@@ -277,3 +279,59 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     install(model)
     if named_tensors:
         model.load_weights(named_tensors)
+
+
+#: Draft models `link_draft` recorded in this process (one TP rank of a server).
+_DRAFTS: list = []
+
+
+def _is_draft(model: Any) -> bool:
+    """SGLang's NEXTN / MTP draft classes (configs/model_config.py `_config_draft_model`:
+    DeepseekV3ForCausalLMNextN, Glm4MoeForCausalLMNextN, Qwen3NextForCausalLMMTP, ...)."""
+    return type(model).__name__.endswith(("NextN", "MTP"))
+
+
+def _mtp_layer(name: str, first: int) -> bool:
+    """`name` is a tensor of an MTP layer: ``model.layers.{i}.*`` with i >= `first`."""
+    parts = name.split(".", 3)
+    return (len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) >= first)
+
+
+def link_draft(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """SGLang's custom loader `gspo_delta_loader.link_draft`: makes the distributed path of
+    SGLang 0.5.12 update the draft model, which its scheduler skips
+    (managers/scheduler_update_weights_mixin.py `update_weights_from_distributed` loads the
+    broadcast into the target worker's model only; sglang #27718).
+
+    Posted as an empty `update_weights_from_tensor` with this load_format, it is called once
+    per runner of the server process: speculative/eagle_worker.py
+    `EAGLEWorker.update_weights_from_tensor` calls the draft runner's model first, then the
+    target's. The draft model is recorded; the target's `load_weights` (under the delta
+    wrapper, when installed: the draft gets decoded tensors) is wrapped to hand the tensors of
+    the MTP layers (layer index >= num_hidden_layers, which the target's loader skips) to each
+    recorded draft's own `load_weights` after loading. Calling it again changes nothing.
+    """
+    if _is_draft(model):
+        if not any(d is model for d in _DRAFTS):
+            _DRAFTS.append(model)
+        if named_tensors:
+            getattr(model, "_gspo_load_original", model.load_weights)(list(named_tensors))
+        return
+    if not getattr(model, "_gspo_draft_linked", False):
+        attr = "_gspo_load_original" if hasattr(model, "_gspo_load_original") else "load_weights"
+        inner = getattr(model, attr)
+        first = int(model.config.num_hidden_layers)
+
+        def load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
+            named = list(weights)
+            out = inner(named, *args, **kwargs)
+            mtp = [(n, t) for n, t in named if _mtp_layer(n, first)]
+            for draft in _DRAFTS if mtp else ():
+                getattr(draft, "_gspo_load_original", draft.load_weights)(mtp)
+            return out
+
+        setattr(model, attr, load_weights)
+        model._gspo_draft_linked = True
+    if named_tensors:
+        model.load_weights(list(named_tensors))

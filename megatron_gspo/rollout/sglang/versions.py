@@ -29,6 +29,14 @@ upstream file that changed (paths under python/sglang/srt/):
   globals (`EXACT_GLOBALS`; `torch.storage._load_from_bytes` is replaced by a safe loader).
   `unpickler_refusal` picks the rule of the release a server reports (`/server_info` version);
   a server that reports none, or one between the two, gets both.
+- The draft on the distributed path (speculative decoding): 0.5.12
+  managers/scheduler_update_weights_mixin.py `update_weights_from_distributed` loads the
+  broadcast into the target only (sglang #27718); 0.5.23 managers/scheduler_components/
+  weight_updater.py loads it into the draft runners too (sglang #28575):
+  `distributed_reaches_draft`. Tensor and disk updates reach the draft in both.
+- Reading the draft's weights: 0.5.23's `/weights_checker` (`CheckWeightsReqInput.selector`)
+  returns checksums of the draft runners' tensors (keys `draft.<name>`); 0.5.12's reads the
+  target only (`sglang.draft_probe` asks every drafting server and checks what it returns).
 - The range itself (`SUPPORTED`, `version_warning`): a server outside it is served but logged.
 
 Not a difference: `UpdateWeightsFromTensorReqInput.torch_empty_cache` (managers/io_struct.py)
@@ -70,6 +78,19 @@ def sends_memory_calls(server_info: dict) -> bool:
     this `/server_info`: not to SGLang's CPU engine (`device` "cpu"), which has no memory to
     release and which they end on 0.5.23 (see the module docstring)."""
     return server_info.get("device") != "cpu"
+
+
+#: First release whose distributed weight update reaches the draft (and whose /weights_checker
+#: reads it).
+DRAFT_FANOUT_FROM = (0, 5, 23)
+
+
+def distributed_reaches_draft(server_info: dict) -> bool:
+    """Whether `update_weights_from_distributed` of the server of this `/server_info` loads the
+    broadcast into its draft model too (see the module docstring): from 0.5.23; False for a
+    server that reports no release."""
+    got = _release(str(server_info.get("version", "")))
+    return got is not None and got >= DRAFT_FANOUT_FROM
 
 
 def _release(text: str) -> tuple[int, ...] | None:

@@ -114,6 +114,8 @@ async def abegin_delta(engine: Any, sender: DeltaSender, version: int,
         await engine.abegin_update_sessions()
         if dist_path and sender.base_kind == "copy" and not st.delta:  # (re)install wrapper
             await _post_tensor(engine, [], LOADER, version)
+        if dist_path:  # then the draft link (under the wrapper: the draft gets decoded tensors)
+            await engine.alink_drafts(version)
     except BaseException:
         await aend_delta(engine, sender, version, False)
         raise
@@ -153,6 +155,8 @@ async def aupdate_delta(engine: Any, sender: DeltaSender, buckets: Iterable[Buck
             named = list(bucket)
             del bucket
             engine.check_shapes(named, version)
+            engine.note_draft(named, "delta " + ("disk" if disk_dir is not None else
+                                                 "distributed" if dist_path else "tensor"))
             pairs = sender.encode(named)
             del named
             t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from typing import Any
 
 from megatron_gspo.rollout.engine import Bucket, RolloutError
 from megatron_gspo.rollout.sglang import versions as compat
+from megatron_gspo.rollout.sglang.draft_probe import DraftSync
 from megatron_gspo.rollout.weight_sync_payloads import (
     bucket_payloads,
     dtype_name,
@@ -99,8 +100,9 @@ def _payload_tensors(payload: Any) -> list:
     return [t for _, t in payload]
 
 
-class SGLangWeightSync:
-    """Weight-update methods shared by `SGLangEngine` (see module docstring)."""
+class SGLangWeightSync(DraftSync):
+    """Weight-update methods shared by `SGLangEngine` (see module docstring); the draft's
+    side (speculative servers) is `draft_probe.DraftSync`'s."""
 
     urls: list[str]
     tp_size: int
@@ -234,6 +236,7 @@ class SGLangWeightSync:
                 named = list(bucket)
                 del bucket  # this loop holds the tensors through `named` only
                 self.check_shapes(named, version)
+                self.note_draft(named, "tensor")
                 total = sum(t.numel() * t.element_size() for _, t in named)
                 peak = 0
                 for payload, fmt in bucket_payloads(_drain(named)):
@@ -302,6 +305,7 @@ class SGLangWeightSync:
     async def aupdate_weights_from_disk(self, model_path: str, version: int) -> None:
         """Reload weights from a HF directory on every server."""
         body = {"model_path": model_path, "weight_version": str(version)}
+        self.note_draft_dir(model_path)
         await self._all("/update_weights_from_disk", body)
         self._version = int(version)
 
@@ -351,9 +355,11 @@ class SGLangWeightSync:
         await self.pause_generation()
         try:
             await self.abegin_update_sessions()
+            await self.alink_drafts(version)  # 0.5.12's broadcast skips the draft
             for bucket in buckets:
                 named = list(bucket)
                 self.check_shapes(named, version)
+                self.note_draft(named, "distributed")
                 body = {
                     "names": [n for n, _ in named],
                     "dtypes": [dtype_name(t.dtype) for _, t in named],

@@ -64,7 +64,10 @@ class ControlEndpoints:
              "weight_version": self.weight_version, "device": self.device,
              "served_model_name": self.served_model_name,  # --served-model-name, verbatim
              # SGLang's /server_info lists every ServerArgs field
-             "enable_return_routed_experts": getattr(self, "enable_return_routed_experts", False)}
+             "enable_return_routed_experts": getattr(self, "enable_return_routed_experts", False),
+             "custom_weight_loader": list(getattr(self, "custom_weight_loaders", ())),
+             **{f"speculative_{k}": v for k, v in (getattr(self, "speculative", None) or {
+                 "algorithm": None}).items()}}
         )
 
     # ------------------------------------------------------------ control

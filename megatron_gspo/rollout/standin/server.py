@@ -40,6 +40,7 @@ from megatron_gspo.rollout.served_shapes import checkpoint_shapes
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.sglang.protocol import grpc_port_error, served_dtype
 from megatron_gspo.rollout.standin.control import ControlEndpoints
+from megatron_gspo.rollout.standin.draft import DraftEndpoints, DraftNextN, load_draft
 from megatron_gspo.rollout.standin.generate import (
     Faults,
     GenerationEndpoints,
@@ -56,7 +57,7 @@ from megatron_gspo.rollout.standin.weight_sync_server import (  # noqa: F401
 _BATCHER: web.AppKey[asyncio.Task] = web.AppKey("batcher", asyncio.Task)
 
 
-class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
+class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints, DraftEndpoints):
     """aiohttp app serving an `EmbeddedEngine` under SGLang's endpoint names.
 
     Args:
@@ -84,6 +85,9 @@ class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
             `sampling_seed` seeds its own sampling stream (else it is ignored, as upstream).
         served_model_name: `--served-model-name`, echoed by /server_info (None: the model
             path, as server_args.py `__post_init__` sets it).
+        draft: the speculative draft (`--speculative-algorithm NEXTN`: `standin.draft`).
+        speculative: the resolved speculative fields /server_info reports (algorithm EAGLE,
+            num_steps, eagle_topk, num_draft_tokens).
     """
 
     def __init__(
@@ -93,8 +97,10 @@ class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
         health_generation: bool | None = None, enable_return_routed_experts: bool = False,
         device: str = "cuda", weight_update_sessions: bool = False,
         custom_weight_loaders: Any = (), deterministic_inference: bool = False,
-        served_model_name: str | None = None,
+        served_model_name: str | None = None, draft: DraftNextN | None = None,
+        speculative: dict | None = None,
     ) -> None:
+        self.draft, self.speculative = draft, dict(speculative or {})
         self.deterministic_inference = deterministic_inference
         self.served_model_name = model_path if served_model_name is None else served_model_name
         self.device, self.weight_update_sessions = device, weight_update_sessions
@@ -164,6 +170,7 @@ class StandinServer(GenerationEndpoints, ControlEndpoints, WeightEndpoints):
             r.add_post("/end_weight_update", self.end_session)
         r.add_post("/standin/faults", self.set_faults)
         r.add_get("/standin/weights_digest", self.weights_digest)
+        r.add_route("*", "/weights_checker", self.weights_checker)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -258,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--custom-weight-loader", nargs="*", default=None)
     ap.add_argument("--enable-deterministic-inference", action="store_true")
     ap.add_argument("--served-model-name", default=None)
+    for flag in ("algorithm", "num-steps", "eagle-topk", "num-draft-tokens"):
+        ap.add_argument(f"--speculative-{flag}", default=None)
     args, _unknown = ap.parse_known_args(argv)
     port_error = grpc_port_error(args.port, os.environ)
     if port_error:  # SGLang refuses the port before loading anything
@@ -270,6 +279,15 @@ def main(argv: list[str] | None = None) -> None:
     with open(os.path.join(args.model_path, "config.json"), encoding="utf-8") as f:
         dtype = served_dtype(args.dtype, json.load(f))  # "auto": fp32 checkpoints as fp16
     engine = EmbeddedEngine(args.model_path, dtype=dtype, seed=args.random_seed)
+    draft, spec = None, None
+    if args.speculative_algorithm:  # server_args.py: NEXTN is EAGLE, the draft the target's
+        spec = {"algorithm": "EAGLE" if args.speculative_algorithm.upper() in ("NEXTN", "EAGLE")
+                else args.speculative_algorithm.upper(),
+                "num_steps": int(args.speculative_num_steps or 1),
+                "eagle_topk": int(args.speculative_eagle_topk or 1)}
+        spec["num_draft_tokens"] = (spec["num_steps"] + 1 if spec["eagle_topk"] == 1 else
+                                    int(args.speculative_num_draft_tokens))
+        draft = load_draft(args.model_path, getattr(torch, dtype))
     server = StandinServer(engine, args.host, args.port, args.tp_size, args.model_path, True,
                            weights_cpu_backup=args.enable_weights_cpu_backup,
                            dp_size=args.dp_size, context_length=args.context_length,
@@ -279,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
                            weight_update_sessions=args.weight_update_sessions,
                            custom_weight_loaders=args.custom_weight_loader,
                            deterministic_inference=args.enable_deterministic_inference,
-                           served_model_name=args.served_model_name)
+                           served_model_name=args.served_model_name, draft=draft,
+                           speculative=spec)
 
     async def run() -> None:
         await server.start()

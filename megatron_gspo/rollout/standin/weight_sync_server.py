@@ -23,6 +23,7 @@ from megatron_gspo.rollout.weight_sync_payloads import (
     init_learner_update_group,
 )
 from megatron_gspo.rollout.served_shapes import stacked_part
+from megatron_gspo.rollout.standin.draft import reaches_draft
 
 #: Architectures whose SGLang 0.5.12 load_weights indexes params_dict with the fused name of a
 #: stacked part without checking it (models/qwen3.py); llama.py, qwen2.py and qwen3_moe.py
@@ -46,11 +47,16 @@ class WeightEndpoints:
         self.stats["flushes"] += 1
         return web.Response(text=FLUSHED)
 
-    async def _load(self, named: list, version: Any) -> None:
+    async def _load(self, named: list, version: Any, path: str = "tensor",
+                    everything: list | None = None) -> None:
         """Every path loads through the served model's `load_weights` (as SGLang's runner),
-        which a custom loader may have wrapped."""
+        which a custom loader may have wrapped; a draft gets `everything` (default `named`)
+        where upstream's `path` reaches it (`draft.reaches_draft`)."""
         if "weights" in self.released_tags:  # SGLang would write into unmapped GPU memory
             raise RuntimeError("the weights region is released; resume 'weights' first")
+        if self.draft is not None and reaches_draft(path, self.weight_update_sessions):
+            await asyncio.to_thread(self.draft.load_weights, named if everything is None
+                                    else everything)
         await asyncio.to_thread(self.served_model.load_weights, named)
         self._count_update(version)
 
@@ -114,7 +120,7 @@ class WeightEndpoints:
             return await self.die(request, f"AssertionError: {wrong[0]} has shape "
                                   f"{tuple(wrong[1].shape)}, the model {shapes[wrong[0]]}")
         try:
-            await self._load(named, body.get("weight_version"))
+            await self._load(named, body.get("weight_version"), everything=ranks[0])
         except Exception as e:
             return _fail(f"Failed to update weights from tensor: {e}")
         return _ok(_versioned(TENSOR_UPDATE_OK, body))
@@ -135,7 +141,8 @@ class WeightEndpoints:
             named = ranks[0]
             module, _, func = fmt.rpartition(".")
             loader = getattr(importlib.import_module(module), func)
-            await asyncio.to_thread(loader, self.served_model, named)
+            await asyncio.to_thread(lambda: [loader(m, named) for m in (  # draft runner first
+                self.draft, self.served_model) if m is not None])  # (eagle_worker.py)
         except Exception as e:
             return await self.die(request, f"/update_weights_from_tensor ({fmt}): "
                                   f"{type(e).__name__}: {e}")
@@ -160,7 +167,7 @@ class WeightEndpoints:
             if not files:
                 raise FileNotFoundError(f"no .safetensors files in {path}")
             named = [kv for f in files for kv in load_file(os.path.join(path, f)).items()]
-            await self._load(named, body.get("weight_version"))
+            await self._load(named, body.get("weight_version"), "disk")
         except Exception as e:
             return web.json_response(
                 {"success": False, "message": f"Failed to update weights: {e}",
@@ -208,7 +215,7 @@ class WeightEndpoints:
 
         try:
             named = await asyncio.to_thread(recv)
-            await self._load(named, b.get("weight_version"))
+            await self._load(named, b.get("weight_version"), "distributed")
         except Exception as e:
             return _fail(f"Failed to update parameter online: {e}")
         return _ok(_versioned("Succeeded to update parameter online.", b))
@@ -285,6 +292,10 @@ class ServedModel:
 
     def __init__(self, server: Any) -> None:
         self.server = server
+
+    @property
+    def config(self) -> Any:
+        return self.server.engine.model.config
 
     def load_weights(self, weights: Any) -> None:
         engine = self.server.engine
