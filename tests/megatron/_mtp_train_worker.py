@@ -3,7 +3,7 @@ JSON line. Run by tests/megatron/test_mtp_train.py.
 
 Usage: _mtp_train_worker.py WORK ARCH MODE [STEPS]
   ARCH: an HF architecture; "tiny" = the demo model examples/tiny/base (Qwen3, MTP added);
-        Qwen3 / Llama from tests/convert/tiny_families (MTP added); DeepSeek-V3 / GLM-4.5 from
+        Qwen3 / Llama from tests/convert/tiny_models, tied (MTP added); DeepSeek-V3 / GLM-4.5 from
         tests/convert/tiny_mtp (their MTP layer kept).
   MODE: "isolation": one GSPO forward-backward + optimizer step at mtp weight 0 and 1 from the
         same weights: every non-MTP gradient and updated policy weight, loss and grad_norm;
@@ -30,10 +30,10 @@ def make_model(work: Path, arch: str) -> tuple[Path, bool]:
     out = work / arch
     from megatron_gspo.convert.mtp import ADDED_MTP_ARCHITECTURES
 
-    if arch in ADDED_MTP_ARCHITECTURES:
-        from tests.convert.tiny_families import make_family_model
+    if arch in ADDED_MTP_ARCHITECTURES:  # tied embeddings: the other output-weight path
+        from tests.convert.tiny_models import make_tiny_model
 
-        make_family_model(arch, out)
+        make_tiny_model(arch, out, tie_word_embeddings=True)
         return out, True
     from tests.convert.tiny_mtp import make_mtp_checkpoint
 
