@@ -22,7 +22,7 @@ from megatron_gspo.algo.precision import (ToleranceController, apply_correction,
                                           check_engine_logprobs, finalize_audit, length_bins,
                                           mismatch_band, sequence_mismatch)
 from megatron_gspo.algo.sapo import sapo_gate, sapo_loss
-from megatron_gspo.algo.speculative import emitted_logprobs, verify_chain
+from megatron_gspo.algo.speculative_sampling import emitted_logprobs, verify_chain
 from megatron_gspo.algo.turn_advantages import (assign_multiturn_advantages,
                                                 discounted_returns, episode_level_advantages,
                                                 turn_level_advantages)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_gspo.config.schema import option
-from megatron_gspo.config.speculative import SpeculativeConfig
+from megatron_gspo.config.speculative_rollouts import SpeculativeConfig
 from megatron_gspo.config.tool_limits import check_python_limits
 
 LOSSES = ("gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo")
@@ -197,7 +197,7 @@ class RolloutConfig:
                                "meet in-flight responses at these boundaries", ge=1)
     speculative: SpeculativeConfig = option(
         default_factory=SpeculativeConfig, doc="speculative rollouts drafted by the model's MTP "
-        "head (megatron_gspo/config/speculative.py)")
+        "head (megatron_gspo/config/speculative_rollouts.py)")
 
 
 @dataclass

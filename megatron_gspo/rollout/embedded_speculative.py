@@ -1,6 +1,6 @@
 """Speculative decoding of one batch in the embedded engine: the model's MTP head
 (`rollout.mtp_draft`) drafts a chain of K tokens per row, the target verifies all of them in one
-forward, and `algo.speculative.verify_chain` accepts a prefix exactly (speculative sampling,
+forward, and `algo.speculative_sampling.verify_chain` accepts a prefix exactly (speculative sampling,
 Leviathan et al. arXiv 2211.17192 / Chen et al. arXiv 2302.01318).
 
 Layout: every verification appends K+1 slots to each row's KV cache (the pending token and the K
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo.algo.speculative import emitted_logprobs, verify_chain
+from megatron_gspo.algo.speculative_sampling import emitted_logprobs, verify_chain
 from megatron_gspo.rollout.embedded_batch import DecodeRows, draw, uniforms
 
 

@@ -10,7 +10,7 @@ import sys
 import megatron_gspo.algo as algo
 
 MODULES = ("advantages", "kl", "logprobs", "losses", "precision", "sapo", "cispo", "gmpo",
-           "corrections", "speculative")
+           "corrections", "speculative_sampling")
 
 
 def test_documented_names_import_from_the_package():

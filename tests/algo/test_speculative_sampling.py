@@ -1,4 +1,4 @@
-"""Speculative sampling's verification (`algo.speculative.verify_chain`, Leviathan et al. arXiv
+"""Speculative sampling's verification (`algo.speculative_sampling.verify_chain`, Leviathan et al. arXiv
 2211.17192): generated sequences follow the target's distribution exactly.
 
 A toy "model" over a 4-token vocabulary: the target's and the draft's next-token distributions
@@ -17,7 +17,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_gspo.algo.speculative import emitted_logprobs, verify_chain
+from megatron_gspo.algo.speculative_sampling import emitted_logprobs, verify_chain
 
 V, N, ROWS = 4, 3, 40_000
 
