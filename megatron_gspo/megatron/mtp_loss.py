@@ -112,7 +112,10 @@ def head_logits(model, seen: dict, tokens: torch.Tensor,
         with torch.no_grad():
             return gpt.embedding(input_ids=input_ids, position_ids=position_ids)
 
-    out = gpt.mtp(input_ids=tokens, position_ids=position_ids, hidden_states=seen["h"].detach(),
+    # a detached leaf that requires grad: activation recompute's checkpoint function returns
+    # no gradient path when none of its inputs requires grad (its grad is dropped)
+    h = seen["h"].detach().requires_grad_(True)
+    out = gpt.mtp(input_ids=tokens, position_ids=position_ids, hidden_states=h,
                   attention_mask=kw.get("attention_mask"),
                   rotary_pos_emb=kw.get("rotary_pos_emb"),
                   rotary_pos_cos=kw.get("rotary_pos_cos"),

@@ -5,7 +5,8 @@ Usage: _mtp_train_worker.py WORK ARCH MODE [STEPS]
   ARCH: an HF architecture; "tiny" = the demo model examples/tiny/base (Qwen3, MTP added);
         Qwen3 / Llama from tests/convert/tiny_models, tied (MTP added); DeepSeek-V3 / GLM-4.5 from
         tests/convert/tiny_mtp (their MTP layer kept).
-  MODE: "isolation": one GSPO forward-backward + optimizer step at mtp weight 0 and 1 from the
+  MODE (suffix "-recompute": full activation recompute): "isolation": one GSPO
+        forward-backward + optimizer step at mtp weight 0 and 1 from the
         same weights: every non-MTP gradient and updated policy weight, loss and grad_norm;
         "learn": STEPS optimizer steps on one fixed batch, the head's accuracy per step.
 """
@@ -42,6 +43,7 @@ def make_model(work: Path, arch: str) -> tuple[Path, bool]:
 
 
 def build(hf_dir: Path, added: bool, weight: float, lr: float = 1e-3):
+    recompute = RECOMPUTE
     """A Learner with MTP layers at loss weight `weight`, loaded from `hf_dir` (an added layer
     initialised by `init_added_mtp`)."""
     from megatron_gspo.convert import get_adapter
@@ -57,6 +59,7 @@ def build(hf_dir: Path, added: bool, weight: float, lr: float = 1e-3):
     if added:
         cfg["num_nextn_predict_layers"] = 1
     L = Learner(cfg, optim=OptimSettings(lr=lr, clip_grad=1.0), seed=11, mtp=True,
+                recompute=recompute,
                 loss=LossSettings(kind="gspo", mtp_weight=weight),
                 batching=BatchSettings(num_microbatches=2))
     adapter = get_adapter(cfg)
@@ -140,8 +143,14 @@ def learn(hf_dir: Path, added: bool, steps: int) -> dict:
     return {"accuracy": acc, "loss": loss}
 
 
+RECOMPUTE = False
+
+
 def main() -> None:
+    global RECOMPUTE
     work, arch, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    RECOMPUTE = mode.endswith("-recompute")  # full activation recompute
+    mode = mode.removesuffix("-recompute")
     hf_dir, added = make_model(work, arch)
     res = isolation(hf_dir, added) if mode == "isolation" else learn(
         hf_dir, added, int(sys.argv[4]))

@@ -6,8 +6,9 @@ Learner (tests/megatron/_mtp_train_worker.py):
   active: the tiny demo's grad_norm is ~16 under clip 1.0) identical, the policy weights after the
   step bit-identical; the MTP parameters frozen and outside the optimizer at weight 0, trainable,
   with non-zero gradients and moved by the step at weight 1; `mtp/*` metrics only at weight 1;
-- on the tiny demo (Qwen3, MTP layer added by `init_added_mtp`), on Llama (added) and on
-  DeepSeek-V3 (its checkpoint's MTP layer kept, trained when the weight is > 0);
+- on the tiny demo (Qwen3, MTP layer added by `init_added_mtp`; also under full activation
+  recompute), on Llama (added, tied embeddings) and on DeepSeek-V3 (its checkpoint's MTP layer
+  kept, trained when the weight is > 0);
 - the head learns: its accuracy on a fixed batch rises over a few optimizer steps;
 - `mtp_loss.mtp_loss` covers exactly the positions whose k-step-ahead target is a response token
   of the same packed sequence.
@@ -60,9 +61,11 @@ def test_mtp_loss_leaves_the_policy_gradient_and_step_unchanged_tiny_demo(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM"])
-def test_mtp_loss_isolation_other_families(tmp_path, arch):
-    _check_isolation(_worker(tmp_path, arch, "isolation", port=29722))
+@pytest.mark.parametrize("arch,mode", [("LlamaForCausalLM", "isolation"),
+                                       ("DeepseekV3ForCausalLM", "isolation"),
+                                       ("tiny", "isolation-recompute")])
+def test_mtp_loss_isolation_other_families(tmp_path, arch, mode):
+    _check_isolation(_worker(tmp_path, arch, mode, port=29722))
 
 
 @pytest.mark.slow

@@ -69,6 +69,9 @@ def attach_mtp(model, config, block_spec, use_te: bool, num_layers: int, vp_stag
     cfg = copy.copy(config)
     cfg.mtp_num_layers = num_layers
     cfg.mtp_loss_scaling_factor = 0.0
+    # no full recompute of the head (one layer): Megatron-Core's checkpointed MTP forward hands
+    # PackedSeqParams to save_for_backward, which refuses it (0.16.1, packed rows)
+    cfg.recompute_granularity = None
     layer = get_mtp_layer_spec(mtp_layer_spec(block_spec), use_transformer_engine=use_te)
     if config.sequence_parallel and not use_te:  # the torch norm refuses SP
         from megatron_gspo.megatron.models.local_layers import SequenceParallelRMSNorm
