@@ -60,7 +60,9 @@ class ControlEndpoints:
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response(
             {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
-             "context_length": self.context_length_arg, "version": "standin",
+             "context_length": self.context_length_arg,
+             # acting as 0.5.23: its release, so that the client picks that release's rules
+             "version": "0.5.23+standin" if self.weight_update_sessions else "standin",
              "weight_version": self.weight_version, "device": self.device,
              "served_model_name": self.served_model_name,  # --served-model-name, verbatim
              # SGLang's /server_info lists every ServerArgs field

@@ -236,7 +236,8 @@ class WeightEndpoints:
         learner's."""
         named = list(self.engine.model.named_parameters())
         return web.json_response({"digest": await asyncio.to_thread(weights_digest, named),
-                                  "weight_version": self.weight_version, "stats": self.stats})
+                                  "weight_version": self.weight_version, "stats": self.stats,
+                                  "draft": self.draft.checksums() if self.draft else None})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         b = await request.json()
