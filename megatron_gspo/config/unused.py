@@ -12,6 +12,8 @@ that would be ignored is an error, never a silent no-op").
   `precision.audit_fraction` with `recompute` (every step computes the learner's log-probs);
 - `rollout.offload_learner` unless SGLang servers are colocated (nothing else shares the GPU),
   `rollout.fp8_bf16_layers` unless `rollout.weight_precision` is `fp8`;
+- `rollout.speculative.*` while its algorithm is `none` (nothing drafts), and its adaptive
+  switch's `max_batch` / `min_acceptance` / `probe_interval` with `adaptive` false;
 - `train.eval_samples` and `train.eval_pass_k` while `train.eval_interval` is 0 (no evaluation
   runs), `logging.wandb_name` without `logging.wandb_project` (nothing is sent to W&B).
 """
@@ -81,6 +83,15 @@ def check_unused(cfg) -> None:
     if r.weight_precision != "fp8":
         rules.append(("rollout", _changed(r, ("fp8_bf16_layers",)),
                       f"rollout.weight_precision {r.weight_precision!r} (no FP8 weights)"))
+    sp = r.speculative
+    if sp.algorithm == "none":
+        rules.append(("rollout.speculative", _changed(sp, [f.name for f in dataclasses.fields(sp)
+                                                           if f.name != "algorithm"]),
+                      "rollout.speculative.algorithm 'none' (nothing drafts)"))
+    elif not sp.adaptive:
+        rules.append(("rollout.speculative", _changed(sp, ("max_batch", "min_acceptance",
+                                                           "probe_interval")),
+                      "rollout.speculative.adaptive false (they drive the adaptive switch)"))
     t, lg = cfg.train, cfg.logging
     if t.eval_interval == 0:
         rules.append(("train", _changed(t, ("eval_samples", "eval_pass_k")),

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.loop.early_checks import check_rows, is_moe
-from megatron_gspo.loop import mtp_setting, resume_checks
+from megatron_gspo.loop import mtp_setting, resume_checks, speculative_setting
 from megatron_gspo.loop.server_setup import sglang_engine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,6 +99,8 @@ def learner(cfg: Config, hf_config: dict):
     if lora is not None and "experts" in lora.targets and not is_moe(hf_config):
         raise ConfigError(f"model.lora.targets: 'experts', but {cfg.model.path} is a dense model "
                           "(no routed experts); use qkv, proj, fc1, fc2")
+    mtp = mtp_setting.mtp_layers(cfg, hf_config)
+    speculative_setting.check(cfg, mtp, is_moe(hf_config))  # rollout.speculative needs them
     learner_ = Learner(hf_config, layout=layout, optim=optim, loss=loss,
                    model_kwargs=deterministic_switches(cfg.train.deterministic),
                    batching=BatchSettings(max_tokens_per_microbatch=a.micro_batch_tokens,
@@ -108,7 +110,7 @@ def learner(cfg: Config, hf_config: dict):
                    reference_offload=cfg.model.reference_offload,
                    routing_replay=cfg.moe.routing_replay,
                    offload_outside_step=o.offload_outside_step, lora=lora,
-                   mtp=mtp_setting.mtp_layers(cfg, hf_config))
+                   mtp=mtp)
     mtp_setting.mark_sync(learner_, cfg)  # what the weight sync sends of them
     # the initial weights, recorded in checkpoints (the base named in LoRA checkpoints), and
     # what a checkpoint must match to be resumed (`Checkpointer.load` runs it first)
@@ -239,7 +241,8 @@ def rollout_engine(cfg: Config, hf_config: dict, tok, served_path: str | None = 
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return EmbeddedEngine(dict(hf_config), dtype=r.dtype, device=device, seed=cfg.train.seed,
                               default_sampling=sampling,
-                              return_routing=cfg.moe.engine_routing and is_moe(hf_config))
+                              return_routing=cfg.moe.engine_routing and is_moe(hf_config),
+                              **speculative_setting.embedded_kwargs(cfg))
     return sglang_engine(cfg, sampling, hf_config=hf_config, model_path=served_path)
 
 

@@ -342,6 +342,26 @@ GROUPS: tuple[MetricGroup, ...] = (
                                                     "memory for the colocated servers "
                                                     "(`rollout.offload_learner`)"),
     )),
+    MetricGroup("Speculative rollouts", "every step with `rollout.speculative.algorithm: mtp` "
+                "on the embedded engine (rollout/speculative_control.py); the acceptance keys "
+                "only when a batch drafted", (
+        ("speculative/on", "share", "share of the step's rows decoded with MTP drafting"),
+        ("speculative/batch", "rows", "rows of the last decode batch (the adaptive switch's "
+                                      "batch-size input)"),
+        ("speculative/reason", "code", "the last decision: 0 on, 1 on to re-probe acceptance, "
+                                       "2 on (adaptive off), 3 off: batch above max_batch, 4 "
+                                       "off: acceptance below min_acceptance, 5 off: the head "
+                                       "has no synced weights yet"),
+        ("speculative/ready", "0/1", "1 once the engine's MTP head holds loaded weights"),
+        ("speculative/acceptance", "share", "accepted / drafted tokens this step"),
+        ("speculative/running_acceptance", "share", "the running acceptance the switch reads "
+                                                    "(exponential mean over drafted batches)"),
+        ("speculative/accepted_per_verify", "tokens", "accepted draft tokens per row and "
+                                                      "verification"),
+        ("speculative/tokens_per_verify", "tokens", "tokens emitted per row and verification "
+                                                    "(accepted + 1 unless a row ended)"),
+        ("speculative/verify_steps", "count", "verification forwards this step"),
+    )),
     MetricGroup("Time", "every step (seconds of wall time)", (
         ("time/step", "seconds", "the whole step"),
         ("time/rollout", "seconds", "phases 1-2: generation, scoring, broadcast"),

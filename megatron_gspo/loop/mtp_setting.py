@@ -158,10 +158,13 @@ def _check_add(cfg: Config, hf_config: dict, src: str) -> None:
 
 
 def has_draft(cfg: Config) -> bool:
-    """The rollout servers may hold a draft model: SGLang launched with
-    ``--speculative-algorithm`` (in rollout.extra_server_args), or attached by URL (their
-    launch is not ours to read)."""
+    """The rollout engine may hold a draft model: any engine drafting with the MTP head
+    (`rollout.speculative.algorithm` mtp: the embedded engine's `rollout.mtp_draft`, SGLang's
+    NEXTN), SGLang launched with ``--speculative-algorithm`` (in rollout.extra_server_args), or
+    attached by URL (their launch is not ours to read)."""
     r = cfg.rollout
+    if r.speculative.algorithm == "mtp":
+        return True
     if r.engine != "sglang":
         return False
     spec = any(a.split("=", 1)[0] == "--speculative-algorithm" for a in r.extra_server_args)
@@ -169,8 +172,9 @@ def has_draft(cfg: Config) -> bool:
 
 
 def sync_mode(cfg: Config) -> str:
-    """What the weight sync sends of kept MTP layers: their own tensors to servers that may
-    hold a draft (`has_draft`), nothing otherwise."""
+    """What the weight sync sends of kept or added MTP layers: their own tensors (not the
+    embedding / head copies) to an engine that may hold a draft (`has_draft`: SGLang servers,
+    or the embedded engine drafting with them), nothing otherwise."""
     return SYNC_MTP_LAYERS if has_draft(cfg) else SYNC_NO_MTP
 
 

@@ -78,6 +78,8 @@ def rollout(cfg: Config, engine, prompts, score, tok, step: int, producer=None):
         m = {f"rollout/{k}": v for k, v in gm.items()}
     for k, v in getattr(engine, "metrics", {}).items():  # SGLang client counters, since start
         m[f"rollout/engine_{k}_total"] = float(v)
+    if hasattr(engine, "speculative_metrics"):  # the embedded engine's drafting (adaptive)
+        m.update(engine.speculative_metrics())
     from megatron_gspo.rewards.verifier import verifier_counts
 
     m.update(verifier_counts())  # this step's math-verify comparisons, timeouts, crashes
