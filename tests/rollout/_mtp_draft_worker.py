@@ -1,6 +1,7 @@
 """The embedded engine's MTP draft head (`rollout.mtp_draft.MTPDraft`) against the learner's
 `megatron.models.mtp_block.mtp_logits` on the same tiny DeepSeek-V3 / GLM-4.5 checkpoint with
-an MTP layer (tests/convert/tiny_mtp.py); prints one JSON line. Run by
+an MTP layer (tests/convert/tiny_mtp.py) and on the tiny demo (Qwen3) with an added one;
+prints one JSON line. Run by
 tests/rollout/test_embedded_speculative.py."""
 
 from __future__ import annotations
@@ -38,6 +39,35 @@ def hf_head_logits(hf_dir: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, to
     return whole, cached
 
 
+def qwen3_with_mtp(out_dir: Path) -> None:
+    """The tiny demo (Qwen3, no MTP layer) with a random MTP layer under the names
+    `model.mtp_layers: add` exports (a Qwen3 decoder layer plus enorm, hnorm, eh_proj,
+    shared_head.norm at layer index num_hidden_layers)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "base"
+    shutil.copytree(base, out_dir)
+    sd = load_file(str(out_dir / "model.safetensors"))
+    cfg = json.loads((out_dir / "config.json").read_text())
+    n, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    g = torch.Generator().manual_seed(5)
+    for k in [k for k in sd if k.startswith(f"model.layers.{n - 1}.")]:
+        sd[k.replace(f"layers.{n - 1}.", f"layers.{n}.")] = sd[k] + 0.02 * torch.randn(
+            sd[k].shape, generator=g)
+    p = f"model.layers.{n}."
+    sd[p + "enorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+    sd[p + "hnorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+    sd[p + "eh_proj.weight"] = 0.1 * torch.randn(H, 2 * H, generator=g)
+    sd[p + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+    sd[p + "embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()  # as exported
+    sd[p + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = 1
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
 def main(work: Path) -> None:
     from megatron_gspo.convert import get_adapter
     from megatron_gspo.convert.hf_io import HFCheckpointReader
@@ -49,7 +79,10 @@ def main(work: Path) -> None:
     out = {}
     for arch in sys.argv[2].split(","):
         hf_dir = work / arch
-        make_mtp_checkpoint(arch, hf_dir)
+        if arch == "Qwen3ForCausalLM":
+            qwen3_with_mtp(hf_dir)
+        else:
+            make_mtp_checkpoint(arch, hf_dir)
         reader = HFCheckpointReader(hf_dir)
         cfg = cio.normalize_hf_config(reader.config)
         adapter = get_adapter(cfg)

@@ -2,7 +2,8 @@
 `rollout.mtp_draft`): what is sampled and the log-probs returned are the target model's.
 
 - the HF-side MTP head = the learner's `mtp_logits` on the same tiny DeepSeek-V3 / GLM-4.5
-  checkpoint (fp32, <= 1e-5), with and without its own cache;
+  checkpoint and on the tiny demo (Qwen3) with a layer under the names `model.mtp_layers: add`
+  exports (fp32, <= 1e-5; measured 2.1e-7, 1.6e-7, 8.3e-7), with and without its own cache;
 - sampled sequences (4 new tokens, a stop id, temperature 0.8, top-k 4) of a random 6-token
   model with a random MTP head follow the exact sequence probabilities (chi-square over the
   cells expected >= 5 plus one lumped cell); the same engine with an always-accept rule fails;
@@ -54,7 +55,7 @@ def test_mtp_head_matches_the_learner(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
                CUDA_VISIBLE_DEVICES="", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT="29617")
-    archs = "DeepseekV3ForCausalLM,Glm4MoeForCausalLM"
+    archs = "DeepseekV3ForCausalLM,Glm4MoeForCausalLM,Qwen3ForCausalLM"
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("_mtp_draft_worker.py")),
                           str(tmp_path), archs], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
@@ -207,3 +208,31 @@ def test_adaptive_controller_decisions():
     assert DraftControl(adaptive=False, ready=True).decide(10_000)
     with pytest.raises(ValueError, match="probe_interval"):
         DraftControl(probe_interval=0)
+
+
+def test_config_refusals():
+    from megatron_gspo.config import ConfigError, load_config
+    from megatron_gspo.loop.speculative_setting import check, embedded_kwargs
+
+    tiny = ROOT / "examples" / "tiny" / "config.yaml"
+    with pytest.raises(ConfigError, match=r"^rollout.speculative.num_steps: not used with "
+                                          r"rollout.speculative.algorithm 'none'"):
+        load_config(tiny, ["rollout.speculative.num_steps=3"])
+    with pytest.raises(ConfigError, match=r"^rollout.speculative.max_batch: not used with "
+                                          r"rollout.speculative.adaptive false"):
+        load_config(tiny, ["rollout.speculative.algorithm=mtp", "rollout.speculative.adaptive="
+                           "false", "rollout.speculative.max_batch=8"])
+    on = ["rollout.speculative.algorithm=mtp", "model.mtp_layers=add"]
+    with pytest.raises(ConfigError, match="learner builds none"):
+        check(load_config(tiny, on), mtp_built=False, moe=False)
+    with pytest.raises(ConfigError, match="^rollout.speculative.topk: 2"):
+        check(load_config(tiny, on + ["rollout.speculative.topk=2"]), True, False)
+    with pytest.raises(ConfigError, match="^rollout.speculative.num_draft_tokens: 5"):
+        check(load_config(tiny, on + ["rollout.speculative.num_draft_tokens=5"]), True, False)
+    with pytest.raises(ConfigError, match="moe.engine_routing"):
+        check(load_config(tiny, on), True, moe=True)
+    cfg = load_config(tiny, on + ["rollout.speculative.num_steps=3"])
+    check(cfg, True, False)
+    kw = embedded_kwargs(cfg)
+    assert kw["draft_steps"] == 3 and kw["draft_control"].max_batch == 64
+    assert embedded_kwargs(load_config(tiny)) == {}
