@@ -7,7 +7,9 @@
   (``model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.norm}`` + a decoder layer + the
   embedding / head copies) with ``num_nextn_predict_layers: 1`` in config.json; transformers loads
   that export as a plain Qwen3 model (the extra tensors ignored: logits equal to the export
-  without them); `hf-to-mcore` of it and `mcore-to-hf` back give every tensor bit for bit; a
+  without them); a run's learner on it as `model.path` keeps the layer (auto, trainable) and
+  holds every tensor bit for bit; `hf-to-mcore` of it and `mcore-to-hf` back give every tensor
+  bit for bit; a
   resumed run loads the layer and trains it further (its tensors move);
 - DeepSeek-V3 with its checkpoint's MTP layer kept: trained when the weight is > 0 (the export's
   MTP tensors differ from the input's, where tests/loop/test_mtp_train.py shows them bit-exact at
@@ -106,6 +108,16 @@ def test_add_trains_saves_exports_and_resumes_the_tiny_demo(tmp_path):
         with torch.no_grad():
             logits.append(m(x).logits)
     assert torch.equal(*logits)
+
+    # model.path = the export: auto keeps the layer, the learner loads every tensor bit for bit
+    env = dict(ENV, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29731")
+    worker = ROOT / "tests" / "megatron" / "_mtp_train_worker.py"
+    r = subprocess.run([sys.executable, str(worker), str(tmp_path), str(hf), "readback"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = json.loads(r.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert r["mtp_params"] > 5 and r["names_equal"] and r["bit_exact"] and r["tensors"] == len(got)
 
     # hf-to-mcore and back: bit-exact, MTP layer included
     _convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"))

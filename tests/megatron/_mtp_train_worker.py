@@ -8,7 +8,9 @@ Usage: _mtp_train_worker.py WORK ARCH MODE [STEPS]
   MODE (suffix "-recompute": full activation recompute): "isolation": one GSPO
         forward-backward + optimizer step at mtp weight 0 and 1 from the
         same weights: every non-MTP gradient and updated policy weight, loss and grad_norm;
-        "learn": STEPS optimizer steps on one fixed batch, the head's accuracy per step.
+        "learn": STEPS optimizer steps on one fixed batch, the head's accuracy per step;
+        "readback" (ARCH: an HF directory with an MTP layer): the loop's learner built on it as
+        model.path, its export against the files.
 """
 
 from __future__ import annotations
@@ -143,12 +145,44 @@ def learn(hf_dir: Path, added: bool, steps: int) -> dict:
     return {"accuracy": acc, "loss": loss}
 
 
+def readback(hf_dir: Path) -> dict:
+    """The loop's learner on `model.path` = `hf_dir` (an export with an added MTP layer), its
+    initial weights loaded as a run loads them: `model.mtp_layers` auto keeps the layer, and
+    every tensor the learner exports equals the file's."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.convert.hf_io import HFCheckpointReader
+    from megatron_gspo.loop import build
+    from megatron_gspo.megatron.io.weight_export import export_hf_weights
+
+    cfg = load_config(None, [f"model.path={hf_dir}", "algorithm.mtp_loss_weight=1",
+                             "model.dtype=float32"])
+    hf = build.read_hf_config(str(hf_dir))
+    L = build.learner(cfg, hf)
+    build.load_initial_weights(cfg, L, hf)
+    for m in L.chunks:  # everything, as a conversion exports it (not the sync's choice)
+        del m.mtp_export
+    sent = {k: t for b in export_hf_weights(L.chunks, hf, bucket_bytes=1 << 24) for k, t in b}
+    reader = HFCheckpointReader(hf_dir)
+    names = sorted(reader.keys())
+    res = {"mtp_params": sum(1 for c in L.chunks for n, p in c.named_parameters()
+                             if n.startswith("mtp.") and p.requires_grad),
+           "names_equal": sorted(sent) == names, "tensors": len(names),
+           "differ": [k for k in names if k in sent and not torch.equal(sent[k], reader.get(k))],
+           "bit_exact": all(torch.equal(sent[k], reader.get(k)) for k in names if k in sent)}
+    reader.close()
+    L.shutdown()
+    return res
+
+
 RECOMPUTE = False
 
 
 def main() -> None:
     global RECOMPUTE
     work, arch, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    if mode == "readback":  # ARCH: an HF directory
+        print("RESULT " + json.dumps(readback(Path(arch))))
+        return
     RECOMPUTE = mode.endswith("-recompute")  # full activation recompute
     mode = mode.removesuffix("-recompute")
     hf_dir, added = make_model(work, arch)
