@@ -1,12 +1,14 @@
 """The speculative draft's weights on every SGLang weight path, against stand-in servers that hold
 a NEXTN draft as SGLang does (`standin/draft.py`) of a tiny DeepSeek-V3 checkpoint with its MTP
 layer (tests/convert/tiny_mtp.py): a draft tensor changed on the learner side reaches the draft
-through tensor, disk, delta (tensor) and distributed (gloo) updates; acting as SGLang 0.5.12,
-the distributed path reaches it only through the project's loader (`gspo_delta_loader.
-link_draft`, installed by the launcher's flags): without it the sync is refused in one line, and
-the broadcast alone leaves the draft stale. The sync probe's draft check (`draft_probe.
-acheck_draft`, SGLang 0.5.23's /weights_checker) passes on a synced draft and names the path
-of a stale one; a 0.5.12 server, whose checker cannot read the draft, is counted unverified."""
+through tensor, disk, delta (tensor and distributed) and distributed (gloo) updates; acting as
+SGLang 0.5.12, the distributed path reaches it only through the project's loader
+(`gspo_delta_loader.link_draft`, installed by the launcher's flags): without it the sync is
+refused in one line, and the broadcast alone leaves the draft stale. The sync probe's draft
+check (`draft_probe.acheck_draft`, SGLang 0.5.23's /weights_checker) passes on a synced draft
+and names the path of a stale one; a 0.5.12 server, whose checker cannot read the draft, is
+counted unverified. SGLang's real CPU server cannot draft at either release (docs/weight-sync.md
+"Speculative servers"), so these run against the stand-in only."""
 
 from __future__ import annotations
 
@@ -115,35 +117,39 @@ def test_each_path_reaches_the_draft_as_0512_with_the_link(mtp_dir, tmp_path):
     from megatron_gspo.rollout.delta.sender import DeltaSender
 
     proc, url = _start(mtp_dir, tmp_path, link=True, as_0523=False)
+    engines: dict[str, SGLangEngine] = {}  # one per transport (one update group per server)
     try:
         assert not _holds(url, _learner(mtp_dir, 1))
         step = 0
-        for path in ("tensor", "disk", "delta", "distributed"):
+        for path in ("tensor", "disk", "delta", "distributed", "delta distributed"):
             step += 1
             named = _learner(mtp_dir, step)
-            eng = _engine(url, path)
-            try:
-                if path == "disk":
-                    d = tmp_path / f"ckpt{step}"
-                    d.mkdir()
-                    (d / "config.json").write_text((mtp_dir / "config.json").read_text())
-                    save_file(dict(named), str(d / "model.safetensors"))
-                    eng.sync(eng.aupdate_weights_from_disk(str(d), step))
-                else:
-                    if path == "delta":
-                        eng.delta = DeltaSender("on")
-                        eng.update_weights([named], step)  # the first delta sync is full
-                        step += 1
-                        named = _learner(mtp_dir, step)
-                    eng.update_weights([named], step)
-                    assert path != "delta" or eng.delta.stats.delta
-                assert _holds(url, named), path
-                # SGLang 0.5.12's /weights_checker cannot read the draft: counted unverified
-                assert eng.sync(eng.acheck_draft(step)) == {"draft_tensors_checked": 0.0,
-                                                            "draft_unverified": 1.0}
-            finally:
-                eng.shutdown()
+            kind = path.split()[-1]
+            if kind not in engines:
+                engines[kind] = _engine(url, kind)
+            eng = engines[kind]
+            eng.delta = None
+            if path == "disk":
+                d = tmp_path / f"ckpt{step}"
+                d.mkdir()
+                (d / "config.json").write_text((mtp_dir / "config.json").read_text())
+                save_file(dict(named), str(d / "model.safetensors"))
+                eng.sync(eng.aupdate_weights_from_disk(str(d), step))
+            else:
+                if path.startswith("delta"):
+                    eng.delta = DeltaSender("on")
+                    eng.update_weights([named], step)  # the first delta sync is full
+                    step += 1
+                    named = _learner(mtp_dir, step)
+                eng.update_weights([named], step)
+                assert not path.startswith("delta") or eng.delta.stats.delta
+            assert _holds(url, named), path
+            # SGLang 0.5.12's /weights_checker cannot read the draft: counted unverified
+            assert eng.sync(eng.acheck_draft(step)) == {"draft_tensors_checked": 0.0,
+                                                        "draft_unverified": 1.0}
     finally:
+        for eng in engines.values():
+            eng.shutdown()
         _stop(proc)
 
 

@@ -19,7 +19,8 @@ Launch (read in both supported releases, paths under python/sglang/srt/):
   it is given (a warning); the CPU engine's `--disable-overlap-schedule` selects spec v1
   (`EAGLEWorker`) at 0.5.12 and synchronous spec v2 (`EAGLEWorkerV2`) at 0.5.23.
 - Measured with each release's `prepare_server_args` (tests/rollout/test_speculative_sglang_
-  launch.py).
+  launch.py). The real CPU server of neither release can draft: its KV pool's KV-copy kernel
+  warm-up ends the scheduler at start (docs/weight-sync.md "Speculative servers").
 
 Draft weights per weight path (docs/weight-sync.md "Draft weights"):
 - tensor: 0.5.12 speculative/eagle_worker.py `EAGLEWorker.update_weights_from_tensor` loads the
