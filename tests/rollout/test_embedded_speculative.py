@@ -236,3 +236,12 @@ def test_config_refusals():
     kw = embedded_kwargs(cfg)
     assert kw["draft_steps"] == 3 and kw["draft_control"].max_batch == 64
     assert embedded_kwargs(load_config(tiny)) == {}
+
+
+def test_a_seeded_row_samples_the_same_with_other_rows_in_its_batch():
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, seed=7)
+    alone = _engine(steps=2).generate([GenerateRequest(prompt_ids=[1, 3, 4], sampling=sp)])
+    crowd = _engine(steps=2).generate(
+        [GenerateRequest(prompt_ids=[2, 5], sampling=SamplingParams(max_new_tokens=10, n=3)),
+         GenerateRequest(prompt_ids=[1, 3, 4], sampling=sp)])
+    assert crowd[-1].response_ids == alone[0].response_ids
