@@ -108,3 +108,91 @@ def test_each_release_reads_our_speculative_command_line(release, arch, tmp_path
                    "disable_overlap_schedule": True, "max_running_requests": 48,
                    "device": "cpu", "attention_backend": "torch_native",
                    "custom_weight_loader": [LINK]}, got
+
+
+#: How each release's real CPU server ends when launched to draft (measured on this project's
+#: x86-64 machines without AMX, scripts/sglang_cpu.sh installs): the KV pool of a speculative
+#: server warms up a KV-copy kernel (mem_cache/memory_pool.py `_init_kv_copy_and_warmup`,
+#: enabled by `speculative_algorithm is not None`): at 0.5.12 a Triton kernel, which finds no
+#: GPU driver; at 0.5.23 sgl_kernel's `copy_all_layer_kv_cache_cpu`, which the CUDA build of
+#: sglang-kernel the CPU install uses does not have.
+CPU_REFUSAL = {
+    "0.5.12": "RuntimeError: 0 active drivers ([]). There should only be one.",
+    "0.5.23": "AttributeError: '_OpNamespace' 'sgl_kernel' object has no attribute "
+              "'copy_all_layer_kv_cache_cpu'",
+}
+
+
+@pytest.mark.sglang_real
+@pytest.mark.parametrize("release", sorted(INSTALLS))
+def test_the_real_cpu_server_cannot_draft(release, tmp_path):
+    """The launch the trainer makes (GLM-4.5 with its MTP layer, which the CPU engine serves
+    without drafting: tests/rollout/test_sglang_real_families.py) ends at start with the line
+    `CPU_REFUSAL` names; when an install can draft, this fails and a real-server draft test
+    can replace the stand-in's."""
+    import shutil
+    import time
+
+    from megatron_gspo.rollout.sglang.launch import (LaunchSpec, ServerProcess, cpu_server_env,
+                                                     pick_ports, server_argv)
+    from tests.convert.tiny_mtp import make_mtp_checkpoint
+
+    py = INSTALLS[release] / "venv" / "bin" / "python"
+    if not py.is_file():
+        pytest.skip(f"SGLang {release} CPU venv not installed at {py.parent.parent}")
+    model = tmp_path / "glm"
+    model.mkdir()
+    make_mtp_checkpoint("Glm4MoeForCausalLM", model)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "examples" / "tiny" / "base" / f, model / f)
+    spec = LaunchSpec(model_path=str(model), dtype="float32", python=str(py), device="cpu",
+                      env=cpu_server_env(str(py)), extra_args=(
+                          "--skip-server-warmup", *speculative_server_args(
+                              "Glm4MoeForCausalLM", 2, 1, None)))
+    log = tmp_path / "server.log"
+    proc = ServerProcess(server_argv(spec, 0, pick_ports("127.0.0.1", 0, 1)[0]), "spec",
+                         env=spec.env, log_path=str(log))
+    try:
+        deadline = time.monotonic() + 480
+        while proc.alive() and time.monotonic() < deadline and CPU_REFUSAL[release] not in (
+                log.read_text(errors="replace")):
+            time.sleep(2)
+        assert CPU_REFUSAL[release] in log.read_text(errors="replace"), (
+            log.read_text(errors="replace")[-3000:])
+    finally:
+        proc.stop()
+
+
+def test_the_trainer_launch_gets_the_flags_and_the_link_on_the_distributed_path(tmp_path,
+                                                                               tiny_model_dir):
+    """`loop.server_setup.sglang_engine` (nothing launched until the engine starts): a
+    DeepSeek-V3 with its MTP layer gets the speculative flags, plus the link loader on the
+    distributed path; a Qwen3 model is refused in one line; so is a flag of one's own."""
+    from megatron_gspo.config import ConfigError, load_config
+    from megatron_gspo.loop.server_setup import sglang_engine
+    from megatron_gspo.rollout.engine import SamplingParams
+    from tests.convert.tiny_mtp import make_mtp_checkpoint
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    make_mtp_checkpoint("DeepseekV3ForCausalLM", ds)
+
+    def engine(model, *more):
+        cfg = load_config(None, ["rollout.engine=sglang", f"model.path={model}",
+                                 "rollout.speculative.algorithm=mtp", *more])
+        return sglang_engine(cfg, SamplingParams())
+
+    for sync, link in (("distributed", True), ("tensor", False)):
+        eng = engine(ds, f"rollout.weight_sync={sync}", "rollout.colocate=" + str(
+            sync == "tensor").lower(), "rollout.speculative.num_steps=3")
+        try:
+            extra = list(eng.spec.extra_args)
+            i = extra.index("--speculative-algorithm")
+            assert extra[i:i + 8] == speculative_server_args("DeepseekV3ForCausalLM", 3, 1, None)
+            assert (LINK in extra) == link, extra
+        finally:
+            eng.shutdown()
+    with pytest.raises(ConfigError, match="no NEXTN draft model for Qwen3ForCausalLM"):
+        engine(tiny_model_dir)
+    with pytest.raises(ConfigError, match="--speculative-num-steps together with"):
+        engine(ds, "rollout.extra_server_args=[--speculative-num-steps=4]")
