@@ -100,6 +100,15 @@ def launch_problems(cfg, nodes: int, gpus_per_node: int) -> list[str]:
                                     tp_size=r.tp_size), gpus_per_node)
     except ValueError as e:
         out.append(str(e))
+    if r.speculative.algorithm == "mtp":  # launched servers that cannot draft from the head
+        from megatron_gspo.rollout.sglang.speculative import speculative_server_args
+
+        s = r.speculative
+        try:
+            speculative_server_args(_arch(cfg), s.num_steps, s.topk, s.num_draft_tokens,
+                                    r.extra_server_args)
+        except ValueError as e:
+            out.append(str(e))
     loopback = r.host == "localhost" or r.host.startswith("127.") or r.host == "::1"
     if nodes > 1 and r.colocate and r.weight_sync in ("auto", "tensor") and loopback:
         out.append(f"rollout.host={r.host}: each of the {nodes} nodes launches its own servers "
@@ -125,8 +134,42 @@ def rollout_line(cfg) -> str:
                      ("base_port", r.base_port)]
         keys += [("weight_sync", r.weight_sync), ("weight_sync_delta", r.weight_sync_delta),
                  ("offload_learner", offload_learner_enabled(cfg))]
+        if r.speculative.algorithm == "mtp":
+            keys += _draft_keys(cfg)
     else:
         keys += [("dtype", r.dtype)]
     keys += [("group_size", r.group_size), ("max_new_tokens", r.max_new_tokens)]
     return "rollout: " + " ".join(
         f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in keys)
+
+
+def _model_config(cfg) -> dict:
+    """model.path's config.json, or {} where it cannot be read (a hub id)."""
+    try:
+        return read_model_config(Path(str(cfg.model.path)) / "config.json")
+    except ConfigError:
+        return {}
+
+
+def _arch(cfg) -> str:
+    return str((_model_config(cfg).get("architectures") or ["?"])[0])
+
+
+def _draft_keys(cfg) -> list[tuple[str, object]]:
+    """The speculative draft of launched servers: steps, top-k, and its memory per server
+    (`speculative.draft_bytes`: one MTP layer's weights, its KV per token); not counted in
+    the memory plan's moments."""
+    from megatron_gspo.rollout.sglang.speculative import draft_bytes
+
+    s = cfg.rollout.speculative
+    keys: list[tuple[str, object]] = [("speculative", "mtp"), ("num_steps", s.num_steps),
+                                      ("topk", s.topk)]
+    hf = _model_config(cfg)
+    try:
+        width = 4 if cfg.model.dtype == "float32" else 2
+        weights, kv = draft_bytes(hf, width, 1)
+        keys += [("draft_weights_mib", round(weights / 2**20, 1)),
+                 ("draft_kv_bytes_per_token", kv)]
+    except (KeyError, TypeError, ValueError):
+        pass  # a family without the MTP fields: the flags alone
+    return keys

@@ -196,3 +196,20 @@ def test_the_trainer_launch_gets_the_flags_and_the_link_on_the_distributed_path(
         engine(tiny_model_dir)
     with pytest.raises(ConfigError, match="--speculative-num-steps together with"):
         engine(ds, "rollout.extra_server_args=[--speculative-num-steps=4]")
+
+
+def test_plan_names_the_draft_and_refuses_what_the_launch_refuses(tmp_path, tiny_model_dir):
+    from megatron_gspo.cli.plan_checks import launch_problems, rollout_line
+    from megatron_gspo.config import load_config
+
+    ds = _config(tmp_path, "DeepseekV3ForCausalLM")
+    cfg = load_config(None, ["rollout.engine=sglang", f"model.path={ds}",
+                             "rollout.speculative.algorithm=mtp"])
+    line = rollout_line(cfg)
+    assert " speculative=mtp num_steps=2 topk=1 draft_weights_mib=" in line, line
+    assert "draft_kv_bytes_per_token=40" in line  # bf16 MLA latent + rope key: (16 + 4) x 2
+    assert launch_problems(cfg, 1, 8) == []
+    qwen = load_config(None, ["rollout.engine=sglang", f"model.path={tiny_model_dir}",
+                              "rollout.speculative.algorithm=mtp"])
+    (problem,) = launch_problems(qwen, 1, 8)
+    assert "no NEXTN draft model for Qwen3ForCausalLM" in problem
