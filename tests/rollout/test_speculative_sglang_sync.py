@@ -222,3 +222,53 @@ def test_the_probe_names_the_path_of_a_stale_draft(mtp_dir):
     finally:
         eng.shutdown()
         srv.stop_thread()
+
+
+@pytest.mark.parametrize("order", ["delta loader first", "link first"])
+def test_link_draft_hands_the_mtp_tensors_to_the_draft_in_either_order(order, tmp_path,
+                                                                       monkeypatch):
+    """`gspo_delta_loader.link_draft` called as SGLang 0.5.12's EAGLEWorker calls a custom
+    loader (the draft model, then the target), before or after the delta loader's wrapper:
+    a plain broadcast and a delta bucket reaching the target's load_weights (what 0.5.12's
+    distributed path does) load the MTP layer's tensors into the draft, decoded."""
+    import importlib
+
+    from megatron_gspo.rollout.delta.sender import DeltaSender
+
+    monkeypatch.syspath_prepend(delta_sync.loader_dir(str(tmp_path / "l")))
+    loader = importlib.import_module("gspo_delta_loader")
+    monkeypatch.setattr(loader, "_DRAFTS", [])
+
+    class Model:
+        def __init__(self, names):
+            self.held = {n: None for n in names}
+            self.config = type("C", (), {"num_hidden_layers": 4})()
+
+        def load_weights(self, weights):
+            for n, t in weights:
+                if n in self.held:
+                    self.held[n] = t.clone()
+
+    class DeepseekV3ForCausalLMNextN(Model):
+        pass
+
+    mtp, main = f"{MTP}eh_proj.weight", "model.norm.weight"
+    draft, target = DeepseekV3ForCausalLMNextN([mtp]), Model([main])
+    calls = [loader.load, loader.link_draft] if order == "delta loader first" else [
+        loader.link_draft, loader.load]
+    for call in calls:  # EAGLEWorker.update_weights_from_tensor: draft runner, then target
+        call(draft, [])
+        call(target, [])
+    w = {mtp: torch.ones(2, 4), main: torch.ones(4)}
+    target.load_weights(list(w.items()))  # a full broadcast
+    assert torch.equal(draft.held[mtp], w[mtp]) and draft.held.get(main) is None
+    sender = DeltaSender("on")
+    for v, new in ((1, w), (2, {mtp: w[mtp] + 1, main: w[main]})):
+        assert sender.begin(v).delta == (v == 2)  # sync 1 in full, then a delta on its base
+        bucket = sender.encode(list(new.items()))
+        assert all(n.startswith("__gspo_delta__") for n, _ in bucket)
+        target.load_weights(bucket)  # decoded by the wrapper, then the MTP tensor to the draft
+        sender.commit()
+        sender.finish(True)
+        assert torch.equal(draft.held[mtp], new[mtp]) and torch.equal(target.held[main],
+                                                                      new[main])
