@@ -199,6 +199,8 @@ class EmbeddedEngine(RolloutEngine):
         if self.device.type != "cpu":
             with self._lock:
                 self.model.to("cpu")
+                if self.draft is not None:
+                    self.draft.to("cpu")
                 torch.cuda.empty_cache()
         self._released = True
 
@@ -207,6 +209,8 @@ class EmbeddedEngine(RolloutEngine):
         if self.device.type != "cpu":
             with self._lock:
                 self.model.to(self.device)
+                if self.draft is not None:
+                    self.draft.to(self.device)
         self._released = False
 
     async def ahealth(self) -> bool:

@@ -11,7 +11,10 @@
   (<= 1e-5) and, greedily, = plain decoding's for the same tokens; greedy tokens equal;
 - a stop id or the token budget inside an accepted chain ends the row exactly as plain
   decoding does (nothing after it, finish reasons), and such cases occur in the run;
-- the adaptive controller's decisions (`rollout.speculative_control`).
+- tiny DeepSeek-V3 (MLA) and GLM-4.5 MoE checkpoints with their MTP layer: the head loaded from
+  the safetensors, greedy = plain, sampled log-probs = teacher-forced;
+- a seeded row samples the same whatever rows share its batch;
+- the adaptive controller's decisions (`rollout.speculative_control`) and the config refusals.
 """
 
 from __future__ import annotations
@@ -245,3 +248,27 @@ def test_a_seeded_row_samples_the_same_with_other_rows_in_its_batch():
         [GenerateRequest(prompt_ids=[2, 5], sampling=SamplingParams(max_new_tokens=10, n=3)),
          GenerateRequest(prompt_ids=[1, 3, 4], sampling=sp)])
     assert crowd[-1].response_ids == alone[0].response_ids
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"])
+def test_moe_checkpoint_with_its_mtp_layer(arch, tmp_path):
+    """A checkpoint that ships its MTP layer (MLA / GQA attention, MoE layers): the engine loads
+    the head from the safetensors and drafts; greedy = plain, sampled log-probs = teacher-forced."""
+    from tests.convert.tiny_mtp import make_mtp_checkpoint
+
+    make_mtp_checkpoint(arch, tmp_path)
+    eng = EmbeddedEngine(str(tmp_path), draft_steps=2, eos_token_ids=[])
+    assert eng.draft_control.ready
+    plain = EmbeddedEngine(str(tmp_path), eos_token_ids=[])
+    reqs = [GenerateRequest(prompt_ids=p, sampling=SamplingParams(temperature=0.0,
+                                                                  max_new_tokens=8))
+            for p in ([5, 9, 13], [7, 1, 2, 3, 4, 8], [11])]
+    for x, y in zip(eng.generate(reqs), plain.generate(reqs), strict=True):
+        assert x.response_ids == y.response_ids
+        assert torch.allclose(torch.tensor(x.rollout_logprobs), torch.tensor(y.rollout_logprobs),
+                              atol=1e-5, rtol=0)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, n=4)
+    for s in eng.generate([GenerateRequest(prompt_ids=[5, 9, 13], sampling=sp)]):
+        ref = sequence_logprobs(eng.model, s.prompt_ids, s.response_ids)
+        assert torch.allclose(torch.tensor(s.rollout_logprobs), ref, atol=1e-5, rtol=0)
+    assert eng.speculative_metrics()["speculative/on"] == 1.0
