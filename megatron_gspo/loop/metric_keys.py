@@ -324,6 +324,10 @@ GROUPS: tuple[MetricGroup, ...] = (
         ("weight_sync/probe_max_diff", "nats", "sync probe: largest |logp| difference between "
                                                "the servers and the learner on the probe prompt "
                                                "(`rollout.verify_sync_interval`)"),
+        ("weight_sync/draft_tensors_checked", "count", "sync probe of speculative servers: "
+         "draft tensors whose checksum matched what the sync sent (rollout/sglang/draft_probe.py)"),
+        ("weight_sync/draft_unverified", "count", "sync probe of speculative servers: servers "
+         "whose draft cannot be read (SGLang 0.5.12's /weights_checker reads the target only)"),
         ("weight_sync/delta_probe_retries", "count", "1 when a delta sync failed its probe and "
                                                      "was resent in full"),
         ("weight_sync/delta", "0/1", "1 when this sync sent only what changed"),

@@ -171,6 +171,9 @@ def sync_weights(learner, engine, hf_config: dict, cfg: Config, version: int,
             out["weight_sync/delta_probe_retries"] = 1.0
             return out
         st["probe_max_diff"] = diff
+        if r.speculative.algorithm == "mtp":  # rank 0's draft check (others: zeros)
+            st.update({"draft_tensors_checked": 0.0, "draft_unverified": 0.0,
+                       **(getattr(engine, "draft_probe", None) or {})})
     order = st.pop("order", None)
     for note in st.pop("notes", []):  # servers restarted by their node (multi-node colocated)
         if event is not None:
@@ -205,7 +208,7 @@ def verify_sync(learner, engine, cfg: Config, version: int) -> float:
         try:  # a failed probe reaches every rank (the others wait in the broadcast)
             probes = engine.sync(engine.aprobe_servers(cfg.rollout.temperature))
             if hasattr(engine, "acheck_draft"):  # speculative servers: the draft's tensors
-                engine.sync(engine.acheck_draft(version))  # (rollout/sglang/draft_probe.py)
+                engine.draft_probe = engine.sync(engine.acheck_draft(version))  # draft_probe.py
             samples = [Sample(prompt_ids=list(PROBE_PROMPT), response_ids=list(ids),
                               rollout_logprobs=list(lps), index=i)
                        for i, (_, ids, lps) in enumerate(probes)]

@@ -50,6 +50,8 @@ def mtp_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("spec_sync") / "ds"
     d.mkdir()
     make_mtp_checkpoint("DeepseekV3ForCausalLM", d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # the stand-in decodes its answers
+        (d / f).write_bytes((ROOT / "examples" / "tiny" / "base" / f).read_bytes())
     return d
 
 
@@ -197,12 +199,19 @@ def test_as_0523_the_broadcast_reaches_the_draft_and_the_probe_checks_it(mtp_dir
 
 
 def test_the_probe_names_the_path_of_a_stale_draft(mtp_dir):
-    """In-process stand-in acting as 0.5.23 on a CPU: the probe compares checksums exactly."""
+    """In-process stand-in acting as 0.5.23 on a CPU: the probe compares checksums exactly;
+    the trainer's sync probe (`verify_sync`) passes on the synced draft and fails on a stale
+    one, whose target log-probs are right."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.loop.weight_sync_phase import verify_sync
     from megatron_gspo.rollout.embedded import EmbeddedEngine
     from megatron_gspo.rollout.standin.draft import load_draft
     from megatron_gspo.rollout.standin.server import StandinServer
+    from tests.rollout._sglang_real import RecomputeLearner
 
-    srv = StandinServer(EmbeddedEngine(str(mtp_dir)), model_path=str(mtp_dir), device="cpu",
+    served = EmbeddedEngine(str(mtp_dir))
+    cfg = load_config(None, ["model.dtype=float32", "rollout.speculative.algorithm=mtp"])
+    srv = StandinServer(served, model_path=str(mtp_dir), device="cpu",
                         weight_update_sessions=True, draft=load_draft(str(mtp_dir),
                                                                       torch.float32),
                         speculative={"algorithm": "EAGLE", "num_steps": 2, "eagle_topk": 1,
@@ -210,14 +219,19 @@ def test_the_probe_names_the_path_of_a_stale_draft(mtp_dir):
     eng = _engine(srv.url, "tensor")
     try:
         eng.update_weights([_learner(mtp_dir, 1)], 1)
-        assert eng.sync(eng.acheck_draft(1))["draft_tensors_checked"] == 4.0
+        assert verify_sync(RecomputeLearner(served.model), eng, cfg, 1) < 1e-4
+        assert eng.draft_probe == {"draft_tensors_checked": 4.0, "draft_unverified": 0.0}
         eng.update_weights([_learner(mtp_dir, 2)], 2)
         key = f"{MTP}eh_proj.weight"
         srv.draft.tensors[key].copy_(dict(_learner(mtp_dir, 1))[key])  # a draft left behind
+        with pytest.raises(RolloutError, match=r"\(tensor\) did not reach the draft"):
+            verify_sync(RecomputeLearner(served.model), eng, cfg, 2)
+        eng.update_weights([_learner(mtp_dir, 3)], 3)
+        srv.draft.tensors[key].copy_(dict(_learner(mtp_dir, 2))[key])
         with pytest.raises(RolloutError) as e:
-            eng.sync(eng.acheck_draft(2))
+            eng.sync(eng.acheck_draft(3))
         msg = str(e.value)
-        assert msg.startswith("weight sync to version 2 (tensor) did not reach the draft: ")
+        assert msg.startswith("weight sync to version 3 (tensor) did not reach the draft: ")
         assert "draft.model.eh_proj.weight" in msg and "\n" not in msg
     finally:
         eng.shutdown()
