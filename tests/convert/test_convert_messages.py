@@ -80,6 +80,7 @@ def _one_line_disk_full(p, where: Path):
     assert f"mounted at {where}" in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line(tiny_hf, tiny_fs, tmp_path):
     p = _cli("hf-to-mcore", "--hf", str(tiny_hf[ARCH]), "--out", str(tiny_fs / "mc"))
     _one_line_disk_full(p, tiny_fs)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_gspo.runtime.run_checkpoint import Checkpointer, verify
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +31,7 @@ def _train(run: Path, *extra: str) -> dict[int, dict]:
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows}
 
 
+@pytest.mark.slow
 def test_async_checkpoints_are_complete_and_resume_like_sync_ones(tmp_path):
     sync = _train(tmp_path / "sync")
     run = tmp_path / "async"

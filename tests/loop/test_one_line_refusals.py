@@ -27,6 +27,7 @@ def _env(**extra) -> dict:
     return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **extra)
 
 
+@pytest.mark.slow
 def test_deepseek_tensor_parallel_without_sp_is_refused_in_one_line_under_torchrun(tmp_path):
     model = tmp_path / "dsv3"
     make_family_model("DeepseekV3ForCausalLM", model)

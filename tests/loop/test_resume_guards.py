@@ -71,6 +71,7 @@ def test_resume_auto_with_metrics_and_no_checkpoint_is_refused(random_tiny_model
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n{"step": 1}\n'
 
 
+@pytest.mark.slow
 def test_a_run_that_ended_before_its_first_checkpoint_starts_over(random_tiny_model, tmp_path):
     """Killed before any checkpoint (events.log names none): resume auto redoes its steps from
     the initial weights, as a resume redoes the steps after its checkpoint; once events.log

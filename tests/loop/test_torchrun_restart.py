@@ -17,6 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+@pytest.mark.slow
 def test_killed_rank_is_restarted_by_torchrun_and_the_run_matches(tmp_path):
     import chaos_torchrun as ct
 

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tiny" / "config.yaml"
 FAST = ["train.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
@@ -32,6 +34,7 @@ def _metrics(run_dir):
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows}
 
 
+@pytest.mark.slow
 def test_kill_9_and_resume_reproduce_the_uninterrupted_run(random_tiny_model, tmp_path):
     full = tmp_path / "full"
     out = subprocess.run(_cmd(random_tiny_model, full, "train.max_steps=4",

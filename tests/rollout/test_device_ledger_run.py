@@ -41,6 +41,7 @@ def reports(tmp_path_factory):
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_every_moment_fits_the_gpu_and_the_plan(reports, config):
     for phase, first in (("fresh", "start-up"), ("resume", "resume")):
