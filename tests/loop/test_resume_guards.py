@@ -202,6 +202,7 @@ def test_the_data_cursor_names_the_setting(change, field):
         PromptIterator(list(range(10)), seed=3, shuffle=True).load_state_dict(state)
 
 
+@pytest.mark.slow
 def test_load_checkpoint_of_another_model_is_one_line(models, tmp_path):
     from megatron_gspo.convert.hf_io import read_config
     from megatron_gspo.loop.resume_checks import check_load_checkpoint

@@ -43,10 +43,14 @@ def _train(tmp_path, *extra, timeout=TIMEOUT):
     return out.returncode, lines, out.stderr
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("reward,needle", [
-    ("boom", "this reward always raises"),
-    ("const", "had equal rewards"),
+_SLOW = pytest.mark.slow  # each mode and each cause once in the default tier, all four slow
+
+
+@pytest.mark.parametrize("mode,reward,needle", [
+    ("sync", "boom", "this reward always raises"),
+    ("async", "const", "had equal rewards"),
+    pytest.param("async", "boom", "this reward always raises", marks=_SLOW),
+    pytest.param("sync", "const", "had equal rewards", marks=_SLOW),
 ])
 def test_every_group_dropped_stops_with_one_line(tmp_path, mode, reward, needle):
     rc, lines, err = _train(tmp_path, f"rollout.mode={mode}",
