@@ -14,6 +14,7 @@
 - DeepSeek-V3 with its checkpoint's MTP layer kept: trained when the weight is > 0 (the export's
   MTP tensors differ from the input's, where tests/loop/test_mtp_train.py shows them bit-exact at
   weight 0);
+- under torchrun with 2 data-parallel ranks the `mtp/*` metrics equal the one-process run's;
 - refusals, one line each: `add` on a checkpoint with MTP layers, a weight > 0 without MTP layers,
   `add` on a family whose MTP layers are not built, `add` with tensor parallelism or LoRA.
 """
@@ -187,3 +188,31 @@ def test_add_and_weight_refusals_are_one_line(tmp_path, kind, over, msg):
                                 "algorithm.mtp_loss_weight=1"])
         hf = read_hf_config(str(model))
         assert mtp_layers(ok, hf) is True and run_config(ok, hf)["num_nextn_predict_layers"] == 1
+
+
+@pytest.mark.slow
+def test_data_parallel_mtp_metrics_equal_one_process(tmp_path):
+    """Under torchrun with 2 data-parallel ranks the head's loss and metrics (reduced over DP) are
+    the one-process run's: mtp/tokens and mtp/accuracy equal, mtp/loss within 1e-6."""
+    over = ("model.mtp_layers=add", "algorithm.mtp_loss_weight=1", "train.max_steps=2",
+            "train.prompts_per_step=4", "rollout.group_size=4", "checkpoint.interval=0",
+            "train.eval_interval=0", "logging.progress_bar=false", "logging.tensorboard=false",
+            "logging.log_samples=0")
+    runs = {}
+    for n in (1, 2):
+        run = tmp_path / f"dp{n}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+               "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0",
+               "-m", "megatron_gspo.cli", "train", str(ROOT / "examples/tiny/config.yaml"),
+               "--run-dir", str(run), *over]
+        out = subprocess.run(cmd, cwd=ROOT, env=dict(ENV, OMP_NUM_THREADS="1"),
+                             capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+        runs[n] = _rows(run)
+    for a, b in zip(runs[1], runs[2], strict=True):
+        print(f"\nstep {a['step']}: mtp/loss {a['mtp/loss']:.7f} (1 process) "
+              f"{b['mtp/loss']:.7f} (DP2), mtp/accuracy {a['mtp/accuracy']:.4f} / "
+              f"{b['mtp/accuracy']:.4f}")
+        assert a["mtp/tokens"] == b["mtp/tokens"] and a["mtp/accuracy"] == b["mtp/accuracy"]
+        assert abs(a["mtp/loss"] - b["mtp/loss"]) < 1e-6 * a["mtp/loss"]
+        assert a["reward/mean"] == b["reward/mean"]
