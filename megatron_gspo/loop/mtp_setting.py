@@ -13,9 +13,10 @@ its checkpoint (DeepSeek-V3 report, arXiv 2412.19437, section 2.2; `convert.mtp`
   forward); an error when there is nothing to drop.
 
 - `add`: a model that ships without MTP layers (Qwen3, Llama dense; DeepSeek-V3 / GLM-4.5
-  checkpoints saved without theirs: accepted, not tested) gets one (`run_config` declares it, `num_nextn_predict_layers:
-  1`), initialised as a continuation of the trunk (`megatron.models.mtp_block.init_added_mtp`:
-  the last decoder layer and the final norm copied, eh_proj = [0 | I]); an error on a
+  checkpoints saved without theirs: accepted, not tested) gets one (`run_config` declares it,
+  `num_nextn_predict_layers: 1`), initialised as a continuation of the trunk
+  (`megatron.models.mtp_block.init_added_mtp`: the last decoder layer and the final norm
+  copied, eh_proj = [0 | I]); an error on a
   checkpoint that has MTP layers, and from a Megatron `model.load_checkpoint`.
 
 `algorithm.mtp_loss_weight` > 0 trains them (kept or added) online on the rollout tokens
