@@ -10,13 +10,14 @@ without MTP drafting, and the acceptance, as the MTP head trains in the RL loop.
    with the sampled tokens (mtp/accuracy).
 2. Every EVERY steps the run checkpoint is exported to HF (convert mcore-to-hf: the MTP layer
    included) and the embedded engine generates the same prompts twice on those weights, plain
-   and drafting (K = --draft-steps), NEW tokens per row (--new-tokens, past the demo's 8: the
-   stop token is ignored for the timing), at each batch size of --batches; tokens/s by wall
-   time and by this process's CPU time (one thread: the CPU-time rate is the comparable one on
-   a shared, loaded machine; best of 3 repetitions).
+   and drafting (K = --draft-steps) at each batch size of --batches, twice: "long", NEW tokens
+   per row (--new-tokens, past the demo's 8: the stop token ignored, text the head never trained
+   on), and "demo", the demo's own responses (stop at the end token, at most 8: the text the
+   head trains on); tokens/s by wall time and by this process's CPU time (one thread: the
+   CPU-time rate is the comparable one on a shared, loaded machine; best of 3 repetitions).
 
 Prints the per-step table, the machine's load (`uptime`) before and after, and last
-`ratio=<drafting / plain tokens/s, CPU time, batch 1, last checkpoint>`.
+`ratio=<drafting / plain tokens/s, CPU time, batch 1, long generations, last checkpoint>`.
 
 What the CPU can show: the costs per call are printed too (`call_costs`, batch 1): on the tiny
 model a (K+1)-token verification costs ~1.4x a 1-token step and one call of the draft layer a
@@ -91,7 +92,7 @@ def prompts(path: Path, n: int) -> list[list[int]]:
 
 
 def timed(path: Path, draft_steps: int, batch: list[list[int]], new_tokens: int,
-          reps: int = 3) -> dict:
+          reps: int = 3, ignore_eos: bool = True) -> dict:
     """Generate `batch` once (warm-up), then `reps` times; the best rate by CPU time (and its
     wall-time rate): the least disturbed repetition on a shared machine."""
     from megatron_gspo.rollout.embedded import EmbeddedEngine
@@ -101,7 +102,7 @@ def timed(path: Path, draft_steps: int, batch: list[list[int]], new_tokens: int,
     kw = {"draft_steps": draft_steps, "draft_control": DraftControl(adaptive=False)} \
         if draft_steps else {}
     eng = EmbeddedEngine(str(path), seed=0, max_batch_samples=len(batch), **kw)
-    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=ignore_eos)
     reqs = [GenerateRequest(prompt_ids=p, sampling=sp) for p in batch]
     eng.generate(reqs[:1])
     eng.speculative_metrics()
@@ -190,7 +191,10 @@ def main() -> None:
           f"{a.draft_steps}):")
     print(f"{'step':>4} {'acceptance':>10} {'tok/verify':>10} {'mtp/accuracy':>12} "
           f"{'mtp/loss':>8} {'reward':>6}")
+    stride = max(1, a.every // 5)
     for s, r in sorted(rows.items()):
+        if s % stride and s != max(rows):
+            continue
         print(f"{s:>4} {r.get('speculative/acceptance', float('nan')):>10.3f} "
               f"{r.get('speculative/tokens_per_verify', float('nan')):>10.2f} "
               f"{r.get('mtp/accuracy', float('nan')):>12.3f} {r.get('mtp/loss', 0):>8.3f} "
@@ -199,22 +203,26 @@ def main() -> None:
     ckpts = sorted((run / "checkpoints").glob("step_*"))
     print(f"\nembedded engine on each checkpoint's weights: {a.new_tokens} new tokens per row, "
           f"temperature 1, K={a.draft_steps}, one thread; tok/s by CPU time (wall)")
-    print(f"{'step':>4} {'batch':>5} {'plain tok/s':>16} {'drafting tok/s':>16} "
+    print(f"{'step':>4} {'text':>5} {'batch':>5} {'plain tok/s':>16} {'drafting tok/s':>16} "
           f"{'speed-up':>8} {'acceptance':>10} {'tok/verify':>10}")
     ratio = float("nan")
     for ck in ckpts:
         step = int(ck.name.split("_")[1])
         hf = export(ck, out / f"hf_{ck.name}")
         ids = prompts(hf, max(batches))
-        for b in batches:
-            plain = timed(hf, 0, ids[:b], a.new_tokens)
-            spec = timed(hf, a.draft_steps, ids[:b], a.new_tokens)
-            up = spec["cpu_tps"] / plain["cpu_tps"]
-            if b == 1:
-                ratio = up
-            print(f"{step:>4} {b:>5} {plain['cpu_tps']:>8.0f} ({plain['wall_tps']:>5.0f}) "
-                  f"{spec['cpu_tps']:>8.0f} ({spec['wall_tps']:>5.0f}) {up:>8.2f} "
-                  f"{spec['acceptance']:>10.3f} {spec['tokens_per_verify']:>10.2f}", flush=True)
+        # long: NEW tokens past the stop token; demo: the demo's own responses (stop at the end
+        # token, at most 8), the text the head trains on
+        for text, new, ignore in (("long", a.new_tokens, True), ("demo", 8, False)):
+            for b in batches:
+                plain = timed(hf, 0, ids[:b], new, ignore_eos=ignore)
+                spec = timed(hf, a.draft_steps, ids[:b], new, ignore_eos=ignore)
+                up = spec["cpu_tps"] / plain["cpu_tps"]
+                if b == 1 and text == "long":
+                    ratio = up
+                print(f"{step:>4} {text:>5} {b:>5} {plain['cpu_tps']:>8.0f} "
+                      f"({plain['wall_tps']:>5.0f}) {spec['cpu_tps']:>8.0f} "
+                      f"({spec['wall_tps']:>5.0f}) {up:>8.2f} {spec['acceptance']:>10.3f} "
+                      f"{spec['tokens_per_verify']:>10.2f}", flush=True)
     print(f"\nload before: {load0}\nload after:  {_uptime()}")
     if ckpts:
         costs = call_costs(out / f"hf_{ckpts[-1].name}", a.draft_steps)
