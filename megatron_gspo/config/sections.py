@@ -227,6 +227,9 @@ class AlgorithmConfig:
     mtp_loss_weight: float = option(0.0, "weight of the MTP head's draft-training loss "
                                     "(cross-entropy on the rollout tokens; its gradient reaches "
                                     "only the head); 0: the head stays frozen", ge=0)
+    mtp_lr: float = option(0.0, "peak learning rate of the MTP head (it sees only its own loss, "
+                           "and Adam makes mtp_loss_weight an on / off switch more than a "
+                           "scale: this sets how fast it learns); 0: optimizer.lr", ge=0)
     kl_coef: float = option(0.0, "weight beta of the KL to the frozen reference policy; 0 = off "
                             "(no reference model is built)", ge=0)
     kl_estimator: str = option("k3", "per-token KL estimator with d = logp - ref_logp: k1 = d, "

@@ -83,7 +83,8 @@ def learner(cfg: Config, hf_config: dict):
                           adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                           clip_grad=o.clip_grad, warmup_steps=o.lr_warmup_steps,
                           total_steps=total, decay_style=o.lr_decay_style,
-                          use_distributed_optimizer=o.distributed_optimizer)
+                          use_distributed_optimizer=o.distributed_optimizer,
+                          mtp_lr=a.mtp_lr or None)
     loss = LossSettings(kind=a.loss, eps_low=lo, eps_high=hi, grpo_aggregation=a.grpo_aggregation,
                         temperature=cfg.rollout.temperature, logratio_bound=a.logratio_bound,
                         kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0,

@@ -23,7 +23,9 @@ its checkpoint (DeepSeek-V3 report, arXiv 2412.19437, section 2.2; `convert.mtp`
 (`megatron.mtp_loss`): cross-entropy of layer k's prediction of token i + k + 1 where that token
 is a response token, the head's inputs detached so its gradient reaches only the MTP parameters
 and the policy's update is the one without it; logged as `mtp/loss`, `mtp/accuracy` (argmax
-agreement of the head with the sampled next tokens) and `mtp/tokens`. A weight > 0 without MTP
+agreement of the head with the sampled next tokens) and `mtp/tokens`; `algorithm.mtp_lr` sets
+the head's own peak learning rate (its parameters see only this loss, so under Adam the weight
+works as an on / off switch more than a scale). A weight > 0 without MTP
 layers is an error. At weight 0 they are frozen (no gradient, no optimizer state). Either way
 they are saved and loaded with the run checkpoints, and `convert mcore-to-hf` exports them (an
 added layer under DeepSeek-V3's HF names, with `num_nextn_predict_layers` in config.json, which
@@ -96,6 +98,10 @@ def mtp_layers(cfg: Config, hf_config: dict) -> bool:
     """
     choice = cfg.model.mtp_layers
     src = cfg.model.load_checkpoint or cfg.model.path
+    if cfg.algorithm.mtp_lr and not cfg.algorithm.mtp_loss_weight:
+        raise ConfigError(f"algorithm.mtp_lr: {cfg.algorithm.mtp_lr}, but algorithm."
+                          "mtp_loss_weight is 0 (the MTP head is frozen); set the weight or "
+                          "drop mtp_lr")
     if choice == "add":
         _check_add(cfg, hf_config, src)
     n, why = _present(cfg, hf_config)

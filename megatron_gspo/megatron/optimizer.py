@@ -40,6 +40,7 @@ class OptimSettings:
     total_steps: int = 1000
     decay_style: str = "constant"
     use_distributed_optimizer: bool = False
+    mtp_lr: float | None = None  # peak LR of the MTP head's parameters (None: lr)
 
     def __post_init__(self):
         if self.decay_style not in DECAY_STYLES:
@@ -105,7 +106,7 @@ def build_optimizer(ddp_chunks: list, settings: OptimSettings, params_dtype: tor
         use_distributed_optimizer=settings.use_distributed_optimizer,
         loss_scale=None,
     )
-    optimizer = get_megatron_optimizer(cfg, ddp_chunks)
+    optimizer = get_megatron_optimizer(cfg, ddp_chunks, config_overrides=_mtp_lr(cfg, settings))
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if settings.warmup_steps else settings.lr,
@@ -120,6 +121,20 @@ def build_optimizer(ddp_chunks: list, settings: OptimSettings, params_dtype: tor
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def _mtp_lr(cfg, settings: OptimSettings):
+    """Megatron-Core's standard parameter-group overrides (no weight decay on biases and
+    norms), plus the MTP head's own peak / floor LR (`megatron.mtp_loss`) when set; None (the
+    standard ones) otherwise. The schedule (warmup, decay) is the policy's."""
+    if not settings.mtp_lr:
+        return None
+    from megatron.core.optimizer import ParamKey, get_standard_config_overrides
+
+    overrides = get_standard_config_overrides(cfg)
+    overrides[ParamKey(name="*mtp.layers.*")] = {
+        "max_lr": settings.mtp_lr, "min_lr": settings.min_lr * settings.mtp_lr / settings.lr}
+    return overrides
 
 
 def grads_finite(ddp_chunks: list) -> bool:

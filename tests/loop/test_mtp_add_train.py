@@ -16,7 +16,8 @@
   weight 0);
 - under torchrun with 2 data-parallel ranks the `mtp/*` metrics equal the one-process run's;
 - refusals, one line each: `add` on a checkpoint with MTP layers, a weight > 0 without MTP layers,
-  `add` on a family whose MTP layers are not built, `add` with tensor parallelism or LoRA.
+  `add` on a family whose MTP layers are not built, `add` with tensor parallelism or LoRA,
+  `algorithm.mtp_lr` with the head frozen.
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ def test_kept_deepseek_layer_is_trained_with_a_weight(tmp_path):
     ("Gemma3ForCausalLM", "model.mtp_layers=add", "MTP layers are not built here"),
     ("demo", "model.mtp_layers=add parallel.tensor=2", "not supported yet"),
     ("demo", "model.mtp_layers=add model.lora.rank=4", "with model.lora are not supported"),
+    ("demo", "model.mtp_layers=add algorithm.mtp_lr=1e-3", "mtp_loss_weight is 0"),
 ])
 def test_add_and_weight_refusals_are_one_line(tmp_path, kind, over, msg):
     from megatron_gspo.config import ConfigError, load_config

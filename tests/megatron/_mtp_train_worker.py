@@ -44,7 +44,8 @@ def make_model(work: Path, arch: str) -> tuple[Path, bool]:
     return out, False
 
 
-def build(hf_dir: Path, added: bool, weight: float, lr: float = 1e-3):
+def build(hf_dir: Path, added: bool, weight: float, lr: float = 1e-3,
+          mtp_lr: float | None = None):
     recompute = RECOMPUTE
     """A Learner with MTP layers at loss weight `weight`, loaded from `hf_dir` (an added layer
     initialised by `init_added_mtp`)."""
@@ -60,7 +61,7 @@ def build(hf_dir: Path, added: bool, weight: float, lr: float = 1e-3):
     cfg = cio.normalize_hf_config(reader.config)
     if added:
         cfg["num_nextn_predict_layers"] = 1
-    L = Learner(cfg, optim=OptimSettings(lr=lr, clip_grad=1.0), seed=11, mtp=True,
+    L = Learner(cfg, optim=OptimSettings(lr=lr, clip_grad=1.0, mtp_lr=mtp_lr), seed=11, mtp=True,
                 recompute=recompute,
                 loss=LossSettings(kind="gspo", mtp_weight=weight),
                 batching=BatchSettings(num_microbatches=2))
@@ -92,8 +93,8 @@ def samples(vocab: int, n: int = 8, seed: int = 0):
 
 def isolation(hf_dir: Path, added: bool) -> dict:
     runs = {}
-    for weight in (0.0, 1.0):
-        L, cfg = build(hf_dir, added, weight)
+    for weight in (0.0, 1.0):  # at weight 1 the head has its own LR (10x the policy's)
+        L, cfg = build(hf_dir, added, weight, mtp_lr=1e-2 if weight else None)
         batch = samples(cfg["vocab_size"])
         old = [[x + 0.01 for x in lp] for lp in L.forward_logprobs(batch)]
         m = L.forward_backward(batch, old)
@@ -133,7 +134,7 @@ def isolation(hf_dir: Path, added: bool) -> dict:
 
 
 def learn(hf_dir: Path, added: bool, steps: int) -> dict:
-    L, cfg = build(hf_dir, added, 1.0, lr=3e-3)
+    L, cfg = build(hf_dir, added, 1.0, lr=1e-4, mtp_lr=3e-3)  # the demo's policy LR
     batch = samples(cfg["vocab_size"], n=12)
     acc, loss = [], []
     for _ in range(steps):

@@ -9,7 +9,10 @@ Learner (tests/megatron/_mtp_train_worker.py):
 - on the tiny demo (Qwen3, MTP layer added by `init_added_mtp`; also under full activation
   recompute), on Llama (added, tied embeddings) and on DeepSeek-V3 (its checkpoint's MTP layer
   kept, trained when the weight is > 0);
-- the head learns: its accuracy on a fixed batch rises over a few optimizer steps;
+- the head's own learning rate (`algorithm.mtp_lr`, a Megatron-Core parameter-group override):
+  10x the policy's moves the head 10x as far in the first Adam step, the policy as without it;
+- the head learns: its accuracy on a fixed batch rises over a few optimizer steps (policy LR
+  1e-4 as in the demo, head LR 3e-3);
 - `mtp_loss.mtp_loss` covers exactly the positions whose k-step-ahead target is a response token
   of the same packed sequence.
 """
@@ -49,7 +52,8 @@ def _check_isolation(r: dict) -> None:
     assert r["mtp_grads_zero_at_weight_0"]
     # every MTP gradient but enorm's (behind eh_proj's zero embedding half when added) is live
     assert r["mtp_grads_nonzero"] >= r["mtp_grads"] - 1
-    assert r["mtp_moved"][0] == 0.0 and r["mtp_moved"][1] > 0
+    # Adam's first step moves a parameter by ~its LR: the head's own (1e-2), the policy's 1e-3
+    assert r["mtp_moved"][0] == 0.0 and r["mtp_moved"][1] > 5 * r["policy_moved"]
     m = r["mtp_metrics"]
     assert sorted(m) == ["mtp/accuracy", "mtp/loss", "mtp/tokens"] and m["mtp/tokens"] > 10
     assert 0 < m["mtp/loss"] < 20 and 0 <= m["mtp/accuracy"] <= 1
