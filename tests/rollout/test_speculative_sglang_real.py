@@ -59,11 +59,13 @@ def test_the_link_loader_on_a_real_server_keeps_distributed_deltas_exact(model_d
         for v in (1, 2, 3):
             if v == 2:  # the delta wrapper is installed (sync 1): the link goes under it
                 eng.sync(eng.astart())
+                eng.sync(eng.abegin_update_sessions())  # 0.5.23: updates inside a session
                 entries = eng.serialize_entries([], v)
                 for _ in range(2):  # twice: the second call changes nothing
                     eng.sync(eng._post(url, "/update_weights_from_tensor", {
                         "serialized_named_tensors": entries, "load_format": LINK,
                         "flush_cache": False}))
+                eng.sync(eng.aend_update_sessions())
             st = _sync(eng, w, v)
             assert st.delta == (v > 1)
             _verify(eng, model_dir, w, v)
