@@ -4,7 +4,7 @@ without MTP drafting, and the acceptance, as the MTP head trains in the RL loop.
 1. The real loop trains the tiny demo (examples/tiny, Qwen3, 4 layers) with an added MTP layer
    trained online and drafting on at every step:
      megatron-gspo train examples/tiny/config.yaml model.mtp_layers=add
-       algorithm.mtp_loss_weight=1 rollout.speculative.algorithm=mtp
+       algorithm.mtp_loss_weight=1 algorithm.mtp_lr=MTP_LR rollout.speculative.algorithm=mtp
        rollout.speculative.adaptive=false checkpoint.interval=EVERY ...
    Its metrics give, per step, the acceptance of the rollouts' drafts and the head's agreement
    with the sampled tokens (mtp/accuracy).
@@ -14,7 +14,8 @@ without MTP drafting, and the acceptance, as the MTP head trains in the RL loop.
    per row (--new-tokens, past the demo's 8: the stop token ignored, text the head never trained
    on), and "demo", the demo's own responses (stop at the end token, at most 8: the text the
    head trains on); tokens/s by wall time and by this process's CPU time (one thread: the
-   CPU-time rate is the comparable one on a shared, loaded machine; best of 3 repetitions).
+   CPU-time rate is the comparable one on a shared, loaded machine; best of --reps repetitions,
+   plain and drafting alternating).
 
 Prints the per-step table, the machine's load (`uptime`) before and after, and last
 `ratio=<drafting / plain tokens/s, CPU time, batch 1, long generations, last checkpoint>`.
@@ -27,7 +28,8 @@ steps. On a GPU with a large target the draft is ~1/60 of the target and a verif
 about one step: that figure needs a GPU (docs/speculative.md).
 
 Usage: python bench/speculative_rollouts.py [--steps 30] [--every 10] [--new-tokens 48]
-       [--batches 1,16] [--draft-steps 2] [--out /tmp/spec_bench] [--reuse]
+       [--batches 1,16] [--draft-steps 2] [--mtp-lr 0] [--reps 5] [--out /tmp/spec_bench]
+       [--reuse]
 """
 
 from __future__ import annotations
@@ -50,12 +52,13 @@ def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def train(out: Path, steps: int, every: int, draft_steps: int) -> Path:
+def train(out: Path, steps: int, every: int, draft_steps: int, mtp_lr: float) -> Path:
     """Run the RL loop (phase 1); returns its run directory."""
     d = ROOT / "examples" / "tiny"
     args = [f"model.path={d / 'base'}", f"data.train_path={d / 'data' / 'train.jsonl'}",
             f"data.eval_path={d / 'data' / 'eval.jsonl'}", "model.mtp_layers=add",
-            "algorithm.mtp_loss_weight=1", "rollout.speculative.algorithm=mtp",
+            "algorithm.mtp_loss_weight=1", f"algorithm.mtp_lr={mtp_lr}",
+            "rollout.speculative.algorithm=mtp",
             f"rollout.speculative.num_steps={draft_steps}", "rollout.speculative.adaptive=false",
             f"train.max_steps={steps}", "train.eval_interval=0", f"checkpoint.interval={every}",
             f"checkpoint.keep_last={steps // every + 1}", "logging.progress_bar=false",
@@ -91,32 +94,36 @@ def prompts(path: Path, n: int) -> list[list[int]]:
             for r in rows]
 
 
-def timed(path: Path, draft_steps: int, batch: list[list[int]], new_tokens: int,
-          reps: int = 3, ignore_eos: bool = True) -> dict:
-    """Generate `batch` once (warm-up), then `reps` times; the best rate by CPU time (and its
+def compare(path: Path, draft_steps: int, batch: list[list[int]], new_tokens: int,
+            ignore_eos: bool, reps: int) -> tuple[dict, dict]:
+    """Plain and drafting engines on the same weights, warmed up, then `reps` generations of
+    `batch` each, alternating between them; per engine the best rate by CPU time (and its
     wall-time rate): the least disturbed repetition on a shared machine."""
     from megatron_gspo.rollout.embedded import EmbeddedEngine
     from megatron_gspo.rollout.engine import GenerateRequest, SamplingParams
     from megatron_gspo.rollout.speculative_control import DraftControl
 
-    kw = {"draft_steps": draft_steps, "draft_control": DraftControl(adaptive=False)} \
-        if draft_steps else {}
-    eng = EmbeddedEngine(str(path), seed=0, max_batch_samples=len(batch), **kw)
+    engines = [EmbeddedEngine(str(path), seed=0, max_batch_samples=len(batch)),
+               EmbeddedEngine(str(path), seed=0, max_batch_samples=len(batch),
+                              draft_steps=draft_steps, draft_control=DraftControl(adaptive=False))]
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=ignore_eos)
     reqs = [GenerateRequest(prompt_ids=p, sampling=sp) for p in batch]
-    eng.generate(reqs[:1])
-    eng.speculative_metrics()
-    best = None
+    best: list[dict] = [{"cpu_tps": 0.0}, {"cpu_tps": 0.0}]
+    for eng in engines:
+        eng.generate(reqs[:1])
+        eng.speculative_metrics()
     for _ in range(reps):
-        w0, c0 = time.perf_counter(), time.process_time()
-        out = eng.generate(reqs)
-        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-        n = sum(len(s.response_ids) for s in out)
-        if best is None or n / cpu > best["cpu_tps"]:
-            best = {"tokens": n, "wall_tps": n / wall, "cpu_tps": n / cpu}
-    m = eng.speculative_metrics()  # over the repetitions
-    return {**best, "acceptance": m.get("speculative/acceptance", float("nan")),
-            "tokens_per_verify": m.get("speculative/tokens_per_verify", float("nan"))}
+        for i, eng in enumerate(engines):
+            w0, c0 = time.perf_counter(), time.process_time()
+            out = eng.generate(reqs)
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            n = sum(len(s.response_ids) for s in out)
+            if n / cpu > best[i]["cpu_tps"]:
+                best[i] = {"tokens": n, "wall_tps": n / wall, "cpu_tps": n / cpu}
+    m = engines[1].speculative_metrics()  # over the repetitions
+    best[1].update(acceptance=m.get("speculative/acceptance", float("nan")),
+                   tokens_per_verify=m.get("speculative/tokens_per_verify", float("nan")))
+    return best[0], best[1]
 
 
 @torch.no_grad()
@@ -174,6 +181,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--draft-steps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5, help="timed generations per engine")
+    ap.add_argument("--mtp-lr", type=float, default=0.0,
+                    help="algorithm.mtp_lr of the run (0: the policy's optimizer.lr, 1e-4)")
     ap.add_argument("--out", default="/tmp/spec_bench")
     ap.add_argument("--reuse", action="store_true", help="reuse an earlier run under --out")
     a = ap.parse_args()
@@ -184,7 +194,7 @@ def main() -> None:
     run = out / "runs" / "tiny-config"
     if not (a.reuse and (run / "metrics.jsonl").exists()):
         t0 = time.perf_counter()
-        run = train(out, a.steps, a.every, a.draft_steps)
+        run = train(out, a.steps, a.every, a.draft_steps, a.mtp_lr)
         print(f"training run: {a.steps} steps in {time.perf_counter() - t0:.0f} s ({run})")
     rows = {int(r["step"]): r for r in map(json.loads, (run / "metrics.jsonl").open())}
     print("\nthe loop's rollouts (batch 128 rows, 8 new tokens, drafting on, K="
@@ -214,8 +224,7 @@ def main() -> None:
         # token, at most 8), the text the head trains on
         for text, new, ignore in (("long", a.new_tokens, True), ("demo", 8, False)):
             for b in batches:
-                plain = timed(hf, 0, ids[:b], new, ignore_eos=ignore)
-                spec = timed(hf, a.draft_steps, ids[:b], new, ignore_eos=ignore)
+                plain, spec = compare(hf, a.draft_steps, ids[:b], new, ignore, a.reps)
                 up = spec["cpu_tps"] / plain["cpu_tps"]
                 if b == 1 and text == "long":
                     ratio = up
