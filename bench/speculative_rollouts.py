@@ -21,11 +21,11 @@ Prints the per-step table, the machine's load (`uptime`) before and after, and l
 `ratio=<drafting / plain tokens/s, CPU time, batch 1, long generations, last checkpoint>`.
 
 What the CPU can show: the costs per call are printed too (`call_costs`, batch 1): on the tiny
-model a (K+1)-token verification costs ~1.4x a 1-token step and one call of the draft layer a
-third to a half of the whole target, so drafting breaks even only at ~2.3 tokens per
-verification (acceptance ~0.8 with K = 2), far above what the head reaches in a few hundred CPU
-steps. On a GPU with a large target the draft is ~1/60 of the target and a verification costs
-about one step: that figure needs a GPU (docs/speculative.md).
+model a (K+1)-token verification costs 1.1x to 1.6x a 1-token step and one call of the draft
+layer a quarter to two fifths of the whole target, so drafting breaks even only at 1.9 to 2.4
+tokens per verification (acceptance 0.75 to 0.9 with K = 2), above what the head reaches in a
+few hundred CPU steps. On a GPU with a large target the draft is ~1/60 of the target and a
+verification costs about one step: that figure needs a GPU (docs/speculative.md).
 
 Usage: python bench/speculative_rollouts.py [--steps 30] [--every 10] [--new-tokens 48]
        [--batches 1,16] [--draft-steps 2] [--mtp-lr 0] [--reps 5] [--out /tmp/spec_bench]
