@@ -30,11 +30,13 @@ layers is an error. At weight 0 they are frozen (no gradient, no optimizer state
 they are saved and loaded with the run checkpoints, and `convert mcore-to-hf` exports them (an
 added layer under DeepSeek-V3's HF names, with `num_nextn_predict_layers` in config.json, which
 `hf-to-mcore` and `model.path` read back). Weight syncs carry their own tensors (not the
-embedding / head copies: SGLang's draft uses the target's) to SGLang servers launched with
-`--speculative-algorithm` or attached by URL, whose scheduler hands the same tensors to the
-draft and the target model (the target's loader skips layer ids >= num_hidden_layers); the
-embedded engine has no draft and gets none. Delta syncs send them when they changed: once
-while frozen, after every step while trained.
+embedding / head copies: the draft uses the target's) to every engine that drafts
+(`has_draft`): SGLang servers launched with `rollout.speculative` or `--speculative-algorithm`,
+or attached by URL, whose scheduler hands them to the draft and the target model (the
+target's loader skips layer ids >= num_hidden_layers; 0.5.12's distributed path reaches the
+draft only through the project's link loader, `rollout/sglang/speculative.py`), and the
+embedded engine with `rollout.speculative.algorithm: mtp` (its `rollout.mtp_draft` head). Delta
+syncs send them when they changed: once while frozen, after every step while trained.
 """
 
 from __future__ import annotations
