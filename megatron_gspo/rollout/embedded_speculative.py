@@ -1,7 +1,7 @@
 """Speculative decoding of one batch in the embedded engine: the model's MTP head
 (`rollout.mtp_draft`) drafts a chain of K tokens per row, the target verifies all of them in one
-forward, and `algo.speculative_sampling.verify_chain` accepts a prefix exactly (speculative sampling,
-Leviathan et al. arXiv 2211.17192 / Chen et al. arXiv 2302.01318).
+forward, and `algo.speculative_sampling.verify_chain` accepts a prefix exactly (speculative
+sampling, Leviathan et al. arXiv 2211.17192 / Chen et al. arXiv 2302.01318).
 
 Layout: every verification appends K+1 slots to each row's KV cache (the pending token and the K
 drafts); the slots past a row's accepted prefix stay in the cache as holes, masked out of every

@@ -1,5 +1,5 @@
-"""Speculative sampling's verification (`algo.speculative_sampling.verify_chain`, Leviathan et al. arXiv
-2211.17192): generated sequences follow the target's distribution exactly.
+"""Speculative sampling's verification (`algo.speculative_sampling.verify_chain`, Leviathan et
+al. arXiv 2211.17192): generated sequences follow the target's distribution exactly.
 
 A toy "model" over a 4-token vocabulary: the target's and the draft's next-token distributions
 depend on the last two tokens (fixed random tables, the draft deliberately different so that
