@@ -1,5 +1,5 @@
 """The MTP head's draft-training loss in the real Learner (`megatron/mtp_loss.py`); prints one
-JSON line. Run by tests/megatron/test_mtp_train.py.
+JSON line. Run by tests/megatron/test_mtp_draft_loss.py.
 
 Usage: _mtp_train_worker.py WORK ARCH MODE [STEPS]
   ARCH: an HF architecture; "tiny" = the demo model examples/tiny/base (Qwen3, MTP added);
