@@ -22,6 +22,11 @@
 #                   random Qwen3; where sglang imports, an FP8 server launched from the FP8
 #                   copy, one sync and the probe (skipped without sglang; the dry run uses the
 #                   CPU stand-in server)
+#   speculative     scripts/gpu_speculative_check.py: speculative sampling's verify_chain on CUDA
+#                   (chi-square of a toy target's sequences) and the embedded engine drafting
+#                   with an MTP layer on CUDA (log-probs = teacher-forced, greedy = plain; fp32
+#                   and bf16); per-call costs of a random Qwen3-0.6B-shaped model with one MTP
+#                   layer at batch 1 and 16, the break-even acceptance and the predicted speed-up
 #   bench_logprobs  bench/token_logprobs.py on CUDA (algo.logprobs and the learner's chunked
 #                   backward, megatron/tp_logprobs.py)
 # and end with a markdown summary (docs/gpu-results.md format). Exits 0 even when stages fail:
@@ -45,23 +50,27 @@
 #   which the wheels stage imports. Run the dry run in the venv of scripts/gpu_machine_venv.py
 #   (the GPU machine's packages plus the kit's) to see what the machine would lack.
 # The kit folder (.whl, ignored by git) must travel with the working tree to the GPU machine;
-# allow the command about 570 s (the limits plus start-up and the summary).
+# allow the command about 600 s (the limits plus start-up and the summary).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 die() { echo "gpu_checks.sh: $*" >&2; exit 2; }
 
-STAGES=(wheels selfcheck learner demo bench_learner memory colocated fp8 bench_logprobs)
-# Seconds per stage. Together 540 s: the GPU machine is lent for about ten minutes, start-up
-# included, and a command may run 600 s. The fp8 stage's 40 s (on the kit's machine, without
-# SGLang: imports, 0.82 GiB quantized on the GPU and on the CPU, two tiny models; about 20 s
-# expected) come from the stages whose SGLang parts cannot run on that machine: selfcheck
-# 70 -> 40 (its SGLang round trip, most of its 70 s, is skipped there; CUDA, NCCL and the GPT
-# check are spawned processes of seconds each, under --timeout 30) and colocated 60 -> 50
-# (skipped there; with SGLang about 40 s). Where SGLang is installed give the SGLang stages
-# more: GPU_CHECKS_LIMIT_SELFCHECK=70 GPU_CHECKS_LIMIT_COLOCATED=60 GPU_CHECKS_LIMIT_FP8=80.
+STAGES=(wheels selfcheck learner demo bench_learner memory colocated fp8 speculative
+        bench_logprobs)
+# Seconds per stage. Together 570 s: the GPU machine is lent for about ten minutes, start-up
+# included, and a command may run 600 s. The speculative stage's 30 s took the total from 540 s
+# to 570 s (imports, four tiny engines, a 0.6 B model initialised on the GPU, about 700 timed
+# calls; about 15 s expected, not yet measured on a GPU). The fp8 stage's 40 s (on the kit's
+# machine, without SGLang: imports, 0.82 GiB quantized on the GPU and on the CPU, two tiny
+# models; about 20 s expected) come from the stages whose SGLang parts cannot run on that
+# machine: selfcheck 70 -> 40 (its SGLang round trip, most of its 70 s, is skipped there; CUDA,
+# NCCL and the GPT check are spawned processes of seconds each, under --timeout 30) and
+# colocated 60 -> 50 (skipped there; with SGLang about 40 s). Where SGLang is installed give the
+# SGLang stages more: GPU_CHECKS_LIMIT_SELFCHECK=70 GPU_CHECKS_LIMIT_COLOCATED=60
+# GPU_CHECKS_LIMIT_FP8=80.
 declare -A LIMIT=([wheels]=40 [selfcheck]=40 [learner]=100 [demo]=80 [bench_learner]=70
-                  [memory]=60 [colocated]=50 [fp8]=40 [bench_logprobs]=60)
+                  [memory]=60 [colocated]=50 [fp8]=40 [speculative]=30 [bench_logprobs]=60)
 
 mode=gpu
 kit=$root/.whl
@@ -176,6 +185,7 @@ if [[ "$mode" == gpu ]]; then
     # the 8192-token cases (forward, and the learner's forward + backward) fit the limit
     bench_logprobs_args=(--cases "8192x151936:float32,8192x151936:bfloat16" --repeats 3)
     fp8_args=(--layers 28 --repeats 3 --sequences 8 --length 256)
+    speculative_args=(--layers 28 --rows 20000 --prefix 256 --reps 8)
     kit_args=()
 else
     demo_args=(train.max_steps=2 train.eval_interval=2 train.eval_prompts=16)
@@ -183,6 +193,7 @@ else
                         --microbatches 1 --steps 1)
     bench_logprobs_args=(--cases "256x1000:float32,256x1000:bfloat16" --repeats 1)
     fp8_args=(--layers 2 --repeats 1 --sequences 2 --length 32)
+    speculative_args=(--layers 2 --hidden 64 --vocab 512 --rows 5000 --prefix 16 --reps 2)
     kit_args=(--cross)
 fi
 ref_args=()
@@ -215,6 +226,9 @@ for s in "${selected[@]}"; do
         fp8)
             run_stage fp8 "$py" scripts/gpu_fp8_check.py "${fp8_args[@]}" \
                 --json "$work/fp8.json" --workdir "$work/fp8" ;;
+        speculative)
+            run_stage speculative "$py" scripts/gpu_speculative_check.py "${speculative_args[@]}" \
+                --json "$work/speculative.json" ;;
         bench_logprobs)
             run_stage bench_logprobs "$py" bench/token_logprobs.py "${bench_logprobs_args[@]}" \
                 --json "$work/bench_logprobs.json" ;;

@@ -43,7 +43,7 @@ CROSS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", 
 MARKER = "<!-- runs: newest first -->"
 # Stages whose script writes its own summary cell (`summary_line` of its --json report).
 SCRIPT_STAGES = {"memory": "gpu_memory_check", "colocated": "gpu_colocated_check",
-                 "fp8": "gpu_fp8_check"}
+                 "fp8": "gpu_fp8_check", "speculative": "gpu_speculative_check"}
 STAGE_TITLES = {"wheels": "wheels (offline install)", "selfcheck": "tools/gpu_selfcheck.py",
                 "learner": "scripts/gpu_learner_check.py", "demo": "tiny demo",
                 "bench_learner": "bench/learner_step.py",
