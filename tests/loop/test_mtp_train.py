@@ -75,6 +75,7 @@ def _export(run: Path, out: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+@pytest.mark.slow  # tests/loop/test_mtp_add_train.py's refusals and the sync runs stay default
 def test_train_keeps_the_mtp_layer_frozen_in_checkpoint_and_export(tmp_path):
     model = _model(tmp_path / "model")
     from safetensors.torch import load_file
@@ -124,7 +125,8 @@ def _sync(model: Path, over: dict, port: int) -> dict:
     return json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])
 
 
-@pytest.mark.parametrize("arch", [ARCH, "Glm4MoeForCausalLM"])
+@pytest.mark.parametrize("arch", [ARCH, pytest.param("Glm4MoeForCausalLM",
+                                                marks=pytest.mark.slow)])
 def test_sync_sends_the_mtp_layer_to_servers_with_a_draft_only(tmp_path, arch):
     model = _model(tmp_path / "model", arch=arch)
     n = FAMILIES[arch][1]["num_hidden_layers"]

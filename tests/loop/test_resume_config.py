@@ -50,6 +50,7 @@ def test_the_interval_check_passes_what_can_resume(monkeypatch):
     restarts.check_checkpoint_interval(0, 100)
 
 
+@pytest.mark.slow
 def test_resume_refuses_an_unnamed_change_keeps_segments_and_logs_the_difference(tmp_path):
     run = tmp_path / "run"
     out = _train(run, "train.max_steps=2")

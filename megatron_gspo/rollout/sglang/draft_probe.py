@@ -77,9 +77,14 @@ class DraftSync:
                     sent[k] = (layer, name, tensor_checksum(t))
 
     def note_draft_dir(self, model_path: str) -> None:
-        """`note_draft` of the draft tensors a disk sync's checkpoint folder holds."""
+        """`note_draft` of the draft tensors a disk sync's checkpoint folder holds (nothing
+        when the folder is not readable here: a path on the servers' machines, or a wrong one,
+        which the servers then refuse themselves)."""
         from safetensors import safe_open
 
+        self._draft_path = "disk"
+        if not os.path.isdir(model_path):
+            return
         for fname in sorted(os.listdir(model_path)):
             if fname.endswith(".safetensors"):
                 with safe_open(os.path.join(model_path, fname), "pt") as f:
