@@ -31,8 +31,10 @@ class SpeculativeConfig:
     num_draft_tokens: int | None = option(
         None, "tokens the target verifies per step (SGLang --speculative-num-draft-tokens); "
         "default num_steps + 1 (a chain with topk 1)", ge=2)
-    adaptive: bool = option(True, "turn drafting on or off per rollout from the batch size and "
-                            "the measured acceptance (metrics speculative/*)")
+    adaptive: bool | None = option(
+        None, "turn drafting on or off per rollout from the batch size and the measured "
+        "acceptance (metrics speculative/*); the embedded engine's switch: null = on there, "
+        "and off with SGLang servers, which draft every request (true is refused there)")
     max_batch: int = option(64, "adaptive: no drafting while more sequences than this decode "
                             "together (verification then costs more than the drafts save)",
                             ge=1)

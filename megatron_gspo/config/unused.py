@@ -13,7 +13,8 @@ that would be ignored is an error, never a silent no-op").
 - `rollout.offload_learner` unless SGLang servers are colocated (nothing else shares the GPU),
   `rollout.fp8_bf16_layers` unless `rollout.weight_precision` is `fp8`;
 - `rollout.speculative.*` while its algorithm is `none` (nothing drafts), and its adaptive
-  switch's `max_batch` / `min_acceptance` / `probe_interval` with `adaptive` false;
+  switch's `max_batch` / `min_acceptance` / `probe_interval` with `adaptive` false or with
+  SGLang servers (the switch is the embedded engine's; `adaptive: true` there is refused);
 - `train.eval_samples` and `train.eval_pass_k` while `train.eval_interval` is 0 (no evaluation
   runs), `logging.wandb_name` without `logging.wandb_project` (nothing is sent to W&B).
 """
@@ -88,10 +89,17 @@ def check_unused(cfg) -> None:
         rules.append(("rollout.speculative", _changed(sp, [f.name for f in dataclasses.fields(sp)
                                                            if f.name != "algorithm"]),
                       "rollout.speculative.algorithm 'none' (nothing drafts)"))
-    elif not sp.adaptive:
+    elif sp.adaptive is True and r.engine == "sglang":
+        raise ConfigError("rollout.speculative.adaptive: true with rollout.engine 'sglang': the "
+                          "adaptive switch runs in the embedded engine; SGLang servers draft "
+                          "every request they get (their own --speculative-adaptive is not "
+                          "wired); drop it")
+    elif not (sp.adaptive if sp.adaptive is not None else r.engine == "embedded"):
+        why = ("false" if sp.adaptive is False else
+               "off with rollout.engine 'sglang' (the servers draft every request)")
         rules.append(("rollout.speculative", _changed(sp, ("max_batch", "min_acceptance",
                                                            "probe_interval")),
-                      "rollout.speculative.adaptive false (they drive the adaptive switch)"))
+                      f"rollout.speculative.adaptive {why} (they drive the adaptive switch)"))
     t, lg = cfg.train, cfg.logging
     if t.eval_interval == 0:
         rules.append(("train", _changed(t, ("eval_samples", "eval_pass_k")),

@@ -54,6 +54,6 @@ def embedded_kwargs(cfg: Config) -> dict:
     from megatron_gspo.rollout.speculative_control import DraftControl
 
     return {"draft_steps": s.num_steps,
-            "draft_control": DraftControl(adaptive=s.adaptive, max_batch=s.max_batch,
+            "draft_control": DraftControl(adaptive=s.adaptive is not False, max_batch=s.max_batch,
                                           min_acceptance=s.min_acceptance,
                                           probe_interval=s.probe_interval)}

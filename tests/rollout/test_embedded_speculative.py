@@ -225,6 +225,15 @@ def test_config_refusals():
                                           r"rollout.speculative.adaptive false"):
         load_config(tiny, ["rollout.speculative.algorithm=mtp", "rollout.speculative.adaptive="
                            "false", "rollout.speculative.max_batch=8"])
+    srv = ["rollout.engine=sglang", "rollout.speculative.algorithm=mtp",
+           "model.mtp_layers=keep"]  # SGLang servers draft every request: no switch there
+    with pytest.raises(ConfigError, match=r"^rollout.speculative.adaptive: true with "
+                                          r"rollout.engine 'sglang'"):
+        load_config(tiny, srv + ["rollout.speculative.adaptive=true"])
+    with pytest.raises(ConfigError, match=r"^rollout.speculative.min_acceptance: not used with "
+                                          r"rollout.speculative.adaptive off with rollout.engine"):
+        load_config(tiny, srv + ["rollout.speculative.min_acceptance=0.5"])
+    assert load_config(tiny, srv).rollout.speculative.adaptive is None
     on = ["rollout.speculative.algorithm=mtp", "model.mtp_layers=add"]
     with pytest.raises(ConfigError, match="learner builds none"):
         check(load_config(tiny, on), mtp_built=False, moe=False)
@@ -238,6 +247,7 @@ def test_config_refusals():
     check(cfg, True, False)
     kw = embedded_kwargs(cfg)
     assert kw["draft_steps"] == 3 and kw["draft_control"].max_batch == 64
+    assert kw["draft_control"].adaptive  # null: the embedded engine's switch is on
     assert embedded_kwargs(load_config(tiny)) == {}
 
 
