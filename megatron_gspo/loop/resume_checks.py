@@ -48,7 +48,8 @@ FREE = ("train.max_steps", "train.resume", "train.resume_changes", "train.eval_"
         "rollout.startup_timeout", "rollout.weight_sync", "rollout.weight_sync_",
         "rollout.router_",
         "rollout.launch_router", "rollout.server_log_dir", "rollout.backoff",
-        "rollout.api_key_env", "rollout.bucket_bytes", "rollout.colocate")
+        "rollout.api_key_env", "rollout.bucket_bytes", "rollout.colocate",
+        "rollout.speculative.")  # exact speculative sampling: the same distribution, drafted or not
 
 
 def config_record(cfg: Config) -> dict:
