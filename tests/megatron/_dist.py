@@ -14,10 +14,15 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).with_name("_workers.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(limit: int | None = None) -> int:
+    """A free local port; with `limit`, one at most that (SGLang and the stand-in take ports
+    up to 55535: they add 10000 for gRPC)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if limit is None or port <= limit:
+            return port
 
 
 def launch(case: str, nprocs: int, outdir: Path, *, timeout: float = 240.0,

@@ -8,7 +8,6 @@ with exactly the dequantized new weights."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
@@ -19,16 +18,9 @@ from megatron_gspo.quant.fp8_stream import quantize_buckets
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.standin.server import StandinServer
+from tests.megatron._dist import free_port
 
 
-def _free_port(limit: int = 55535) -> int:
-    """A free port SGLang (and the stand-in) accepts: at most 55535 (it adds 10000 for gRPC)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port <= limit:
-            return port
 
 
 def _expected(new, kept):
@@ -43,7 +35,7 @@ def test_fp8_weights_reach_the_served_model_dequantized(tiny_model_dir, tmp_path
     kept = set(qc["modules_to_not_convert"])
     server_engine = EmbeddedEngine(str(fp8_dir), seed=3)
     srv = StandinServer(server_engine, model_path=str(fp8_dir)).start_in_thread()
-    kw = ({"weight_sync": "distributed", "dist_master": ("127.0.0.1", _free_port()),
+    kw = ({"weight_sync": "distributed", "dist_master": ("127.0.0.1", free_port(55535)),
            "dist_backend": "gloo"} if path == "distributed" else {"weight_sync": "tensor"})
     eng = SGLangEngine(server_urls=[srv.url], backoff_s=0.01, **kw)
     learner = EmbeddedEngine(tiny_model_dir)
@@ -81,7 +73,7 @@ def test_gloo_cannot_broadcast_fp8_so_the_cpu_distributed_path_is_refused(tiny_m
 
     fp8_dir = tmp_path / "fp8"
     kept = set(write_fp8_checkpoint(tiny_model_dir, fp8_dir)["modules_to_not_convert"])
-    port = _free_port()
+    port = free_port(55535)
     proc = subprocess.Popen([sys.executable, "-m", "megatron_gspo.rollout.standin.server",
                              "--model-path", str(fp8_dir), "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -96,7 +88,7 @@ def test_gloo_cannot_broadcast_fp8_so_the_cpu_distributed_path_is_refused(tiny_m
                 assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
                 time.sleep(0.5)
         eng = SGLangEngine(server_urls=[url], backoff_s=0.01, weight_sync="distributed",
-                           dist_master=("127.0.0.1", _free_port()), dist_backend="gloo")
+                           dist_master=("127.0.0.1", free_port(55535)), dist_backend="gloo")
         learner = EmbeddedEngine(tiny_model_dir)
         new = [(n, p.detach() + 0.01 * torch.randn_like(p)) for n, p in
                learner.model.named_parameters()]

@@ -13,7 +13,6 @@ counted unverified. SGLang's real CPU server cannot draft at either release (doc
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.request
@@ -29,18 +28,12 @@ from megatron_gspo.rollout.sglang.client import SGLangEngine
 from megatron_gspo.rollout.sglang.launch import LaunchSpec, server_argv
 from megatron_gspo.rollout.sglang.speculative import link_launch_extras, speculative_server_args
 from megatron_gspo.rollout.sglang.draft_probe import tensor_checksum
+from tests.megatron._dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MTP = "model.layers.4."  # the tiny DeepSeek-V3 has 4 layers; its MTP layer is index 4
 
 
-def _free_port(limit: int = 55535) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port <= limit:
-            return port
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +68,7 @@ def _start(mtp_dir: Path, tmp_path: Path, link: bool, as_0523: bool):
     if link:
         extra, env = link_launch_extras(extra, env)
     extra += ("--device", "cpu") + (("--weight-update-sessions",) if as_0523 else ())
-    port = _free_port()
+    port = free_port(55535)
     spec = LaunchSpec(model_path=str(mtp_dir), dtype="float32", extra_args=extra,
                       module="megatron_gspo.rollout.standin.server")
     proc = subprocess.Popen(server_argv(spec, 0, port), env={**env, "PATH": "/usr/bin:/bin"},
@@ -105,7 +98,7 @@ def _holds(url: str, named) -> bool:
 
 
 def _engine(url: str, path: str) -> SGLangEngine:
-    kw = ({"weight_sync": "distributed", "dist_master": ("127.0.0.1", _free_port()),
+    kw = ({"weight_sync": "distributed", "dist_master": ("127.0.0.1", free_port(55535)),
            "dist_backend": "gloo"} if path == "distributed" else {"weight_sync": "tensor"})
     return SGLangEngine(server_urls=[url], backoff_s=0.01, **kw)
 
